@@ -1,0 +1,265 @@
+"""A step-level simulation of a paged KV pool under a policy, against vanilla (no compression).
+
+The model follows vLLM's scheduler closely enough to compare policies: requests arrive, wait
+FIFO, are admitted when their prompt fits (prefill in one step), then decode one token per step;
+each block of `block_size` tokens takes one physical block. When a decode step would need a block
+that does not exist, the most recently admitted request is preempted (its blocks freed, it goes
+back to the head of the queue and re-prefills later), as vLLM's recompute preemption does.
+
+With a policy, the real decision engine runs every step on a snapshot of the pool (waiting
+demand counts as pending blocks), and its actions are applied through the real `PackedPool`, so
+packing, in-place compression and accounting are exactly what the vLLM integration uses.
+
+Block importance is synthetic and seeded: heavy-tailed (a few blocks take most attention) with
+the sink block always important, and identical between the vanilla and the policy run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proxima.formats import HOT, Format
+from proxima.policy.engine import EngineState, decide
+from proxima.policy.packing import PackedPool, PoolExhausted
+from proxima.policy.schema import Policy
+from proxima.policy.snapshot import Snapshot
+from proxima.simulator.workload import RequestSpec
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    total_blocks: int = 2048
+    block_size: int = 16
+    max_running: int = 256
+    """vLLM's max_num_seqs."""
+    max_steps: int = 200_000
+
+
+@dataclass
+class _Req:
+    spec: RequestSpec
+    index: int
+    generated: int = 0
+    admitted_at: int = -1
+    prefill_step: int = -1
+    importance: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    fmt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+    n_blocks: int = 0
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.spec.prompt_tokens + self.generated
+
+
+@dataclass
+class RunResult:
+    label: str
+    steps: int = 0
+    peak_resident_requests: int = 0
+    mean_resident_requests: float = 0.0
+    preemptions: int = 0
+    finished: int = 0
+    decisions_by_format: dict[str, int] = field(default_factory=dict)
+    compressions_skipped: int = 0
+    predicted_damage: float = 0.0
+    peak_fragmentation_blocks: float = 0.0
+    timeline_pressure: list[float] = field(default_factory=list)
+    timeline_resident: list[int] = field(default_factory=list)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "steps": self.steps,
+            "peak_resident_requests": self.peak_resident_requests,
+            "mean_resident_requests": round(self.mean_resident_requests, 3),
+            "preemptions": self.preemptions,
+            "finished": self.finished,
+            "decisions_by_format": dict(sorted(self.decisions_by_format.items())),
+            "compressions_skipped": self.compressions_skipped,
+            "predicted_damage": round(self.predicted_damage, 6),
+            "peak_fragmentation_blocks": round(self.peak_fragmentation_blocks, 3),
+        }
+
+
+class SimulationError(RuntimeError):
+    pass
+
+
+class Simulator:
+    def __init__(self, pool: PoolConfig, policy: Policy | None, seed: int = 0, label: str = "") -> None:
+        self.cfg = pool
+        self.policy = policy if policy is not None and not policy.is_off else None
+        self.seed = seed
+        self.label = label or (policy.name if policy else "vanilla")
+        self.formats: list[Format] = [HOT] + (self.policy.all_formats() if self.policy else [])
+        self.fmt_index = {f: i for i, f in enumerate(self.formats)}
+
+    def _blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.cfg.block_size)
+
+    def _importance(self, req: _Req, n: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, req.index])
+        imp = rng.lognormal(mean=0.0, sigma=1.5, size=n) / 100.0
+        imp[0] = 1.0  # attention sink
+        return imp
+
+    def run(self, workload: list[RequestSpec], record_timeline: bool = False) -> RunResult:
+        cfg = self.cfg
+        res = RunResult(self.label)
+        pool = PackedPool(cfg.total_blocks)
+        pending = deque(sorted(workload, key=lambda r: (r.arrival, r.request_id)))
+        reqs = {spec.request_id: _Req(spec, i) for i, spec in enumerate(workload)}
+        for spec in workload:
+            need = self._blocks_for(spec.prompt_tokens + spec.output_tokens)
+            if need > cfg.total_blocks:
+                raise SimulationError(
+                    f"request {spec.request_id} needs {need} blocks at full length, pool has {cfg.total_blocks}"
+                )
+        waiting: deque[_Req] = deque()
+        running: list[_Req] = []
+        state = EngineState()
+        resident_sum = 0
+        decisions: Counter[str] = Counter()
+        step = 0
+
+        while pending or waiting or running:
+            if step >= cfg.max_steps:
+                raise SimulationError(f"{self.label}: not finished after {cfg.max_steps} steps")
+            while pending and pending[0].arrival <= step:
+                waiting.append(reqs[pending.popleft().request_id])
+
+            # Blocks this step's decodes need (tail blocks that are full).
+            decode_need = sum(1 for r in running if r.tokens % cfg.block_size == 0)
+            admit_need = self._blocks_for(waiting[0].tokens) if waiting else 0
+            if self.policy is not None:
+                state = self._engine_step(pool, running, step, decode_need + admit_need, state, decisions, res)
+
+            # Decode: one token per running request (not the ones admitted this step).
+            for r in list(running):
+                if r.prefill_step == step or r not in running:
+                    continue
+                if r.tokens % cfg.block_size == 0:
+                    while True:
+                        try:
+                            self._append_block(pool, r)
+                            break
+                        except PoolExhausted:
+                            victim = max(running, key=lambda x: (x.admitted_at, x.index))
+                            self._preempt(pool, victim, running, waiting, res)
+                            if victim is r:
+                                break
+                    if r not in running:
+                        continue
+                r.generated += 1
+                if r.generated >= r.spec.output_tokens:
+                    pool.free_request(r.spec.request_id)
+                    running.remove(r)
+                    res.finished += 1
+
+            # Admission, FIFO, whole prompt in one prefill step.
+            while waiting and len(running) < cfg.max_running:
+                head = waiting[0]
+                need = self._blocks_for(head.tokens)
+                if need > pool.free_blocks:
+                    break
+                waiting.popleft()
+                head.admitted_at = step
+                head.prefill_step = step
+                cap = self._blocks_for(head.spec.prompt_tokens + head.spec.output_tokens)
+                head.importance = self._importance(head, cap)
+                head.fmt_ids = np.zeros(cap, dtype=np.int16)
+                head.n_blocks = 0
+                for _ in range(need):
+                    self._append_block(pool, head)
+                running.append(head)
+
+            resident = len(running)
+            resident_sum += resident
+            res.peak_resident_requests = max(res.peak_resident_requests, resident)
+            res.peak_fragmentation_blocks = max(res.peak_fragmentation_blocks, pool.fragmentation_blocks())
+            if record_timeline:
+                res.timeline_pressure.append(1.0 - pool.free_blocks / cfg.total_blocks)
+                res.timeline_resident.append(resident)
+            step += 1
+
+        pool.check()
+        if pool.free_blocks != cfg.total_blocks:
+            raise SimulationError(f"{self.label}: {cfg.total_blocks - pool.free_blocks} blocks leaked")
+        res.steps = step
+        res.mean_resident_requests = resident_sum / max(step, 1)
+        res.decisions_by_format = dict(decisions)
+        return res
+
+    def _append_block(self, pool: PackedPool, r: _Req) -> None:
+        pool.append_hot(r.spec.request_id)
+        r.fmt_ids[r.n_blocks] = 0
+        r.n_blocks += 1
+
+    def _preempt(self, pool: PackedPool, victim: _Req, running: list[_Req], waiting: deque[_Req], res: RunResult) -> None:
+        pool.free_request(victim.spec.request_id)
+        running.remove(victim)
+        victim.n_blocks = 0
+        victim.preemptions += 1
+        res.preemptions += 1
+        waiting.appendleft(victim)
+
+    def _snapshot(self, pool: PackedPool, running: list[_Req], step: int, pending: int) -> Snapshot:
+        cfg = self.cfg
+        rs = [r for r in running if r.n_blocks > 0]
+        counts = np.array([r.n_blocks for r in rs], dtype=np.int32)
+        n = int(counts.sum())
+        block_request = np.repeat(np.arange(len(rs), dtype=np.int32), counts)
+        block_index = (np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
+        tokens = np.full(n, cfg.block_size, dtype=np.int32)
+        ends = np.cumsum(counts) - 1
+        for j, r in enumerate(rs):  # the tail block may be partly filled
+            tail = r.tokens - (r.n_blocks - 1) * cfg.block_size
+            tokens[ends[j]] = min(tail, cfg.block_size)
+        return Snapshot(
+            total_blocks=cfg.total_blocks,
+            free_blocks=pool.free_blocks,
+            block_size=cfg.block_size,
+            request_ids=tuple(r.spec.request_id for r in rs),
+            formats=tuple(self.formats),
+            block_request=block_request,
+            block_index=block_index,
+            block_importance=np.concatenate([r.importance[: r.n_blocks] for r in rs]) if rs else np.zeros(0),
+            block_format=np.concatenate([r.fmt_ids[: r.n_blocks] for r in rs]) if rs else np.zeros(0, np.int16),
+            block_tokens=tokens,
+            block_age=np.concatenate([r.n_blocks - np.arange(r.n_blocks) for r in rs]) if rs else np.zeros(0, np.int64),
+            block_shared=np.zeros(n, dtype=bool),
+            request_tokens=np.array([r.tokens for r in rs], dtype=np.int64),
+            request_blocks=counts,
+            request_prefill=np.array([r.prefill_step == step for r in rs], dtype=bool),
+            pending_blocks=pending,
+        )
+
+    def _engine_step(
+        self,
+        pool: PackedPool,
+        running: list[_Req],
+        step: int,
+        pending: int,
+        state: EngineState,
+        decisions: Counter[str],
+        res: RunResult,
+    ) -> EngineState:
+        assert self.policy is not None
+        snap = self._snapshot(pool, running, step, pending)
+        decision = decide(snap, self.policy, state)
+        by_id = {r.spec.request_id: r for r in running}
+        for action, dmg in zip(decision.actions, decision.damage, strict=True):
+            r = by_id[action.request_id]
+            try:
+                pool.compress(action.request_id, action.block_index, action.to_format)
+            except PoolExhausted:
+                res.compressions_skipped += 1
+                continue
+            r.fmt_ids[action.block_index] = self.fmt_index[action.to_format]
+            decisions[action.to_format.name] += 1
+            res.predicted_damage += float(dmg)
+        return decision.state

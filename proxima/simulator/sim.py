@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxima.formats import HOT, Format
-from proxima.policy.engine import EngineState, decide
+from proxima.policy.engine import Decision, EngineState, decide
 from proxima.policy.packing import PackedPool, PoolExhausted
 from proxima.policy.schema import Policy
 from proxima.policy.snapshot import Snapshot
@@ -108,91 +108,125 @@ class Simulator:
         return imp
 
     def run(self, workload: list[RequestSpec], record_timeline: bool = False) -> RunResult:
+        """Run the workload to completion; check accounting at the end."""
+        self.start(workload, record_timeline)
+        while not self.done:
+            self.step()
+        return self.finish()
+
+    # -- stepping API (the runtime API's simulated backend drives these directly) ----------------
+    def start(self, workload: list[RequestSpec], record_timeline: bool = False) -> None:
         cfg = self.cfg
-        res = RunResult(self.label)
-        pool = PackedPool(cfg.total_blocks)
-        pending = deque(sorted(workload, key=lambda r: (r.arrival, r.request_id)))
-        reqs = {spec.request_id: _Req(spec, i) for i, spec in enumerate(workload)}
         for spec in workload:
             need = self._blocks_for(spec.prompt_tokens + spec.output_tokens)
             if need > cfg.total_blocks:
                 raise SimulationError(
                     f"request {spec.request_id} needs {need} blocks at full length, pool has {cfg.total_blocks}"
                 )
-        waiting: deque[_Req] = deque()
-        running: list[_Req] = []
-        state = EngineState()
-        resident_sum = 0
-        decisions: Counter[str] = Counter()
-        step = 0
+        self.result = RunResult(self.label)
+        self.pool = PackedPool(cfg.total_blocks)
+        self._arrivals = deque(sorted(workload, key=lambda r: (r.arrival, r.request_id)))
+        self._reqs = {spec.request_id: _Req(spec, i) for i, spec in enumerate(workload)}
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        self.state = EngineState()
+        self.step_no = 0
+        self.last_decision: Decision | None = None
+        self._record = record_timeline
+        self._resident_sum = 0
+        self._decisions: Counter[str] = Counter()
 
-        while pending or waiting or running:
-            if step >= cfg.max_steps:
-                raise SimulationError(f"{self.label}: not finished after {cfg.max_steps} steps")
-            while pending and pending[0].arrival <= step:
-                waiting.append(reqs[pending.popleft().request_id])
+    def add_requests(self, specs: list[RequestSpec]) -> None:
+        """Offer more requests to a running simulation (they arrive at their `arrival` step)."""
+        base = len(self._reqs)
+        for i, spec in enumerate(specs):
+            self._reqs[spec.request_id] = _Req(spec, base + i)
+            self._arrivals.append(spec)
 
-            # Blocks this step's decodes need (tail blocks that are full).
-            decode_need = sum(1 for r in running if r.tokens % cfg.block_size == 0)
-            admit_need = self._blocks_for(waiting[0].tokens) if waiting else 0
-            if self.policy is not None:
-                state = self._engine_step(pool, running, step, decode_need + admit_need, state, decisions, res)
+    @property
+    def done(self) -> bool:
+        return not (self._arrivals or self.waiting or self.running)
 
-            # Decode: one token per running request (not the ones admitted this step).
-            for r in list(running):
-                if r.prefill_step == step or r not in running:
-                    continue
-                if r.tokens % cfg.block_size == 0:
-                    while True:
-                        try:
-                            self._append_block(pool, r)
+    def step(self) -> None:
+        """Advance one engine step: arrivals, the engine, decodes (with preemption), admissions."""
+        cfg, pool, res = self.cfg, self.pool, self.result
+        step = self.step_no
+        if step >= cfg.max_steps:
+            raise SimulationError(f"{self.label}: not finished after {cfg.max_steps} steps")
+        while self._arrivals and self._arrivals[0].arrival <= step:
+            self.waiting.append(self._reqs[self._arrivals.popleft().request_id])
+        running, waiting = self.running, self.waiting
+
+        # Blocks this step's decodes need (tail blocks that are full), plus the head of the queue.
+        decode_need = sum(1 for r in running if r.tokens % cfg.block_size == 0)
+        admit_need = self._blocks_for(waiting[0].tokens) if waiting else 0
+        if self.policy is not None:
+            self.state = self._engine_step(decode_need + admit_need)
+
+        # Decode: one token per running request (not the ones admitted this step).
+        for r in list(running):
+            if r.prefill_step == step or r not in running:
+                continue
+            if r.tokens % cfg.block_size == 0:
+                while True:
+                    try:
+                        self._append_block(pool, r)
+                        break
+                    except PoolExhausted:
+                        victim = max(running, key=lambda x: (x.admitted_at, x.index))
+                        self._preempt(pool, victim, running, waiting, res)
+                        if victim is r:
                             break
-                        except PoolExhausted:
-                            victim = max(running, key=lambda x: (x.admitted_at, x.index))
-                            self._preempt(pool, victim, running, waiting, res)
-                            if victim is r:
-                                break
-                    if r not in running:
-                        continue
-                r.generated += 1
-                if r.generated >= r.spec.output_tokens:
-                    pool.free_request(r.spec.request_id)
-                    running.remove(r)
-                    res.finished += 1
+                if r not in running:
+                    continue
+            r.generated += 1
+            if r.generated >= r.spec.output_tokens:
+                pool.free_request(r.spec.request_id)
+                running.remove(r)
+                res.finished += 1
 
-            # Admission, FIFO, whole prompt in one prefill step.
-            while waiting and len(running) < cfg.max_running:
-                head = waiting[0]
-                need = self._blocks_for(head.tokens)
-                if need > pool.free_blocks:
-                    break
-                waiting.popleft()
-                head.admitted_at = step
-                head.prefill_step = step
-                cap = self._blocks_for(head.spec.prompt_tokens + head.spec.output_tokens)
-                head.importance = self._importance(head, cap)
-                head.fmt_ids = np.zeros(cap, dtype=np.int16)
-                head.n_blocks = 0
-                for _ in range(need):
-                    self._append_block(pool, head)
-                running.append(head)
+        # Admission, FIFO, whole prompt in one prefill step.
+        while waiting and len(running) < cfg.max_running:
+            head = waiting[0]
+            need = self._blocks_for(head.tokens)
+            if need > pool.free_blocks:
+                break
+            waiting.popleft()
+            head.admitted_at = step
+            head.prefill_step = step
+            cap = self._blocks_for(head.spec.prompt_tokens + head.spec.output_tokens)
+            head.importance = self._importance(head, cap)
+            head.fmt_ids = np.zeros(cap, dtype=np.int16)
+            head.n_blocks = 0
+            for _ in range(need):
+                self._append_block(pool, head)
+            running.append(head)
 
-            resident = len(running)
-            resident_sum += resident
-            res.peak_resident_requests = max(res.peak_resident_requests, resident)
-            res.peak_fragmentation_blocks = max(res.peak_fragmentation_blocks, pool.fragmentation_blocks())
-            if record_timeline:
-                res.timeline_pressure.append(1.0 - pool.free_blocks / cfg.total_blocks)
-                res.timeline_resident.append(resident)
-            step += 1
+        resident = len(running)
+        self._resident_sum += resident
+        res.peak_resident_requests = max(res.peak_resident_requests, resident)
+        res.peak_fragmentation_blocks = max(res.peak_fragmentation_blocks, pool.fragmentation_blocks())
+        if self._record:
+            res.timeline_pressure.append(1.0 - pool.free_blocks / cfg.total_blocks)
+            res.timeline_resident.append(resident)
+        self.step_no += 1
+        res.steps = self.step_no
+        res.mean_resident_requests = self._resident_sum / self.step_no
+        res.decisions_by_format = dict(self._decisions)
 
-        pool.check()
-        if pool.free_blocks != cfg.total_blocks:
-            raise SimulationError(f"{self.label}: {cfg.total_blocks - pool.free_blocks} blocks leaked")
-        res.steps = step
-        res.mean_resident_requests = resident_sum / max(step, 1)
-        res.decisions_by_format = dict(decisions)
-        return res
+    def finish(self) -> RunResult:
+        self.pool.check()
+        if self.pool.free_blocks != self.cfg.total_blocks:
+            raise SimulationError(f"{self.label}: {self.cfg.total_blocks - self.pool.free_blocks} blocks leaked")
+        return self.result
+
+    def blocks_by_format(self) -> dict[str, int]:
+        """Logical blocks currently resident, by format name."""
+        counts: Counter[str] = Counter()
+        for r in self.running:
+            for fid in r.fmt_ids[: r.n_blocks]:
+                counts[self.formats[int(fid)].name] += 1
+        return dict(counts)
 
     def _append_block(self, pool: PackedPool, r: _Req) -> None:
         pool.append_hot(r.spec.request_id)
@@ -238,28 +272,28 @@ class Simulator:
             pending_blocks=pending,
         )
 
-    def _engine_step(
-        self,
-        pool: PackedPool,
-        running: list[_Req],
-        step: int,
-        pending: int,
-        state: EngineState,
-        decisions: Counter[str],
-        res: RunResult,
-    ) -> EngineState:
+    def set_policy(self, policy: Policy | None) -> None:
+        """Swap the live policy between steps (formats it introduces join the format table)."""
+        self.policy = policy if policy is not None and not policy.is_off else None
+        for f in self.policy.all_formats() if self.policy else []:
+            if f not in self.fmt_index:
+                self.fmt_index[f] = len(self.formats)
+                self.formats.append(f)
+
+    def _engine_step(self, pending: int) -> EngineState:
         assert self.policy is not None
-        snap = self._snapshot(pool, running, step, pending)
-        decision = decide(snap, self.policy, state)
-        by_id = {r.spec.request_id: r for r in running}
+        snap = self._snapshot(self.pool, self.running, self.step_no, pending)
+        decision = decide(snap, self.policy, self.state)
+        self.last_decision = decision
+        by_id = {r.spec.request_id: r for r in self.running}
         for action, dmg in zip(decision.actions, decision.damage, strict=True):
             r = by_id[action.request_id]
             try:
-                pool.compress(action.request_id, action.block_index, action.to_format)
+                self.pool.compress(action.request_id, action.block_index, action.to_format)
             except PoolExhausted:
-                res.compressions_skipped += 1
+                self.result.compressions_skipped += 1
                 continue
             r.fmt_ids[action.block_index] = self.fmt_index[action.to_format]
-            decisions[action.to_format.name] += 1
-            res.predicted_damage += float(dmg)
+            self._decisions[action.to_format.name] += 1
+            self.result.predicted_damage += float(dmg)
         return decision.state

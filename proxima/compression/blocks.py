@@ -1,0 +1,278 @@
+"""Compress and decompress KV blocks: the public entry points and the `CompressedBlocks` record.
+
+Every op exists twice with identical semantics: a torch reference (`reference.py`) and a Triton
+kernel (`triton_ops.py`). `backend="auto"` picks Triton for CUDA tensors and the reference
+otherwise; "triton" forces Triton (the interpreter on CPU when TRITON_INTERPRET=1); "torch"
+forces the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from proxima.compression import reference as ref
+from proxima.compression.spec import DEFAULT_GROUP_SIZE, VALUES_PER_BYTE
+from proxima.formats import Format
+
+Backend = Literal["auto", "triton", "torch"]
+DEFAULT_CLUSTER_ITERS = 4
+"""Lloyd steps for STAR-KV; the objective changes by < 1% after the 3rd on Gaussian-mixture keys."""
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class CompressedBlocks:
+    """N compressed blocks of one format, indexed by slot along dim 0.
+
+    The same record serves as a compress output (contiguous tensors, slot i = block i) and as a
+    *pool* view onto vLLM's KV tensor plus the side table (see `layout.py`), which is what the
+    attention kernels read. Named dims: N slots, C tokens per slot (kept tokens or centroids,
+    the slot capacity for pools), H KV heads, P packed dim, Gk key groups.
+    """
+
+    fmt: Format
+    k_data: torch.Tensor
+    """[N, C, H, P]: source dtype for bf16, float8_e4m3fn for fp8, int8, uint8 packed for int4/int2."""
+    v_data: torch.Tensor
+    head_dim: int
+    dtype: torch.dtype
+    """dtype that decompression returns (the source KV dtype)."""
+    group_size: int = DEFAULT_GROUP_SIZE
+    k_scale: torch.Tensor | None = None
+    """fp8/int8: [N, C, H] f32; int4/int2: [N, Gk, H, D] f16 (per channel, token groups)."""
+    k_zero: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    """fp8/int8: [N, C, H] f32; int4/int2: [N, C, H, D/G] f16 (per token, channel groups)."""
+    v_zero: torch.Tensor | None = None
+    log_count: torch.Tensor | None = None
+    """cluster only: [N, C, H] f32, log(tokens merged into the centroid), -inf for an empty one."""
+    token_index: torch.Tensor | None = None
+    """sparse only, compress outputs only: [N, C, H] int32 source token of each kept token."""
+    source_tokens: int = 0
+    """Tokens per block before reduction (T)."""
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.k_data.shape[0])
+
+    @property
+    def slot_tokens(self) -> int:
+        return int(self.k_data.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.k_data.shape[2])
+
+    def select(self, idx: torch.Tensor | slice | int) -> CompressedBlocks:
+        """The slots `idx` (a batch of one for an int), tensors indexed along dim 0."""
+        if isinstance(idx, int):
+            idx = slice(idx, idx + 1)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+
+        return replace(
+            self,
+            k_data=self.k_data[idx],
+            v_data=self.v_data[idx],
+            k_scale=pick(self.k_scale),
+            k_zero=pick(self.k_zero),
+            v_scale=pick(self.v_scale),
+            v_zero=pick(self.v_zero),
+            log_count=pick(self.log_count),
+            token_index=pick(self.token_index),
+        )
+
+
+CompressedBlock = CompressedBlocks
+"""A single compressed block is a batch of one (`compress_block` returns N = 1)."""
+
+
+def _as_format(fmt: Format | str) -> Format:
+    return Format.parse(fmt) if isinstance(fmt, str) else fmt
+
+
+def use_triton(backend: str, t: torch.Tensor) -> bool:
+    if backend == "auto":
+        return t.is_cuda
+    if backend in ("triton", "torch"):
+        return backend == "triton"
+    raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+
+
+def kept_count(fmt: Format, tokens: int) -> int:
+    """Tokens (or centroids) kept from a block of `tokens` (partial blocks round up)."""
+    return -(-tokens // fmt.reduction_ratio) if fmt.reduction else tokens
+
+
+def _check_inputs(
+    fmt: Format,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    importance: torch.Tensor | None,
+    protected: torch.Tensor | None,
+    group_size: int,
+) -> None:
+    if k.dim() != 4:
+        raise ValueError(f"k must be [N, T, H_kv, D], got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.dtype not in _FLOAT_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"k and v must share a dtype in {_FLOAT_DTYPES}, got {k.dtype} and {v.dtype}")
+    n, t, h, d = k.shape
+    if t == 0 or h == 0 or d == 0:
+        raise ValueError(f"k must have T, H_kv and D > 0, got shape {tuple(k.shape)}")
+    if importance is not None and importance.shape != (n, t, h):
+        raise ValueError(f"token_importance must be [N, T, H_kv] = {(n, t, h)}, got {tuple(importance.shape)}")
+    if importance is not None and bool(torch.isnan(importance).any()):
+        raise ValueError("token_importance contains NaN")
+    if protected is not None:
+        if protected.shape != (n, t) or protected.dtype != torch.bool:
+            raise ValueError(f"protected must be bool [N, T] = {(n, t)}, got {protected.dtype} {tuple(protected.shape)}")
+        keep = kept_count(fmt, t)
+        worst = int(protected.sum(1).max()) if n else 0
+        if fmt.reduction == "sparse" and worst > keep:
+            raise ValueError(f"{fmt}: {worst} protected tokens in a block but only {keep} can be kept")
+    if fmt.quant in VALUES_PER_BYTE:
+        if group_size <= 0 or group_size & (group_size - 1):
+            raise ValueError(f"{fmt}: group_size must be a power of two, got {group_size}")
+        if d % group_size:
+            raise ValueError(f"{fmt}: head_dim must be a multiple of group_size={group_size}, got D={d}")
+
+
+def compress_blocks(
+    fmt: Format | str,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    token_importance: torch.Tensor | None = None,
+    protected: torch.Tensor | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    backend: Backend = "auto",
+    cluster_iters: int = DEFAULT_CLUSTER_ITERS,
+) -> CompressedBlocks:
+    """Compress N blocks of one format.
+
+    k, v: [N, T, H_kv, D] bf16/fp16/fp32 (T may be less than the block size: a partial block);
+    token_importance: [N, T, H_kv] non-negative (None = uniform), used by sparse (top-k) and
+    cluster (seeds and weights); protected: bool [N, T], tokens sparse must keep (and cluster
+    seeds first). Returns a `CompressedBlocks` with C = ceil(T / R) tokens per slot.
+    """
+    fmt = _as_format(fmt)
+    _check_inputs(fmt, k, v, token_importance, protected, group_size)
+    if cluster_iters < 1:
+        raise ValueError(f"cluster_iters must be >= 1, got {cluster_iters}")
+    tri = use_triton(backend, k)
+    if tri:
+        from proxima.compression import triton_ops as ops
+    n, t, h, d = k.shape
+    keep = kept_count(fmt, t)
+    imp = token_importance if token_importance is not None else torch.ones(n, t, h, device=k.device)
+    out = CompressedBlocks(fmt, k, v, head_dim=d, dtype=k.dtype, group_size=group_size, source_tokens=t)
+
+    kr, vr = k, v
+    if fmt.reduction == "sparse":
+        if tri:
+            kr, vr, out.token_index = ops.sparsify(k, v, imp, protected, keep)
+        else:
+            ranks = ref.token_ranks(imp, protected)
+            kr, vr, out.token_index = ref.sparsify(k, v, ranks, keep)
+    elif fmt.reduction == "cluster":
+        # Weights must be positive: a zero-weight cluster would have no weighted mean.
+        w = imp.float().clamp_min(1e-6)
+        if tri:
+            kc, vc, out.log_count = ops.cluster(k, v, w, protected, keep, cluster_iters, importance=imp)
+        else:
+            ranks = ref.token_ranks(imp, protected)
+            kc, vc, out.log_count, _ = ref.cluster(k, v, w, ranks, keep, cluster_iters)
+        kr, vr = kc.to(k.dtype), vc.to(k.dtype)
+
+    q = fmt.quant
+    if q == "bf16":
+        out.k_data, out.v_data = kr.contiguous(), vr.contiguous()
+    elif tri:
+        out.k_data, out.k_scale, out.k_zero = ops.quantize(kr, q, group_size, is_key=True)
+        out.v_data, out.v_scale, out.v_zero = ops.quantize(vr, q, group_size, is_key=False)
+    elif q in ("fp8", "int8"):
+        out.k_data, out.k_scale = ref.quantize_per_token(kr, q)
+        out.v_data, out.v_scale = ref.quantize_per_token(vr, q)
+    else:
+        bits = ref.bits_of(q)
+        out.k_data, out.k_scale, out.k_zero = ref.quantize_kivi_keys(kr, bits, group_size)
+        out.v_data, out.v_scale, out.v_zero = ref.quantize_kivi_values(vr, bits, group_size)
+    return out
+
+
+def decompress_blocks(
+    cb: CompressedBlocks, *, backend: Backend = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `compress_blocks` (up to the format's loss).
+
+    Returns (k_hat [N, C, H_kv, D], v_hat [N, C, H_kv, D] in `cb.dtype`, log_count [N, C, H_kv]
+    float32: log(count) for centroids, zeros for other formats).
+    """
+    n, c, h = cb.num_slots, cb.slot_tokens, cb.num_kv_heads
+    dev = cb.k_data.device
+    log_count = (
+        cb.log_count.float().clone() if cb.log_count is not None else torch.zeros(n, c, h, device=dev)
+    )
+    q = cb.fmt.quant
+    if q == "bf16":
+        return cb.k_data.to(cb.dtype), cb.v_data.to(cb.dtype), log_count
+    if use_triton(backend, cb.k_data):
+        from proxima.compression import triton_ops as ops
+
+        kh = ops.dequantize(cb.k_data, cb.k_scale, cb.k_zero, q, cb.group_size, cb.head_dim, True, cb.dtype)
+        vh = ops.dequantize(cb.v_data, cb.v_scale, cb.v_zero, q, cb.group_size, cb.head_dim, False, cb.dtype)
+        return kh, vh, log_count
+    if q in ("fp8", "int8"):
+        assert cb.k_scale is not None and cb.v_scale is not None
+        kh = ref.dequantize_per_token(cb.k_data, cb.k_scale)
+        vh = ref.dequantize_per_token(cb.v_data, cb.v_scale)
+    else:
+        assert cb.k_scale is not None and cb.k_zero is not None
+        assert cb.v_scale is not None and cb.v_zero is not None
+        bits = ref.bits_of(q)
+        kh = ref.dequantize_kivi_keys(cb.k_data, cb.k_scale, cb.k_zero, bits, cb.group_size)
+        vh = ref.dequantize_kivi_values(cb.v_data, cb.v_scale, cb.v_zero, bits, cb.group_size)
+    return kh.to(cb.dtype), vh.to(cb.dtype), log_count
+
+
+def compress_block(
+    fmt: Format | str,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    token_importance: torch.Tensor | None = None,
+    protected: torch.Tensor | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    backend: Backend = "auto",
+    cluster_iters: int = DEFAULT_CLUSTER_ITERS,
+) -> CompressedBlock:
+    """One block: k, v [T, H_kv, D]; token_importance [T, H_kv]; protected bool [T]."""
+    if k.dim() != 3:
+        raise ValueError(f"k must be [T, H_kv, D], got shape {tuple(k.shape)}")
+    return compress_blocks(
+        fmt,
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        token_importance=None if token_importance is None else token_importance.unsqueeze(0),
+        protected=None if protected is None else protected.unsqueeze(0),
+        group_size=group_size,
+        backend=backend,
+        cluster_iters=cluster_iters,
+    )
+
+
+def decompress_block(
+    cb: CompressedBlock, *, backend: Backend = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block: returns (k_hat [T', H_kv, D], v_hat [T', H_kv, D], log_count [T', H_kv] f32)."""
+    if cb.num_slots != 1:
+        raise ValueError(f"decompress_block takes a single block, got {cb.num_slots}; use decompress_blocks")
+    kh, vh, lc = decompress_blocks(cb, backend=backend)
+    return kh[0], vh[0], lc[0]

@@ -1,0 +1,223 @@
+"""Torch reference implementations of every compression op (the semantics the kernels match).
+
+All functions are batched over blocks. Named dims: N blocks, T tokens of a block, H KV heads,
+D head dim, P packed dim (D / values per byte), C kept tokens or centroids, G group size.
+
+Arithmetic is float32 and written so the Triton kernels can follow it step for step:
+quantization codes are `floor(x / scale + 0.5)` (not torch's round-half-even), sub-byte scales
+and zero points are rounded to float16 *before* the codes are computed (so the stored metadata
+is the one the codes were made with), and k-means distances are `|k|^2 - 2 k.c + |c|^2`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, VALUES_PER_BYTE
+
+# --------------------------------------------------------------------------------------------
+# bit packing (sub-byte formats pack along D; see spec.VALUES_PER_BYTE)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., D] integer codes in [0, 2^bits) -> [..., D * bits / 8] uint8."""
+    per = 8 // bits
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., P] uint8 -> [..., P * 8 / bits] int32 codes."""
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    return torch.floor(x + 0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# quantization
+
+
+def quantize_per_token(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 / int8 with one float32 scale per (token, head).
+
+    x: [N, T, H, D] -> (data [N, T, H, D] float8_e4m3fn | int8, scale [N, T, H] float32).
+    """
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    qmax = FP8_E4M3_MAX if quant == "fp8" else INT8_MAX
+    # An all-zero row gets scale 1 so that 0 / scale stays 0 (and never NaN).
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    y = xf / scale.unsqueeze(-1)
+    if quant == "fp8":
+        return y.to(torch.float8_e4m3fn), scale
+    return _round(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def dequantize_per_token(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_per_token`, float32 [N, T, H, D]."""
+    return data.float() * scale.float().unsqueeze(-1)
+
+
+def _asym_meta(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 (scale, zero) of asymmetric min/max quantization over a group."""
+    levels = (1 << bits) - 1
+    rng = hi - lo
+    scale = torch.where(rng > 0, rng / levels, torch.ones_like(rng)).to(torch.float16)
+    return scale, lo.to(torch.float16)
+
+
+def _asym_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes in [0, 2^bits); scale and zero broadcast against x."""
+    return _round((x - zero.float()) / scale.float()).clamp(0, (1 << bits) - 1)
+
+
+def quantize_kivi_keys(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, ...]:
+    """KIVI keys: per channel, groups of `group` tokens (the last group may be short).
+
+    x: [N, T, H, D] -> (packed [N, T, H, P] uint8, scale [N, Gk, H, D] fp16, zero [N, Gk, H, D] fp16)
+    with Gk = ceil(T / group).
+    """
+    n, t, h, d = x.shape
+    gk = -(-t // group)
+    xf = x.float()
+    pad = gk * group - t
+    # Pad with copies of the last token (it is in the last group), so padding never widens a
+    # group's min/max range.
+    xp = torch.cat([xf, xf[:, -1:].expand(n, pad, h, d)], 1) if pad else xf
+    xg = xp.reshape(n, gk, group, h, d)
+    scale, zero = _asym_meta(xg.amin(2), xg.amax(2), bits)  # [N, Gk, H, D]
+    codes = _asym_codes(xg, scale.unsqueeze(2), zero.unsqueeze(2), bits)
+    codes = codes.reshape(n, gk * group, h, d)[:, :t]
+    return pack_codes(codes, bits), scale, zero
+
+
+def dequantize_kivi_keys(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int
+) -> torch.Tensor:
+    codes = unpack_codes(packed, bits).float()  # [N, T, H, D]
+    t = codes.shape[1]
+    g_of_t = torch.arange(t, device=codes.device) // group
+    return codes * scale.float()[:, g_of_t] + zero.float()[:, g_of_t]
+
+
+def quantize_kivi_values(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, ...]:
+    """KIVI values: per token, groups of `group` channels.
+
+    x: [N, T, H, D] -> (packed [N, T, H, P] uint8, scale [N, T, H, D/G] fp16, zero same).
+    """
+    n, t, h, d = x.shape
+    xg = x.float().reshape(n, t, h, d // group, group)
+    scale, zero = _asym_meta(xg.amin(-1), xg.amax(-1), bits)  # [N, T, H, D/G]
+    codes = _asym_codes(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
+    return pack_codes(codes.reshape(n, t, h, d), bits), scale, zero
+
+
+def dequantize_kivi_values(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int
+) -> torch.Tensor:
+    codes = unpack_codes(packed, bits).float()
+    n, t, h, d = codes.shape
+    cg = codes.reshape(n, t, h, d // group, group)
+    return (cg * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).reshape(n, t, h, d)
+
+
+def bits_of(quant: str) -> int:
+    return 8 // VALUES_PER_BYTE[quant]
+
+
+# --------------------------------------------------------------------------------------------
+# token reduction
+
+
+def token_ranks(importance: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
+    """Rank of each token within its (block, head): 0 = most important.
+
+    importance: [N, T, H] float; protected: [N, T] bool or None. Protected tokens rank first;
+    ties go to the lower token index, so the order is total and deterministic.
+    Returns int64 [N, T, H].
+    """
+    s = importance.float()
+    if protected is not None:
+        s = torch.where(protected.unsqueeze(-1), torch.full_like(s, float("inf")), s)
+    t = s.shape[1]
+    idx = torch.arange(t, device=s.device)
+    si, sj = s.unsqueeze(2), s.unsqueeze(1)  # [N, T(i), 1, H], [N, 1, T(j), H]
+    before = (sj > si) | ((sj == si) & (idx.view(1, 1, t, 1) < idx.view(1, t, 1, 1)))
+    return before.sum(2)
+
+
+def sparsify(
+    k: torch.Tensor, v: torch.Tensor, ranks: torch.Tensor, keep: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep the `keep` best-ranked tokens per (block, head), in their original order.
+
+    k, v: [N, T, H, D]; ranks: [N, T, H] from `token_ranks`.
+    Returns (k_kept [N, C, H, D], v_kept, token_index [N, C, H] int32) with C = keep.
+    """
+    kept = ranks < keep
+    pos = torch.cumsum(kept.to(torch.int64), 1) - 1
+    n, t, h, _ = k.shape
+    src = torch.arange(t, device=k.device).view(1, t, 1).expand(n, t, h)
+    # Non-kept tokens scatter into a spill column `keep` that is dropped afterwards.
+    dst = torch.where(kept, pos, torch.full_like(pos, keep))
+    full = torch.zeros(n, keep + 1, h, dtype=torch.int64, device=k.device)
+    full.scatter_(1, dst, src)
+    token_index = full[:, :keep]
+    gidx = token_index.unsqueeze(-1).expand(n, keep, h, k.shape[-1])
+    return k.gather(1, gidx), v.gather(1, gidx), token_index.to(torch.int32)
+
+
+def cluster(
+    k: torch.Tensor, v: torch.Tensor, weights: torch.Tensor, ranks: torch.Tensor, n_centroids: int, iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """STAR-KV: importance-weighted k-means of each (block, head)'s keys.
+
+    k, v: [N, T, H, D]; weights: [N, T, H] > 0; ranks: [N, T, H] (seeds: centroid j starts at
+    the token of rank j). `iters` Lloyd steps of (assign to the nearest centroid, lowest index
+    on ties; move each non-empty centroid to its members' weighted mean). Values are the
+    weighted means of the final assignment.
+    Returns (k_c [N, C, H, D] f32, v_c [N, C, H, D] f32, log_count [N, C, H] f32 (-inf when
+    empty), assign [N, T, H] int64).
+    """
+    kf, vf, w = k.float().transpose(1, 2), v.float().transpose(1, 2), weights.float().transpose(1, 2)
+    c = n_centroids
+    seed = (ranks.transpose(1, 2).unsqueeze(-1) == torch.arange(c, device=k.device)).float()  # [N,H,T,C]
+    cent = seed.transpose(-1, -2) @ kf  # [N, H, C, D]
+    knorm = (kf * kf).sum(-1, keepdim=True)  # [N, H, T, 1]
+    assign = torch.zeros(kf.shape[:3], dtype=torch.int64, device=k.device)
+    for _ in range(iters):
+        dist = knorm - 2 * (kf @ cent.transpose(-1, -2)) + (cent * cent).sum(-1).unsqueeze(-2)
+        assign = dist.argmin(-1)  # torch returns the first minimum
+        onehot = (assign.unsqueeze(-1) == torch.arange(c, device=k.device)).float()  # [N,H,T,C]
+        aw = onehot * w.unsqueeze(-1)
+        sw = aw.sum(2)  # [N, H, C]
+        new = (aw.transpose(-1, -2) @ kf) / sw.clamp_min(1e-30).unsqueeze(-1)
+        cent = torch.where((sw > 0).unsqueeze(-1), new, cent)
+    onehot = (assign.unsqueeze(-1) == torch.arange(c, device=k.device)).float()
+    aw = onehot * w.unsqueeze(-1)
+    sw = aw.sum(2)
+    vc = (aw.transpose(-1, -2) @ vf) / sw.clamp_min(1e-30).unsqueeze(-1)
+    count = onehot.sum(2)
+    log_count = torch.where(count > 0, count.log(), torch.full_like(count, float("-inf")))
+    return (
+        cent.transpose(1, 2).contiguous(),
+        vc.transpose(1, 2).contiguous(),
+        log_count.transpose(1, 2).contiguous(),
+        assign.transpose(1, 2).contiguous(),
+    )
+
+
+def kmeans_objective(k: torch.Tensor, weights: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
+    """Weighted within-cluster sum of squares per (block, head), nearest-centroid assignment.
+
+    k: [N, T, H, D], weights [N, T, H], cent [N, C, H, D] -> [N, H] float64.
+    """
+    kf, cf = k.double().transpose(1, 2), cent.double().transpose(1, 2)
+    d2 = torch.cdist(kf, cf).pow(2).amin(-1)  # [N, H, T]
+    return (d2 * weights.double().transpose(1, 2)).sum(-1)

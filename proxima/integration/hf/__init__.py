@@ -1,0 +1,7 @@
+"""A transformers integration: `ProximaCache` applies Proxima's block formats and policy engine
+inside plain `model.generate`/`model(...)` calls (used for quality work on CPU)."""
+
+from proxima.integration.hf.attention import ATTN_NAME, enable, register
+from proxima.integration.hf.cache import CompressionReport, ProbeRecord, ProximaCache, ProximaLayer
+
+__all__ = ["ATTN_NAME", "CompressionReport", "ProbeRecord", "ProximaCache", "ProximaLayer", "enable", "register"]

@@ -1,0 +1,680 @@
+"""`ProximaCache`: a transformers `Cache` that stores KV in Proxima's block formats.
+
+    model = proxima.integration.hf.enable(model)          # attention that reads compressed blocks
+    cache = ProximaCache(policy="configs/balanced.yaml", capacity_blocks=24)
+    model.generate(**inputs, past_key_values=cache)
+
+Layout per layer (why: the same logical blocks as vLLM, so the policy engine sees the same thing):
+full blocks of `block_size` tokens, each hot (exact tensors) or compressed (an `Encoded` payload
+from `proxima.compression`), then a hot tail of fewer than `block_size` tokens. A block's format
+is the same in every layer, except where the policy's `layer_overrides` substitute a format of
+equal pack ratio (DESIGN.md). The batch is treated as one request: every row shares the block
+formats (the quality harness runs batch 1).
+
+Reads return keys/values at the *logical* length (one slot per token) plus a per-slot additive
+bias handed to Proxima's attention function (`attention.py`): 0 for exact and quantized slots,
+`log(count)` for centroids, `-inf` for slots a reduced block no longer uses. With policy `off`
+nothing is ever compressed and `update` returns exactly what `DynamicCache` returns.
+
+Policy application: `apply_policy(target_ratio=r)` (quality runs: compress until the context is
+stored r times smaller) or automatically at the start of each forward when `capacity_blocks` is
+set (a virtual pool of that many physical blocks; pressure = used / capacity). Both build a
+`Snapshot` of the cache's blocks and call the real engine `proxima.policy.engine.decide`.
+Block and token importance come from the observation window: the last W queries of each layer,
+recorded by the attention function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from proxima.formats import HOT, Format
+from proxima.integration.hf import attention
+from proxima.integration.hf.codec import Encoded, encode
+from proxima.policy.engine import Action, EngineState, decide
+from proxima.policy.schema import OFF, Policy
+from proxima.policy.snapshot import RequestBlocks, Snapshot
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class ProbeRecord:
+    """One block compressed in one layer: the features and error the damage model learns from."""
+
+    layer: int
+    block: int
+    fmt: str
+    importance: float
+    """Attention mass the observation window gives the block in this layer (max over heads)."""
+    key_norm_spread: float
+    """Std / mean of the block's key norms (mean over heads)."""
+    error: float
+    """Relative error of the observation window's attention output over the block."""
+
+
+@dataclass
+class _Slot:
+    """Where a compressed block's data lives: row `row` of a batch `enc` (rows are (block, batch) pairs)."""
+
+    enc: Encoded
+    rows: list[int]
+    """Row of each batch element in `enc`."""
+    nbytes: int
+
+
+class ProximaLayer(CacheLayerMixin):
+    """One layer's KV: full blocks (hot tensors or compressed slots) and a hot tail."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, block_size: int, keep_working_copy: bool = True) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.keep_working_copy = keep_working_copy
+        self.hot_k: list[torch.Tensor | None] = []  # per full block [B, H, bs, D], None once compressed
+        self.hot_v: list[torch.Tensor | None] = []
+        self.slots: list[_Slot | None] = []
+        self.formats: list[Format] = []
+        self.keep: list[torch.Tensor | None] = []  # token-eviction mask per block [B, H, bs] (baselines)
+        self.tail_k: torch.Tensor | None = None
+        self.tail_v: torch.Tensor | None = None
+        self._work: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.n_tokens = 0
+
+    # -- transformers' layer interface -------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.tail_k = key_states[..., :0, :]
+        self.tail_v = value_states[..., :0, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):  # noqa: ANN201
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.tail_k is not None and self.tail_v is not None
+        tk = torch.cat([self.tail_k, key_states], dim=-2)
+        tv = torch.cat([self.tail_v, value_states], dim=-2)
+        bs = self.block_size
+        n_full = tk.shape[-2] // bs
+        if n_full:
+            new_k = [tk[..., i * bs : (i + 1) * bs, :].clone() for i in range(n_full)]
+            new_v = [tv[..., i * bs : (i + 1) * bs, :].clone() for i in range(n_full)]
+            self.hot_k += new_k
+            self.hot_v += new_v
+            self.slots += [None] * n_full
+            self.formats += [HOT] * n_full
+            self.keep += [None] * n_full
+            if self._work is not None:
+                wk, wv, wb = self._work
+                wk = torch.cat([wk, *new_k], dim=-2)
+                wv = torch.cat([wv, *new_v], dim=-2)
+                if wb is not None:
+                    wb = torch.cat([wb, wb.new_zeros(*wb.shape[:2], n_full * bs)], dim=-1)
+                self._work = (wk, wv, wb)
+            tk, tv = tk[..., n_full * bs :, :].clone(), tv[..., n_full * bs :, :].clone()
+        self.tail_k, self.tail_v = tk, tv
+        self.n_tokens += key_states.shape[-2]
+        wk, wv, wb = self.materialize()
+        keys = torch.cat([wk, tk], dim=-2)
+        values = torch.cat([wv, tv], dim=-2)
+        bias = None if wb is None else torch.cat([wb, wb.new_zeros(*wb.shape[:2], tk.shape[-2])], dim=-1)
+        if not self.keep_working_copy:
+            self._work = None
+        self.last_bias = bias
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.n_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.block_size, self.keep_working_copy)  # type: ignore[misc]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("ProximaCache does not support beam search")
+
+    # -- Proxima -------------------------------------------------------------------------------
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.formats)
+
+    def block_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Block i as attention sees it: k, v `[B, H, bs, D]` and bias `[B, H, bs]` (None = all 0)."""
+        slot = self.slots[i]
+        if slot is None:
+            k, v = self.hot_k[i], self.hot_v[i]
+            assert k is not None and v is not None, f"block {i} has neither hot data nor a slot"
+            bias = None
+        else:
+            kh, vh, lc = slot.enc.decode()  # [N, C, H, D], [N, C, H]
+            rows = slot.rows
+            c = kh.shape[1]
+            b, h, d = len(rows), kh.shape[2], kh.shape[3]
+            k = kh.new_zeros(b, h, self.block_size, d)
+            v = vh.new_zeros(b, h, self.block_size, d)
+            k[:, :, :c] = kh[rows].transpose(1, 2)
+            v[:, :, :c] = vh[rows].transpose(1, 2)
+            if c == self.block_size and not self.formats[i].attention_uses_counts:
+                bias = None
+            else:
+                bias = torch.full((b, h, self.block_size), NEG_INF, dtype=torch.float32, device=k.device)
+                bias[:, :, :c] = lc[rows].transpose(1, 2).float()
+        keep = self.keep[i]
+        if keep is not None:
+            kb = torch.where(keep, 0.0, NEG_INF)
+            bias = kb if bias is None else bias + kb
+        return k, v, bias
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """All full blocks as attention sees them (cached when `keep_working_copy`)."""
+        if self._work is None:
+            assert self.tail_k is not None and self.tail_v is not None
+            ks, vs, bs_ = [], [], []
+            for i in range(self.n_blocks):
+                k, v, b = self.block_kv(i)
+                ks.append(k)
+                vs.append(v)
+                bs_.append(b)
+            if any(b is not None for b in bs_):
+                ref = self.tail_k
+                bias = torch.cat(
+                    [
+                        b if b is not None else torch.zeros(ref.shape[0], ref.shape[1], self.block_size, device=ref.device)
+                        for b in bs_
+                    ],
+                    dim=-1,
+                )
+            else:
+                bias = None
+            wk = torch.cat([self.tail_k[..., :0, :], *ks], dim=-2)
+            wv = torch.cat([self.tail_v[..., :0, :], *vs], dim=-2)
+            self._work = (wk, wv, bias)
+        return self._work
+
+    def _patch_work(self, i: int) -> None:
+        """Rewrite block i inside the cached working copy after its storage changed."""
+        if self._work is None:
+            return
+        wk, wv, wb = self._work
+        k, v, b = self.block_kv(i)
+        sl = slice(i * self.block_size, (i + 1) * self.block_size)
+        wk[..., sl, :] = k
+        wv[..., sl, :] = v
+        if b is not None and wb is None:
+            wb = torch.zeros(*wk.shape[:2], wk.shape[2], dtype=torch.float32, device=wk.device)
+        if wb is not None:
+            wb[..., sl] = 0.0 if b is None else b
+        self._work = (wk, wv, wb)
+
+    def store(self, blocks: Sequence[int], fmt: Format, enc: Encoded, batch: int) -> None:
+        """Commit compressed blocks: `enc` rows are ordered (block, batch element)."""
+        per_row = enc.nbytes // max(1, len(blocks) * batch)
+        for j, i in enumerate(blocks):
+            self.slots[i] = _Slot(enc, [j * batch + b for b in range(batch)], per_row * batch)
+            self.hot_k[i] = None
+            self.hot_v[i] = None
+            self.formats[i] = fmt
+            self._patch_work(i)
+
+    def evict(self, keep: torch.Tensor) -> None:
+        """Token eviction (baselines): keep `[B, H, n_blocks * bs]` bool over the full blocks."""
+        bs = self.block_size
+        for i in range(self.n_blocks):
+            kb = keep[..., i * bs : (i + 1) * bs]
+            self.keep[i] = None if bool(kb.all()) else kb.clone()
+            self._patch_work(i)
+
+    def stored_nbytes(self) -> int:
+        """Bytes this layer's store really holds (hot tensors, compressed payloads; no working copy)."""
+        total = 0
+        for i in range(self.n_blocks):
+            slot = self.slots[i]
+            if slot is not None:
+                total += slot.nbytes
+            else:
+                k = self.hot_k[i]
+                assert k is not None
+                total += 2 * k.numel() * k.element_size()
+        if self.tail_k is not None:
+            total += 2 * self.tail_k.numel() * self.tail_k.element_size()
+        return total
+
+    def working_nbytes(self) -> int:
+        if self._work is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._work if t is not None)
+
+
+@dataclass
+class CompressionReport:
+    """What one `apply_policy` / `compress` call did."""
+
+    actions: int = 0
+    rejected: int = 0
+    """Actions the compression-time probe refused (a milder format was tried, or the block stayed)."""
+    formats: dict[str, int] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+
+
+class ProximaCache(Cache):
+    """A transformers cache applying Proxima's block formats and policy engine (see module doc).
+
+    Args:
+        policy: a `Policy`, a path to a policy YAML, or None (off: a pass-through).
+        block_size: tokens per logical block (vLLM's CPU default is 128; 64 gives the quality
+            harness finer blocks on short contexts).
+        capacity_blocks: size of a virtual KV pool in physical blocks; when set, the engine runs
+            at the start of every forward pass, as vLLM's scheduler would.
+        keep_working_copy: keep the decompressed view cached between steps (fast; memory = store
+            + working copy). False re-materialises compressed blocks on every read, so only the
+            compressed store stays resident.
+        observation_window: queries per layer kept to score tokens (default: the policy's).
+        record_probes: keep a `ProbeRecord` per compressed (layer, block) for the damage model.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str | Path | None = None,
+        *,
+        block_size: int = 64,
+        capacity_blocks: int | None = None,
+        keep_working_copy: bool = True,
+        observation_window: int | None = None,
+        record_probes: bool = False,
+        group_size: int = 32,
+    ) -> None:
+        super().__init__(layers=[])
+        if isinstance(policy, (str, Path)):
+            from proxima.policy.loader import load_policy
+
+            policy = load_policy(policy)
+        self.policy: Policy = policy if policy is not None else OFF
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.keep_working_copy = keep_working_copy
+        self.window = observation_window or self.policy.importance.observation_window
+        self.record_probes = record_probes
+        self.group_size = group_size
+        self.engine_state = EngineState()
+        self.block_importance: torch.Tensor | None = None  # EMA per logical block
+        self.probe_log: list[ProbeRecord] = []
+        self.ineligible: set[int] = set()  # blocks the probe refused for every ladder format
+        self._obs: dict[int, torch.Tensor] = {}
+        self._pending_bias: int | None = None
+        self.chosen: list[Format] = []
+        """Per logical block, the format the engine (or a caller) chose; layers may store a substitute."""
+
+    # -- transformers interface ----------------------------------------------------------------
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(ProximaLayer(self.block_size, self.keep_working_copy))
+        if self._pending_bias is not None:
+            raise RuntimeError(
+                f"layer {self._pending_bias} had compressed blocks that need a per-key bias, but the model's "
+                "attention never read it: call proxima.integration.hf.enable(model) (attn_implementation="
+                f"{attention.ATTN_NAME!r}) before using sparse or cluster formats"
+            )
+        if layer_idx == 0 and self.capacity_blocks is not None and not self.policy.is_off:
+            self.apply_policy()
+        layer = self.layers[layer_idx]
+        keys, values = layer.update(key_states, value_states)
+        if layer.last_bias is not None:
+            self._pending_bias = layer_idx
+        attention.set_active(self)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:  # type: ignore[override]
+        if layer_idx >= len(self.layers):
+            return query_length, 0
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def _take_attention_bias(self, layer_idx: int, kv_len: int) -> torch.Tensor | None:
+        if layer_idx >= len(self.layers):
+            return None
+        bias = self.layers[layer_idx].last_bias
+        self.layers[layer_idx].last_bias = None
+        if self._pending_bias == layer_idx:
+            self._pending_bias = None
+        if bias is not None and bias.shape[-1] != kv_len:
+            raise RuntimeError(f"layer {layer_idx}: bias covers {bias.shape[-1]} keys, attention got {kv_len}")
+        return bias
+
+    def _observe_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        prev = self._obs.get(layer_idx)
+        q = query.detach()
+        if prev is not None and prev.shape[:2] == q.shape[:2]:
+            q = torch.cat([prev, q], dim=2)
+        self._obs[layer_idx] = q[:, :, -self.window :].clone()
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    @property
+    def proxima_layers(self) -> list[ProximaLayer]:
+        return self.layers  # type: ignore[return-value]
+
+    def stored_nbytes(self) -> int:
+        """Bytes of the store across layers (what a real deployment keeps resident)."""
+        return sum(layer.stored_nbytes() for layer in self.proxima_layers)
+
+    def resident_nbytes(self) -> int:
+        """Store plus working copies: what this process holds right now."""
+        return sum(layer.stored_nbytes() + layer.working_nbytes() for layer in self.proxima_layers)
+
+    def block_formats(self) -> list[Format]:
+        return list(self.proxima_layers[0].formats) if self.layers else []
+
+    def nominal_ratio(self) -> float:
+        """16-bit KV bits over stored bits, counting each format at its nominal pack ratio and
+        evicted tokens as free (metadata excluded); averaged over layers."""
+        ratios = []
+        for layer in self.proxima_layers:
+            bs = layer.block_size
+            stored = float(layer.tail_k.shape[-2]) if layer.tail_k is not None else 0.0
+            for i, fmt in enumerate(layer.formats):
+                keep = layer.keep[i]
+                frac = 1.0 if keep is None else float(keep.float().mean())
+                stored += bs * frac / fmt.pack_ratio
+            ratios.append(layer.n_tokens / stored if stored > 0 else 1.0)
+        return sum(ratios) / len(ratios) if ratios else 1.0
+
+    # -- importance ----------------------------------------------------------------------------
+
+    def token_importance(self, layer_idx: int) -> torch.Tensor | None:
+        """Attention mass each cached token gets from the observation window, `[B, H_kv, T_full]`
+        over the full blocks (mean over window queries, summed over each KV head's query heads)."""
+        q = self._obs.get(layer_idx)
+        layer = self.proxima_layers[layer_idx]
+        if q is None or layer.n_blocks == 0:
+            return None
+        wk, _, wb = layer.materialize()
+        assert layer.tail_k is not None
+        keys = torch.cat([wk, layer.tail_k], dim=-2).float()
+        b, hq, w, d = q.shape
+        hkv = keys.shape[1]
+        g = hq // hkv
+        qf = q.float().reshape(b, hkv, g, w, d)
+        logits = torch.einsum("bhgwd,bhtd->bhgwt", qf, keys) * d**-0.5
+        t = keys.shape[-2]
+        if wb is not None:
+            full_bias = torch.cat([wb, wb.new_zeros(b, hkv, t - wb.shape[-1])], dim=-1)
+            logits = logits + full_bias[:, :, None, None, :]
+        qpos = torch.arange(t - w, t, device=keys.device)
+        causal = torch.arange(t, device=keys.device)[None, :] <= qpos[:, None]  # [W, T]
+        logits = logits.masked_fill(~causal, NEG_INF)
+        p = torch.softmax(logits, dim=-1)
+        imp = p.mean(3).sum(2)  # [B, Hkv, T]
+        return imp[..., : layer.n_blocks * layer.block_size]
+
+    def refresh_importance(self) -> torch.Tensor:
+        """Per logical block: attention mass aggregated over batch, heads and layers (policy's
+        `importance.aggregate`), folded into an EMA. Returns `[n_blocks]` (float64)."""
+        n = self.proxima_layers[0].n_blocks
+        per_layer = []
+        for li in range(len(self.layers)):
+            imp = self.token_importance(li)
+            if imp is None:
+                continue
+            blk = imp.view(*imp.shape[:2], n, self.block_size).sum(-1)  # [B, H, n]
+            per_layer.append(blk.amax(dim=(0, 1)) if self.policy.importance.aggregate == "max" else blk.mean((0, 1)))
+        if per_layer:
+            stack = torch.stack(per_layer)
+            cur = stack.amax(0) if self.policy.importance.aggregate == "max" else stack.mean(0)
+        else:
+            cur = torch.ones(n)
+        cur = cur.double().cpu()
+        old = self.block_importance
+        if old is not None and 0 < len(old) <= n:
+            decay = self.policy.importance.ema_decay
+            merged = cur.clone()
+            merged[: len(old)] = decay * old + (1 - decay) * cur[: len(old)]
+            cur = merged
+        self.block_importance = cur
+        return cur
+
+    # -- compression ---------------------------------------------------------------------------
+
+    def compress_blocks(
+        self,
+        blocks: Sequence[int],
+        fmt: Format,
+        *,
+        ladder: Sequence[Format] = (),
+        probe: bool = False,
+    ) -> CompressionReport:
+        """Compress hot `blocks` (logical indices) into `fmt` in every layer (with the policy's
+        layer overrides). With `probe`, a block whose attention-output error, averaged over layers
+        (one block id spans all layers), exceeds the policy's bound for the format is retried with
+        the next milder `ladder` format (lower pack ratio), else left hot and marked ineligible."""
+        report = CompressionReport()
+        self._extend_chosen()
+        todo = [int(i) for i in blocks if self.chosen[int(i)].is_hot]
+        candidates = [fmt] + sorted((f for f in ladder if f.pack_ratio < fmt.pack_ratio), key=lambda f: -f.pack_ratio)
+        for cand in candidates:
+            if not todo:
+                break
+            encs, errs = self._encode_all_layers(todo, cand)
+            err = torch.stack(errs).mean(0)  # [len(todo)]
+            if probe:
+                ok = (err <= self.policy.probes.compression.bound(cand)).tolist()
+            else:
+                ok = [True] * len(todo)
+            accepted = [b for b, o in zip(todo, ok, strict=True) if o]
+            if accepted:
+                if len(accepted) != len(todo):
+                    encs = self._reencode(accepted, cand)  # the store holds no rejected rows
+                self._commit(accepted, cand, encs)
+                report.actions += len(accepted)
+                report.formats[cand.name] = report.formats.get(cand.name, 0) + len(accepted)
+            todo = [b for b, o in zip(todo, ok, strict=True) if not o]
+            report.rejected += len(todo)
+            if not probe:
+                break
+        self.ineligible.update(todo)
+        return report
+
+    def _extend_chosen(self) -> None:
+        n = self.proxima_layers[0].n_blocks if self.layers else 0
+        self.chosen += [HOT] * (n - len(self.chosen))
+
+    def _layer_format(self, fmt: Format, layer: int) -> Format:
+        return self.policy.layer_format(fmt, layer)
+
+    def _encode_all_layers(
+        self, blocks: list[int], fmt: Format
+    ) -> tuple[list[tuple[Format, Encoded]], list[torch.Tensor]]:
+        encs, errs = [], []
+        for li, layer in enumerate(self.proxima_layers):
+            lf = self._layer_format(fmt, li)
+            k = torch.stack([layer.hot_k[i] for i in blocks])  # type: ignore[misc]  [n, B, H, bs, D]
+            v = torch.stack([layer.hot_v[i] for i in blocks])  # type: ignore[misc]
+            n, b, h, bs, d = k.shape
+            kk = k.reshape(n * b, h, bs, d).transpose(1, 2)  # [N, bs, H, D]
+            vv = v.reshape(n * b, h, bs, d).transpose(1, 2)
+            imp = self.token_importance(li)
+            timp = None
+            if imp is not None:
+                timp = torch.stack([imp[..., i * bs : (i + 1) * bs] for i in blocks])  # [n, B, H, bs]
+                timp = timp.reshape(n * b, h, bs).transpose(1, 2).contiguous()
+            enc = encode(lf, kk, vv, timp, group_size=self.group_size)
+            err = self._probe(li, kk, vv, enc, b)  # [n]
+            if self.record_probes:
+                self._record(li, blocks, lf, kk, timp, err, b)
+            encs.append((lf, enc))
+            errs.append(err)
+        return encs, errs
+
+    def _probe(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, enc: Encoded, batch: int) -> torch.Tensor:
+        """Relative error of the observation window's attention output over each block alone,
+        before vs after compression (DESIGN.md's compression-time probe). Returns `[n_blocks]`."""
+        q = self._obs.get(layer_idx)
+        n = k.shape[0] // batch
+        if q is None:
+            return torch.zeros(n)
+        kh, vh, lc = enc.decode()
+        bq, hq, w, d = q.shape
+        h = k.shape[2]
+        g = hq // h
+        qf = q.float().reshape(bq, h, g * w, d).repeat(n, 1, 1, 1)  # [N, H, G*W, D] (rows ordered block, batch)
+
+        def out(kx: torch.Tensor, vx: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            logits = torch.einsum("nhqd,nthd->nhqt", qf, kx.float()) * d**-0.5
+            if bias is not None:
+                logits = logits + bias.transpose(1, 2)[:, :, None, :]
+            return torch.einsum("nhqt,nthd->nhqd", torch.softmax(logits, -1), vx.float())
+
+        ref = out(k, v, None)
+        got = out(kh, vh, lc)
+        num = (got - ref).flatten(1).norm(dim=1)
+        den = ref.flatten(1).norm(dim=1).clamp_min(1e-12)
+        return (num / den).view(n, batch).mean(1).cpu()
+
+    def _record(
+        self,
+        layer_idx: int,
+        blocks: list[int],
+        fmt: Format,
+        k: torch.Tensor,
+        timp: torch.Tensor | None,
+        err: torch.Tensor,
+        batch: int,
+    ) -> None:
+        norms = k.float().norm(dim=-1)  # [N, bs, H]
+        spread = (norms.std(1) / norms.mean(1).clamp_min(1e-12)).mean(1).view(-1, batch).mean(1)
+        mass = timp.sum(1).amax(1).view(-1, batch).amax(1) if timp is not None else torch.zeros(len(blocks))
+        for j, blk in enumerate(blocks):
+            self.probe_log.append(
+                ProbeRecord(layer_idx, blk, fmt.name, float(mass[j]), float(spread[j]), float(err[j]))
+            )
+
+    def _commit(self, blocks: list[int], fmt: Format, encs: list[tuple[Format, Encoded]]) -> None:
+        for layer, (lf, enc) in zip(self.proxima_layers, encs, strict=True):
+            hot = layer.hot_k[blocks[0]]
+            assert hot is not None, f"block {blocks[0]} is already compressed in this layer"
+            layer.store(blocks, lf, enc, hot.shape[0])
+        for i in blocks:
+            self.chosen[i] = fmt
+
+    def _reencode(self, blocks: list[int], fmt: Format) -> list[tuple[Format, Encoded]]:
+        record, self.record_probes = self.record_probes, False
+        try:
+            encs, _ = self._encode_all_layers(blocks, fmt)
+        finally:
+            self.record_probes = record
+        return encs
+
+    def compress_all(self, fmt: Format | str, *, protect_sinks: int = 0, protect_recent: int = 0) -> CompressionReport:
+        """Compress every full block outside the protected windows into `fmt` (uniform methods)."""
+        fmt = Format.parse(fmt) if isinstance(fmt, str) else fmt
+        layer0 = self.proxima_layers[0]
+        bs = self.block_size
+        blocks = [
+            i
+            for i in range(layer0.n_blocks)
+            if i * bs >= protect_sinks and (i + 1) * bs <= layer0.n_tokens - protect_recent
+        ]
+        return self.compress_blocks(blocks, fmt)
+
+    def evict_tokens(self, keep: Sequence[torch.Tensor]) -> None:
+        """Token eviction for the baselines: per layer a bool `[B, H_kv, T_full]` over full blocks."""
+        for layer, kp in zip(self.proxima_layers, keep, strict=True):
+            layer.evict(kp)
+
+    # -- the policy engine ---------------------------------------------------------------------
+
+    def snapshot(self, total_blocks: int) -> Snapshot:
+        """The cache's blocks as the engine sees them (one request; the tail block included)."""
+        layer0 = self.proxima_layers[0]
+        n = layer0.n_blocks
+        imp = self.block_importance
+        if imp is None or len(imp) < n:
+            imp = self.refresh_importance()
+        self._extend_chosen()
+        formats = list(self.chosen[:n])
+        tokens = [self.block_size] * n
+        importance = [float(x) for x in imp[:n]]
+        tail = layer0.tail_k.shape[-2] if layer0.tail_k is not None else 0
+        if tail:
+            formats.append(HOT)
+            tokens.append(tail)
+            importance.append(max(importance, default=1.0))
+        shared = [i in self.ineligible for i in range(len(formats))]
+        used = self.used_blocks()
+        free = max(0, min(total_blocks, math.floor(total_blocks - used + 1e-9)))
+        return Snapshot.build(
+            total_blocks=total_blocks,
+            free_blocks=free,
+            block_size=self.block_size,
+            requests=[RequestBlocks("seq", importance, formats, tokens, shared=shared)],
+        )
+
+    def used_blocks(self) -> float:
+        """Physical blocks used, amortised over packing (sum of 1 / pack ratio)."""
+        layer0 = self.proxima_layers[0]
+        self._extend_chosen()
+        used = sum(1.0 / f.pack_ratio for f in self.chosen)
+        if layer0.tail_k is not None and layer0.tail_k.shape[-2]:
+            used += 1.0
+        return used
+
+    def _pool_for_ratio(self, ratio: float) -> int:
+        """A pool size whose top band's `target_free` means 'store the sequence `ratio` times smaller'."""
+        layer0 = self.proxima_layers[0]
+        logical = layer0.n_blocks + (1 if layer0.tail_k is not None and layer0.tail_k.shape[-2] else 0)
+        tf = self.policy.bands[-1].target_free
+        budget = logical / ratio
+        total = max(1, math.ceil(budget / (1 - tf)) + 2)
+        while total > 1 and total - math.ceil(tf * total) > budget + 1e-9:
+            total -= 1
+        return total
+
+    def apply_policy(self, *, target_ratio: float | None = None, max_steps: int = 32) -> CompressionReport:
+        """Run the engine until it has nothing left to do (or `max_steps`). With `target_ratio`,
+        the pool is sized so that reaching the top band's target means a `target_ratio`x smaller store."""
+        report = CompressionReport()
+        if self.policy.is_off or not self.layers or self.proxima_layers[0].n_blocks == 0:
+            return report
+        self.refresh_importance()
+        total = self._pool_for_ratio(target_ratio) if target_ratio else self.capacity_blocks
+        if total is None:
+            raise ValueError("apply_policy needs target_ratio, or capacity_blocks set on the cache")
+        probe = self.policy.probes.compression
+        for _ in range(max_steps):
+            snap = self.snapshot(total)
+            dec = decide(snap, self.policy, self.engine_state)
+            self.engine_state = dec.state
+            report.reasons.append(dec.reason)
+            if len(dec) == 0:
+                break
+            by_fmt: dict[Format, list[Action]] = {}
+            for a in dec.actions:
+                by_fmt.setdefault(a.to_format, []).append(a)
+            band = next((b for b in self.policy.bands if b.name == dec.band), None)
+            ladder = band.ladder if band is not None else []
+            for fmt, acts in by_fmt.items():
+                r = self.compress_blocks([a.block_index for a in acts], fmt, ladder=ladder, probe=probe.enabled)
+                report.actions += r.actions
+                report.rejected += r.rejected
+                for k, v in r.formats.items():
+                    report.formats[k] = report.formats.get(k, 0) + v
+        return report

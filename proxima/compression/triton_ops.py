@@ -7,11 +7,17 @@ Offsets that can exceed 2^31 (slot * slot stride on a many-GB pool) are computed
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, QUANT_CODE, VALUES_PER_BYTE
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Kernels that work around interpreter-only bugs check this (it is read once, like triton does)."""
 
 
 def _p2(x: int, lo: int = 1) -> int:

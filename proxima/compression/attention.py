@@ -1,0 +1,195 @@
+"""Decode attention over a context made of blocks in several formats, and the compression probe.
+
+A sequence's context is a list of *segments*, one per format: the hot bf16 paged blocks are
+a segment of format `bf16` whose pool is vLLM's key/value cache, and each compressed format is a
+segment whose pool is a set of slots (`CompressedBlocks`, see `layout.py` for views onto vLLM's
+KV tensor). Each segment is attended separately (output and log-sum-exp per sequence and query
+head), the partial results are merged by log-sum-exp, and the per-entry attention mass is
+returned for the importance statistics.
+
+Named dims: S sequences, Hq query heads, H KV heads (Hq = G * H, query head i reads KV head
+i // G), D head dim, E entries (slots) per sequence in one segment, C slot capacity in tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from proxima.compression.blocks import Backend, CompressedBlocks, decompress_blocks, use_triton
+
+
+@dataclass
+class KVSegment:
+    """One format's part of every sequence's context.
+
+    `store` holds the slots (dim 0 = slot id); `slot_table[s, e]` is the slot of sequence s's
+    e-th entry and `slot_tokens[s, e]` how many of its tokens (or centroids) are valid; entries
+    with 0 tokens are padding (their slot id is ignored). Entry order does not matter to
+    attention (no positions: keys are cached after RoPE).
+    """
+
+    store: CompressedBlocks
+    slot_table: torch.Tensor
+    """[S, E] int32 slot ids."""
+    slot_tokens: torch.Tensor
+    """[S, E] int32 valid tokens per entry (0 = padding)."""
+
+    def __post_init__(self) -> None:
+        if self.slot_table.dim() != 2 or self.slot_tokens.shape != self.slot_table.shape:
+            raise ValueError(
+                f"slot_table and slot_tokens must both be [S, E], got {tuple(self.slot_table.shape)} "
+                f"and {tuple(self.slot_tokens.shape)}"
+            )
+        cap = self.store.slot_tokens
+        if self.slot_tokens.numel() and int(self.slot_tokens.max()) > cap:
+            raise ValueError(f"slot_tokens may not exceed the slot capacity {cap}, got {int(self.slot_tokens.max())}")
+
+
+@dataclass
+class DecodeOutput:
+    out: torch.Tensor
+    """[S, Hq, D] attention output, dtype of q."""
+    lse: torch.Tensor
+    """[S, Hq] float32 natural-log sum of exp of the (scaled, count-corrected) logits."""
+    block_mass: list[torch.Tensor]
+    """Per segment, [S, E, Hq] float32: softmax mass each entry received (sums to 1 over all
+    entries of all segments, per sequence and query head; 0 for padding)."""
+
+
+def _check_q(q: torch.Tensor, segments: list[KVSegment]) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [S, Hq, D], got shape {tuple(q.shape)}")
+    s, hq, d = q.shape
+    if not segments:
+        raise ValueError("decode attention needs at least one segment")
+    for seg in segments:
+        st = seg.store
+        if st.head_dim != d:
+            raise ValueError(f"segment {st.fmt}: head_dim {st.head_dim} != q's D {d}")
+        if hq % st.num_kv_heads:
+            raise ValueError(f"Hq={hq} must be a multiple of the KV heads {st.num_kv_heads} ({st.fmt})")
+        if seg.slot_table.shape[0] != s:
+            raise ValueError(f"segment {st.fmt}: slot_table has {seg.slot_table.shape[0]} rows, q has S={s}")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    segments: list[KVSegment],
+    *,
+    sm_scale: float | None = None,
+    backend: Backend = "auto",
+    num_splits: int | None = None,
+) -> DecodeOutput:
+    """One decode step: q [S, Hq, D] attends to every segment's entries (see module docstring).
+
+    Cluster segments add log(count) to each centroid's logit. sm_scale defaults to 1/sqrt(D).
+    """
+    _check_q(q, segments)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if not use_triton(backend, q):
+        return decode_attention_reference(q, segments, sm_scale=scale)
+    from proxima.compression import triton_attention as ta
+
+    parts = [ta.segment_partial(q, seg, scale, num_splits) for seg in segments]
+    o_all = torch.cat([p[0] for p in parts], 0)  # [P, S, Hq, D]
+    lse_all = torch.cat([p[1] for p in parts], 0)  # [P, S, Hq]
+    out, lse = merge_partials(o_all, lse_all)
+    mass = [torch.exp(p[2] - lse.unsqueeze(1)).nan_to_num(0.0) for p in parts]
+    return DecodeOutput(out.to(q.dtype), lse, mass)
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge P partial attentions: o [P, S, Hq, D] (each normalised), lse [P, S, Hq].
+
+    A part that saw no token has lse = -inf and weight 0; a row no part saw gets output 0 and
+    lse -inf.
+    """
+    total = torch.logsumexp(lse, 0)  # -inf only if every part is -inf
+    w = torch.exp(lse - total.unsqueeze(0)).nan_to_num(0.0)
+    return (w.unsqueeze(-1) * o.float()).sum(0), total
+
+
+def _segment_logits(
+    q: torch.Tensor, seg: KVSegment, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference logits [S, Hq, E*C] (masked -inf) and dequantized values [S, Hq, E*C, D]."""
+    s, hq, d = q.shape
+    st = seg.store
+    e, c, h = seg.slot_table.shape[1], st.slot_tokens, st.num_kv_heads
+    g = hq // h
+    valid_entry = seg.slot_tokens > 0
+    idx = torch.where(valid_entry, seg.slot_table, torch.zeros_like(seg.slot_table)).long().flatten()
+    kh, vh, lc = decompress_blocks(st.select(idx), backend="torch")  # [S*E, C, H, D]
+    kf = kh.float().reshape(s, e * c, h, d).repeat_interleave(g, 2)  # [S, E*C, Hq, D]
+    vf = vh.float().reshape(s, e * c, h, d).repeat_interleave(g, 2)
+    lcf = lc.reshape(s, e * c, h).repeat_interleave(g, 2)  # [S, E*C, Hq]
+    logits = torch.einsum("shd,sthd->sht", q.float(), kf) * scale + lcf.transpose(1, 2)
+    tok = torch.arange(c, device=q.device)
+    valid = (tok.view(1, 1, c) < seg.slot_tokens.unsqueeze(-1)).reshape(s, 1, e * c)
+    logits = logits.masked_fill(~valid, float("-inf"))
+    return logits, vf.permute(0, 2, 1, 3)
+
+
+def decode_attention_reference(
+    q: torch.Tensor, segments: list[KVSegment], *, sm_scale: float | None = None
+) -> DecodeOutput:
+    """Torch reference of `decode_attention`: dequantize everything, one softmax in float32."""
+    _check_q(q, segments)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    s, hq, _ = q.shape
+    pieces = [_segment_logits(q, seg, scale) for seg in segments]
+    logits = torch.cat([p[0] for p in pieces], -1)  # [S, Hq, Ntot]
+    values = torch.cat([p[1] for p in pieces], 2)  # [S, Hq, Ntot, D]
+    lse = torch.logsumexp(logits, -1)
+    p = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("shn,shnd->shd", p, values)
+    mass, start = [], 0
+    for seg in segments:
+        e, c = seg.slot_table.shape[1], seg.store.slot_tokens
+        pe = p[..., start : start + e * c].reshape(s, hq, e, c).sum(-1)
+        mass.append(pe.transpose(1, 2).contiguous())
+        start += e * c
+    return DecodeOutput(out.to(q.dtype), lse, mass)
+
+
+def attention_error(
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cb: CompressedBlocks,
+    *,
+    sm_scale: float | None = None,
+) -> float:
+    """Compression-time probe: relative error of attention over one block, before vs after.
+
+    q_obs: [W, Hq, D] observation-window queries; k, v: [T, H, D] the block as it was; cb: that
+    block compressed (N = 1). Each query attends to the block alone (no mask: the block is in
+    every query's past). Returns ||O_hat - O||_F / ||O||_F over all W queries and heads, float32
+    arithmetic (0.0 when O is zero).
+    """
+    if q_obs.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"need q_obs [W, Hq, D] and k, v [T, H, D], got {tuple(q_obs.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if cb.num_slots != 1:
+        raise ValueError(f"attention_error takes one compressed block, got {cb.num_slots}")
+    hq, h = q_obs.shape[1], k.shape[1]
+    if hq % h:
+        raise ValueError(f"Hq={hq} must be a multiple of H={h}")
+    scale = 1.0 / math.sqrt(k.shape[-1]) if sm_scale is None else float(sm_scale)
+    g = hq // h
+    kh, vh, lc = decompress_blocks(cb, backend="torch")
+
+    def attend(kk: torch.Tensor, vv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        kq = kk[0 if kk.dim() == 4 else slice(None)].float().repeat_interleave(g, 1)  # [T, Hq, D]
+        vq = vv[0 if vv.dim() == 4 else slice(None)].float().repeat_interleave(g, 1)
+        logits = torch.einsum("whd,thd->wht", q_obs.float(), kq) * scale + bias.repeat_interleave(g, 1).T
+        return torch.einsum("wht,thd->whd", torch.softmax(logits, -1), vq)
+
+    o = attend(k, v, torch.zeros(k.shape[:2], device=k.device))
+    o_hat = attend(kh, vh, lc[0])
+    denom = float(o.norm())
+    return 0.0 if denom == 0 else float((o_hat - o).norm()) / denom

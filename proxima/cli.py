@@ -25,7 +25,7 @@ policy_app = typer.Typer(help="Inspect policies (and, with a running API, change
 app.add_typer(policy_app, name="policy")
 
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # soft_wrap: never break FILE:LINE: messages
 
 # Modules that contribute commands. Each defines `register(app: typer.Typer) -> None`.
 _COMMAND_MODULES = (

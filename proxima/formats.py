@@ -87,7 +87,7 @@ class Format:
         quant: Quant = m["quant"] or "bf16"  # type: ignore[assignment]
         if m["red"] is None:
             return cls(quant=quant)
-        return cls(reduction=m["red"], reduction_ratio=int(m["ratio"]), quant=quant)
+        return cls(reduction=m["red"], reduction_ratio=int(m["ratio"]), quant=quant)  # type: ignore[arg-type]
 
     @property
     def name(self) -> str:
@@ -116,9 +116,7 @@ class Format:
     def kept_tokens(self, block_size: int) -> int:
         """Tokens (or centroids) a full block keeps after the reduction."""
         if block_size % self.reduction_ratio:
-            raise FormatError(
-                f"{self.name}: block size {block_size} is not divisible by ratio {self.reduction_ratio}"
-            )
+            raise FormatError(f"{self.name}: block size {block_size} is not divisible by ratio {self.reduction_ratio}")
         return block_size // self.reduction_ratio
 
     @property

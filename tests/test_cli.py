@@ -17,7 +17,11 @@ def test_validate_shipped_configs() -> None:
 
 def test_validate_wrong_type_reports_file_line_and_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    text = (ROOT / "configs" / "balanced.yaml").read_text().replace("max_blocks_per_step: 1024", "max_blocks_per_step: lots")
+    text = (
+        (ROOT / "configs" / "balanced.yaml")
+        .read_text()
+        .replace("max_blocks_per_step: 1024", "max_blocks_per_step: lots")
+    )
     bad.write_text(text)
     line = next(i for i, ln in enumerate(text.splitlines(), 1) if "max_blocks_per_step" in ln)
     res = runner.invoke(app, ["validate", str(bad)])
@@ -48,8 +52,20 @@ def test_simulate_json_meets_headline_on_default_workload() -> None:
 
 def test_simulate_plot(tmp_path: Path) -> None:
     png = tmp_path / "p.png"
-    res = runner.invoke(app, ["simulate", "--policy", str(ROOT / "configs" / "conservative.yaml"),
-                              "--requests", "16", "--total-blocks", "512", "--plot", str(png)])
+    res = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--policy",
+            str(ROOT / "configs" / "conservative.yaml"),
+            "--requests",
+            "16",
+            "--total-blocks",
+            "512",
+            "--plot",
+            str(png),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

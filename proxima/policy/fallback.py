@@ -67,12 +67,7 @@ def observe(
 
     passes = state.consecutive_passes + 1
     st = replace(state, consecutive_passes=passes, consecutive_failures=0)
-    if (
-        st.level > 0
-        and st.forced is None
-        and now >= st.cooldown_until
-        and passes >= cfg.passes_to_step_up
-    ):
+    if st.level > 0 and st.forced is None and now >= st.cooldown_until and passes >= cfg.passes_to_step_up:
         new = st.level - 1
         st = replace(st, level=new, consecutive_passes=0)
         return st, LadderEvent(

@@ -196,9 +196,7 @@ class PackedPool:
             for i, pl in enumerate(req.blocks):
                 refs[pl.phys] += 1
                 if self._fmt[pl.phys] != pl.fmt:
-                    raise AssertionError(
-                        f"{rid} block {i}: slot format {pl.fmt} in a block of {self._fmt[pl.phys]}"
-                    )
+                    raise AssertionError(f"{rid} block {i}: slot format {pl.fmt} in a block of {self._fmt[pl.phys]}")
                 if not 0 <= pl.slot < pl.fmt.pack_ratio:
                     raise AssertionError(f"{rid} block {i}: slot {pl.slot} outside 0..{pl.fmt.pack_ratio - 1}")
         if refs != self._refs:

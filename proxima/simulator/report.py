@@ -42,9 +42,8 @@ class Comparison:
 
     def table(self) -> Table:
         b, p = self.baseline, self.policy
-        t = Table(
-            title=f"{self.num_requests} requests, pool {self.pool.total_blocks} x {self.pool.block_size} tokens, seed {self.seed}"
-        )
+        pool = f"pool {self.pool.total_blocks} x {self.pool.block_size} tokens"
+        t = Table(title=f"{self.num_requests} requests, {pool}, seed {self.seed}")
         t.add_column("")
         t.add_column("vanilla", justify="right")
         t.add_column(f"policy: {self.policy_name}", justify="right")

@@ -233,7 +233,9 @@ class Simulator:
         r.fmt_ids[r.n_blocks] = 0
         r.n_blocks += 1
 
-    def _preempt(self, pool: PackedPool, victim: _Req, running: list[_Req], waiting: deque[_Req], res: RunResult) -> None:
+    def _preempt(
+        self, pool: PackedPool, victim: _Req, running: list[_Req], waiting: deque[_Req], res: RunResult
+    ) -> None:
         pool.free_request(victim.spec.request_id)
         running.remove(victim)
         victim.n_blocks = 0

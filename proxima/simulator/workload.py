@@ -77,7 +77,9 @@ def load_trace(path: str | Path) -> list[RequestSpec]:
         if unknown:
             raise TraceError(f"{p}:{n}: unknown field(s) {sorted(unknown)}")
         out.append(
-            RequestSpec(str(row.get("id", f"req-{n}")), row.get("arrival", 0), row["prompt_tokens"], row["output_tokens"])
+            RequestSpec(
+                str(row.get("id", f"req-{n}")), row.get("arrival", 0), row["prompt_tokens"], row["output_tokens"]
+            )
         )
     if not out:
         raise TraceError(f"{p}: trace holds no requests")

@@ -53,7 +53,10 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
     total = used + draw(st.integers(0, 40))
     free = total - used
     return Snapshot.build(
-        total_blocks=total, free_blocks=free, block_size=B, requests=reqs,
+        total_blocks=total,
+        free_blocks=free,
+        block_size=B,
+        requests=reqs,
         pending_blocks=draw(st.integers(0, 10)),
     )
 
@@ -186,7 +189,8 @@ def test_hysteresis() -> None:
 
 def test_snapshot_rejects_mismatched_columns() -> None:
     with pytest.raises(ValueError, match="one entry per block"):
-        Snapshot.build(total_blocks=4, free_blocks=0, block_size=B,
-                       requests=[RequestBlocks("a", [1.0, 1.0], [HOT], [B, B])])
+        Snapshot.build(
+            total_blocks=4, free_blocks=0, block_size=B, requests=[RequestBlocks("a", [1.0, 1.0], [HOT], [B, B])]
+        )
     with pytest.raises(ValueError, match="free_blocks"):
         Snapshot.build(total_blocks=4, free_blocks=5, block_size=B, requests=[])

@@ -7,16 +7,38 @@ from proxima.formats import HOT, QUANTS, Format, FormatError
 
 @pytest.mark.parametrize(
     ("text", "ratio"),
-    [("bf16", 1), ("fp8", 2), ("int8", 2), ("int4", 4), ("int2", 8), ("sparse(4)", 4), ("cluster(2)", 2),
-     ("sparse(2)+int8", 4), ("cluster(2)+int4", 8), (" cluster( 4 ) + int2 ", 32)],
+    [
+        ("bf16", 1),
+        ("fp8", 2),
+        ("int8", 2),
+        ("int4", 4),
+        ("int2", 8),
+        ("sparse(4)", 4),
+        ("cluster(2)", 2),
+        ("sparse(2)+int8", 4),
+        ("cluster(2)+int4", 8),
+        (" cluster( 4 ) + int2 ", 32),
+    ],
 )
 def test_pack_ratio(text: str, ratio: int) -> None:
     assert Format.parse(text).pack_ratio == ratio
 
 
 @pytest.mark.parametrize(
-    "text", ["int3", "sparse", "sparse()", "sparse(1)", "cluster(0)", "sparse(4)int8", "+int8", "sparse(2)+",
-             "sparse(65)", "", "int8+sparse(2)"]
+    "text",
+    [
+        "int3",
+        "sparse",
+        "sparse()",
+        "sparse(1)",
+        "cluster(0)",
+        "sparse(4)int8",
+        "+int8",
+        "sparse(2)+",
+        "sparse(65)",
+        "",
+        "int8+sparse(2)",
+    ],
 )
 def test_rejects_invalid(text: str) -> None:
     with pytest.raises(FormatError):
@@ -31,7 +53,9 @@ def test_rejects_invalid(text: str) -> None:
 def test_name_round_trip(red: str | None, ratio: int, quant: str) -> None:
     fmt = Format(reduction=red, reduction_ratio=ratio if red else 1, quant=quant)  # type: ignore[arg-type]
     assert Format.parse(fmt.name) == fmt
-    assert fmt.pack_ratio == (ratio if red else 1) * 16 // {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}[quant]
+    assert (
+        fmt.pack_ratio == (ratio if red else 1) * 16 // {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}[quant]
+    )
 
 
 def test_kept_tokens_and_hot() -> None:

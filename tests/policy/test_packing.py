@@ -64,9 +64,17 @@ def test_rejects_non_shrinking_move() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["append", "compress", "free"]), st.integers(0, 3),
-                              st.integers(0, 40), st.sampled_from(["int8", "int4", "int2", "sparse(2)+int8"])),
-                    max_size=120))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["append", "compress", "free"]),
+            st.integers(0, 3),
+            st.integers(0, 40),
+            st.sampled_from(["int8", "int4", "int2", "sparse(2)+int8"]),
+        ),
+        max_size=120,
+    )
+)
 def test_accounting_holds_under_any_sequence(ops: list) -> None:
     pool = PackedPool(24)
     for op, r, idx, fmt in ops:

@@ -53,7 +53,11 @@ def test_request_larger_than_pool_is_an_error() -> None:
 
 def test_trace_loading(tmp_path: Path) -> None:
     good = tmp_path / "t.jsonl"
-    good.write_text('{"arrival": 0, "prompt_tokens": 100, "output_tokens": 5}\n\n{"id": "x", "prompt_tokens": 7, "output_tokens": 1}\n')
+    good.write_text(
+        '{"arrival": 0, "prompt_tokens": 100, "output_tokens": 5}\n'
+        "\n"
+        '{"id": "x", "prompt_tokens": 7, "output_tokens": 1}\n'
+    )
     reqs = load_trace(good)
     assert [(r.request_id, r.arrival, r.prompt_tokens) for r in reqs] == [("req-1", 0, 100), ("x", 0, 7)]
     bad = tmp_path / "b.jsonl"

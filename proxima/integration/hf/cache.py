@@ -468,7 +468,14 @@ class ProximaCache(Cache):
         the next milder `ladder` format (lower pack ratio), else left hot and marked ineligible."""
         report = CompressionReport()
         self._extend_chosen()
-        todo = [int(i) for i in blocks if self.chosen[int(i)].is_hot]
+        # Hot blocks, and quantized blocks moving to a harsher format (recompressed from their
+        # dequantised data, as vLLM would). Token-reduced blocks are final: their dropped tokens are gone.
+        todo = [
+            int(i)
+            for i in blocks
+            if self.chosen[int(i)].reduction is None and self.chosen[int(i)].pack_ratio < fmt.pack_ratio
+        ]
+        self.ineligible.update(int(i) for i in blocks if self.chosen[int(i)].reduction is not None)
         candidates = [fmt] + sorted((f for f in ladder if f.pack_ratio < fmt.pack_ratio), key=lambda f: -f.pack_ratio)
         for cand in candidates:
             if not todo:
@@ -506,8 +513,9 @@ class ProximaCache(Cache):
         encs, errs = [], []
         for li, layer in enumerate(self.proxima_layers):
             lf = self._layer_format(fmt, li)
-            k = torch.stack([layer.hot_k[i] for i in blocks])  # type: ignore[misc]  [n, B, H, bs, D]
-            v = torch.stack([layer.hot_v[i] for i in blocks])  # type: ignore[misc]
+            src = [layer.block_kv(i)[:2] for i in blocks]
+            k = torch.stack([kv[0] for kv in src])  # [n, B, H, bs, D]
+            v = torch.stack([kv[1] for kv in src])
             n, b, h, bs, d = k.shape
             kk = k.reshape(n * b, h, bs, d).transpose(1, 2)  # [N, bs, H, D]
             vv = v.reshape(n * b, h, bs, d).transpose(1, 2)
@@ -569,9 +577,8 @@ class ProximaCache(Cache):
 
     def _commit(self, blocks: list[int], fmt: Format, encs: list[tuple[Format, Encoded]]) -> None:
         for layer, (lf, enc) in zip(self.proxima_layers, encs, strict=True):
-            hot = layer.hot_k[blocks[0]]
-            assert hot is not None, f"block {blocks[0]} is already compressed in this layer"
-            layer.store(blocks, lf, enc, hot.shape[0])
+            assert layer.tail_k is not None
+            layer.store(blocks, lf, enc, layer.tail_k.shape[0])
         for i in blocks:
             self.chosen[i] = fmt
 
@@ -671,10 +678,13 @@ class ProximaCache(Cache):
                 by_fmt.setdefault(a.to_format, []).append(a)
             band = next((b for b in self.policy.bands if b.name == dec.band), None)
             ladder = band.ladder if band is not None else []
+            done_before = report.actions + report.rejected
             for fmt, acts in by_fmt.items():
                 r = self.compress_blocks([a.block_index for a in acts], fmt, ladder=ladder, probe=probe.enabled)
                 report.actions += r.actions
                 report.rejected += r.rejected
                 for k, v in r.formats.items():
                     report.formats[k] = report.formats.get(k, 0) + v
+            if report.actions + report.rejected == done_before:
+                break  # the engine only proposed blocks we cannot touch: no progress possible
         return report

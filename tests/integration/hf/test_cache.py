@@ -1,0 +1,152 @@
+"""ProximaCache on a tiny random Llama: pass-through equality, compression, memory, generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from proxima.formats import Format
+from proxima.integration.hf import ProximaCache, enable
+from proxima.integration.hf.attention import proxima_sdpa_attention, set_active
+from proxima.policy.loader import load_policy
+
+FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int8", "cluster(2)+int4"]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attn", ["sdpa", "proxima"])
+def test_off_equals_dynamic_cache_exactly(model, ids, attn):
+    if attn == "proxima":
+        enable(model)
+    ref_cache, cache = DynamicCache(), ProximaCache(block_size=32)
+    a = model(ids, past_key_values=ref_cache).logits
+    b = model(ids, past_key_values=cache).logits
+    assert torch.equal(a, b)
+    for _ in range(3):  # decode steps cross a block boundary (300 -> 303 tokens, block 32)
+        nxt = a[:, -1:].argmax(-1)
+        a = model(nxt, past_key_values=ref_cache).logits
+        b = model(nxt, past_key_values=cache).logits
+        assert torch.equal(a, b)
+    for layer_ref, layer in zip(ref_cache.layers, cache.layers, strict=True):
+        wk, wv, wb = layer.materialize()
+        assert wb is None
+        assert torch.equal(torch.cat([wk, layer.tail_k], -2), layer_ref.keys)
+
+
+@torch.no_grad()
+def test_generate_off_matches_dynamic(model, ids):
+    enable(model)
+    a = model.generate(ids[:, :40], max_new_tokens=40, do_sample=False)
+    b = model.generate(ids[:, :40], max_new_tokens=40, do_sample=False, past_key_values=ProximaCache(block_size=16))
+    assert torch.equal(a, b)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_shrinks_the_store_and_stays_close(model, ids, fmt):
+    enable(model)
+    ref_cache, cache = DynamicCache(), ProximaCache(block_size=32)
+    model(ids, past_key_values=ref_cache)
+    model(ids, past_key_values=cache)
+    before = cache.stored_nbytes()
+    rep = cache.compress_all(fmt, protect_sinks=32, protect_recent=32)
+    assert rep.actions == 7  # 9 full blocks minus the sink block and the last one
+    f = Format.parse(fmt)
+    hot_bytes = before / 300 * (300 - 7 * 32)
+    comp_bytes = before / 300 * 7 * 32 / f.pack_ratio
+    # Real bytes: payload plus metadata (scales, counts) stay within 40% of the nominal size.
+    assert cache.stored_nbytes() <= hot_bytes + 1.4 * comp_bytes
+    assert cache.stored_nbytes() < before
+    nxt = torch.randint(0, 256, (1, 8))
+    a = model(nxt, past_key_values=ref_cache).logits
+    b = model(nxt, past_key_values=cache).logits
+    assert torch.isfinite(b).all()
+    assert (a - b).abs().max() < 1.0
+
+
+@torch.no_grad()
+def test_resident_memory_shrinks_without_working_copy(model, ids):
+    enable(model)
+    cache = ProximaCache(block_size=32, keep_working_copy=False)
+    model(ids, past_key_values=cache)
+    before = cache.resident_nbytes()
+    cache.compress_all("int4", protect_sinks=32, protect_recent=32)
+    assert cache.resident_nbytes() < 0.6 * before
+    out = model(torch.randint(0, 256, (1, 4)), past_key_values=cache).logits
+    assert torch.isfinite(out).all()
+    assert cache.resident_nbytes() < 0.6 * before
+
+
+def test_log_count_equals_repeating_the_centroid():
+    """cluster(2) of a block holding each key twice is exact: a centroid with log 2 added to its
+    logit is the two copies. (Tokens i and i + 8 are equal; with uniform importance the k-means
+    seeds are tokens 0..7, all distinct.)"""
+    torch.manual_seed(0)
+    b, h, d, bs = 1, 2, 32, 16
+    base_k, base_v = torch.randn(b, h, bs // 2, d), torch.randn(b, h, bs // 2, d)
+    k = base_k.repeat(1, 1, 2, 1)
+    v = base_v.repeat(1, 1, 2, 1)
+    tail_k, tail_v = torch.randn(b, h, 3, d), torch.randn(b, h, 3, d)
+    q = torch.randn(b, 2 * h, 1, d)
+
+    class Mod(torch.nn.Module):
+        layer_idx = 0
+        num_key_value_groups = 2
+        is_causal = True
+
+    def attend(cache: ProximaCache) -> torch.Tensor:
+        keys, values = cache.update(tail_k[..., :1, :], tail_v[..., :1, :], 0)
+        out, _ = proxima_sdpa_attention(Mod(), q, keys, values, None, scaling=d**-0.5)
+        return out
+
+    exact = ProximaCache(block_size=bs)
+    exact.update(torch.cat([k, tail_k], 2), torch.cat([v, tail_v], 2), 0)
+    set_active(None)
+    ref = attend(exact)
+
+    comp = ProximaCache(block_size=bs)
+    comp.update(torch.cat([k, tail_k], 2), torch.cat([v, tail_v], 2), 0)
+    comp._obs[0] = torch.zeros(b, 2 * h, 4, d)  # uniform attention
+    comp.compress_blocks([0], Format.parse("cluster(2)"))
+    got = attend(comp)
+    assert torch.allclose(got, ref, atol=1e-5)
+    assert comp.proxima_layers[0].materialize()[2] is not None
+
+
+@torch.no_grad()
+def test_reduced_formats_need_proxima_attention(model, ids):
+    cache = ProximaCache(block_size=32)
+    model(ids, past_key_values=cache)
+    cache.compress_all("sparse(2)")
+    with pytest.raises(RuntimeError, match="enable"):
+        model(ids[:, :2], past_key_values=cache)
+
+
+@torch.no_grad()
+def test_policy_engine_reaches_target_ratio(model, ids):
+    enable(model)
+    # A random model's attention is flat, so int4 errors exceed the shipped probe bounds: probes off here.
+    policy = load_policy("configs/balanced.yaml")
+    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": policy.probes.compression.model_copy(update={"enabled": False})})})
+    cache = ProximaCache(policy, block_size=16)
+    model(ids, past_key_values=cache)
+    rep = cache.apply_policy(target_ratio=4)
+    assert rep.actions > 0
+    fmts = {f.name for f in cache.block_formats()}
+    assert fmts <= {"bf16", "int8", "int4", "cluster(2)+int4", "int2"}
+    # sinks (32 tokens = 2 blocks) and the recent window stay hot
+    assert cache.block_formats()[0].is_hot and cache.block_formats()[1].is_hot
+    assert cache.block_formats()[-1].is_hot
+    assert cache.nominal_ratio() > 2.0  # 6 of 19 blocks are protected (sinks 32, recent 64)
+
+
+@torch.no_grad()
+def test_generate_with_pressure_driven_policy(model, ids):
+    enable(model)
+    policy = load_policy("configs/aggressive.yaml")
+    cache = ProximaCache(policy, block_size=16, capacity_blocks=6, record_probes=True)
+    out = model.generate(ids[:, :100], past_key_values=cache, max_new_tokens=30, do_sample=False)
+    assert out.shape == (1, 130)
+    assert any(not f.is_hot for f in cache.block_formats())
+    assert cache.probe_log and all(r.error >= 0 for r in cache.probe_log)

@@ -1,0 +1,131 @@
+"""The KV connector: vLLM's supported per-step channel between scheduler and worker.
+
+Proxima loads no external KV (it reports zero external tokens), so vLLM's prefix caching and
+scheduling are unchanged. It uses the connector's *channel*:
+
+* scheduler: `bind_kv_cache_manager` (install the manager subclass), `build_connector_meta`
+  (end of schedule: plan), `update_connector_output` (commit), `has_pending_block_frees`
+  (wait instead of preempting while a commit is in flight);
+* worker: `register_kv_caches`, `start_load_kv` (before the forward: execute the plan),
+  `build_connector_worker_meta` (report).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from proxima.integration.vllm.plan import ProximaPlan, ProximaReport
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("proxima.vllm")
+STATS_ENV = "PROXIMA_STATS_FILE"
+"""If set, the scheduler side writes its counters there (JSON) every 50 steps and at the end."""
+
+
+class ProximaConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        from proxima.integration.vllm.plugin import POLICY_ENV
+        from proxima.policy.loader import load_policy
+        from proxima.policy.schema import Policy
+
+        path = os.environ.get(POLICY_ENV)
+        self.policy = load_policy(path) if path else Policy(enabled=False)
+        self.manager = None  # scheduler role, set in bind_kv_cache_manager
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # --- scheduler role ---------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        from proxima.integration.vllm.manager import install
+
+        self.manager = install(kv_cache_manager, self.policy)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.manager is None:
+            return ProximaPlan()
+        plan = self.manager.build_plan(scheduler_output.num_scheduled_tokens.keys())
+        if os.environ.get(STATS_ENV) and self.manager.px_stats.steps % 50 == 0:
+            self.dump_stats()
+        return plan
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        rep = connector_output.kv_connector_worker_meta
+        if self.manager is not None and isinstance(rep, ProximaReport):
+            self.manager.apply_report(rep)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.manager is not None and self.manager.has_pending()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def dump_stats(self) -> None:
+        import json
+
+        path = os.environ.get(STATS_ENV)
+        if path and self.manager is not None:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.manager.summary(), f)
+            os.replace(tmp, path)
+
+    def shutdown(self) -> None:
+        self.dump_stats()
+
+    # --- worker role ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from proxima.integration.vllm.worker import STORE
+
+        STORE.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls start_load_kv *after* the forward when no sync load is pending, but binds
+        # the metadata before it: this is the last point before attention reads the blocks.
+        super().bind_connector_metadata(connector_metadata)
+        from proxima.integration.vllm.worker import STORE
+
+        if isinstance(connector_metadata, ProximaPlan):
+            STORE.apply(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        from proxima.integration.vllm.worker import STORE
+
+        return STORE.take_report()

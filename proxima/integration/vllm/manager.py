@@ -1,0 +1,341 @@
+"""Scheduler side: the KV manager that owns each request's compressed blocks and their memory.
+
+`ProximaKVCacheManager` subclasses vLLM's `KVCacheManager`. vLLM constructs its manager inside
+`Scheduler.__init__` with no config option, then hands it to the connector
+(`bind_kv_cache_manager`); `install()` switches that instance's class to ours and adds our
+state, so all of vLLM's own state stays where vLLM put it.
+
+Physical accounting (the invariant `check_accounting` asserts): every non-null block is either
+in vLLM's free queue or owned: referenced by some request's `req_to_blocks` or held as a
+Proxima destination block. A compressed source is replaced by the null block and freed only
+after the worker reported that its compressed copy was written (two-phase commit).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import Request
+
+from proxima.formats import HOT, Format
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
+from proxima.policy.engine import EngineState, decide
+from proxima.policy.schema import Policy
+from proxima.policy.snapshot import RequestBlocks, Snapshot
+
+logger = logging.getLogger("proxima.vllm")
+
+
+def supported_formats(policy: Policy) -> set[Format]:
+    """Formats the vLLM data path can store today: quantizations without token reduction."""
+    fmts: set[Format] = set()
+    for band in policy.bands:
+        fmts.update(f for f in band.ladder if f.reduction is None)
+    return fmts
+
+
+@dataclass
+class _Dest:
+    """A physical block holding up to `fmt.pack_ratio` compressed slots of one request."""
+
+    block: KVCacheBlock
+    fmt: Format
+    next_slot: int = 0
+    live: int = 0
+    """Slots holding a committed or in-flight compressed block."""
+
+
+@dataclass
+class _ReqState:
+    request: Request
+    compressed: dict[int, tuple[Format, int, int]] = field(default_factory=dict)
+    """Logical block index -> (format, destination block id, slot), committed."""
+    in_flight: dict[int, CompressAction] = field(default_factory=dict)
+    dests: dict[int, _Dest] = field(default_factory=dict)
+    open: dict[Format, _Dest] = field(default_factory=dict)
+
+
+@dataclass
+class ProximaStats:
+    steps: int = 0
+    planned: int = 0
+    committed: int = 0
+    failed: int = 0
+    emergencies: int = 0
+    peak_running: int = 0
+    freed_blocks: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class ProximaKVCacheManager(KVCacheManager):
+    """vLLM's KV manager plus Proxima's per-request compressed-block bookkeeping."""
+
+    # Set by install(); declared for type checkers.
+    px_policy: Policy
+    px_state: EngineState
+    px_reqs: dict[str, _ReqState]
+    px_pending: dict[int, CompressAction]
+    px_dropped: list[str]
+    px_stats: ProximaStats
+    px_formats: set[Format]
+    px_ids: itertools.count
+
+    # --- vLLM hooks -------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs) -> KVCacheBlocks | None:  # type: ignore[override]
+        out = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if out is not None:
+            if request.request_id not in self.px_reqs:
+                self.px_reqs[request.request_id] = _ReqState(request)
+            return out
+        # The allocation would fail: vLLM would now preempt. Plan an emergency compression;
+        # has_pending_block_frees() then tells the scheduler to wait one step instead.
+        need = -(-num_new_tokens // self.block_size) + 1
+        if not self.px_pending and self._plan(pending_blocks=need):
+            self.px_stats.emergencies += 1
+        return None
+
+    def free(self, request: Request) -> None:
+        self._release_request(request.request_id)
+        super().free(request)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        dests = self._release_request(request.request_id, free_now=False)
+        return super().pop_blocks_for_free(request) + dests
+
+    # --- Proxima ------------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self._stm.block_size
+
+    @property
+    def _stm(self):  # type: ignore[no-untyped-def]
+        return self.coordinator.single_type_managers[0]
+
+    def has_pending(self) -> bool:
+        return bool(self.px_pending)
+
+    def _release_request(self, req_id: str, *, free_now: bool = True) -> list[KVCacheBlock]:
+        st = self.px_reqs.pop(req_id, None)
+        if st is None:
+            return []
+        for aid in list(st.in_flight.values()):
+            self.px_pending.pop(aid.action_id, None)
+        self.px_dropped.append(req_id)
+        blocks = [d.block for d in st.dests.values()]
+        if free_now and blocks:
+            self.block_pool.free_blocks(blocks)
+        return blocks
+
+    def _reserve_slot(self, st: _ReqState, fmt: Format) -> tuple[_Dest, int] | None:
+        dest = st.open.get(fmt)
+        if dest is None or dest.next_slot >= fmt.pack_ratio:
+            if self.block_pool.get_num_free_blocks() < 1:
+                return None
+            block = self.block_pool.get_new_blocks(1)[0]
+            dest = _Dest(block, fmt)
+            st.dests[block.block_id] = dest
+            st.open[fmt] = dest
+        slot = dest.next_slot
+        dest.next_slot += 1
+        dest.live += 1
+        return dest, slot
+
+    def _unreserve(self, st: _ReqState, dst: int) -> None:
+        dest = st.dests[dst]
+        dest.live -= 1
+        if dest.live == 0 and dest.next_slot >= dest.fmt.pack_ratio:
+            del st.dests[dst]
+            if st.open.get(dest.fmt) is dest:
+                del st.open[dest.fmt]
+            self.block_pool.free_blocks([dest.block])
+
+    def snapshot(self, pending_blocks: int = 0) -> tuple[Snapshot, list[_ReqState]]:
+        b = self.block_size
+        reqs: list[RequestBlocks] = []
+        states: list[_ReqState] = []
+        req_to_blocks = self._stm.req_to_blocks
+        for rid, st in self.px_reqs.items():
+            blocks = req_to_blocks.get(rid)
+            if not blocks:
+                continue
+            r = st.request
+            computed = r.num_computed_tokens
+            n = len(blocks)
+            tokens = [max(0, min(b, computed - i * b)) for i in range(n)]
+            formats = [st.compressed[i][0] if i in st.compressed else HOT for i in range(n)]
+            shared = [
+                (i in st.in_flight) or (i not in st.compressed and blocks[i].ref_cnt > 1) for i in range(n)
+            ]
+            reqs.append(
+                RequestBlocks(
+                    request_id=rid,
+                    importance=[1.0] * n,
+                    formats=formats,
+                    tokens=tokens,
+                    shared=shared,
+                    in_prefill=computed < r.num_prompt_tokens,
+                )
+            )
+            states.append(st)
+        snap = Snapshot.build(
+            total_blocks=self.block_pool.num_gpu_blocks - 1,
+            free_blocks=self.block_pool.get_num_free_blocks(),
+            block_size=b,
+            requests=reqs,
+            pending_blocks=pending_blocks,
+        )
+        return snap, states
+
+    def _plan(self, pending_blocks: int = 0) -> int:
+        """Run the policy engine and reserve destinations for its actions; returns actions planned."""
+        if self.px_policy.is_off:
+            return 0
+        snap, _ = self.snapshot(pending_blocks)
+        decision = decide(snap, self.px_policy, self.px_state)
+        self.px_state = decision.state
+        planned = 0
+        blocks_of = self._stm.req_to_blocks
+        for act in decision.actions:
+            fmt = act.to_format
+            if fmt not in self.px_formats or act.from_format != HOT:
+                continue  # recompressing a compressed block is not supported on vLLM yet
+            st = self.px_reqs[act.request_id]
+            src = blocks_of[act.request_id][act.block_index]
+            if src.is_null or src.ref_cnt != 1:
+                continue
+            res = self._reserve_slot(st, fmt)
+            if res is None:
+                break
+            dest, slot = res
+            ca = CompressAction(next(self.px_ids), act.request_id, act.block_index, src.block_id,
+                                dest.block.block_id, slot, fmt.name)
+            st.in_flight[act.block_index] = ca
+            self.px_pending[ca.action_id] = ca
+            planned += 1
+        self.px_stats.planned += planned
+        return planned
+
+    def build_plan(self, scheduled_req_ids: Iterable[str]) -> ProximaPlan:
+        """Called at the end of each `schedule()`: this step's actions for the worker."""
+        self.px_stats.steps += 1
+        self.px_stats.peak_running = max(self.px_stats.peak_running, len(self.px_reqs))
+        if not self.px_pending:
+            self._plan()
+        plan = ProximaPlan(
+            actions=[a for a in self.px_pending.values() if a.action_id not in self._px_sent],
+            dropped=self.px_dropped,
+        )
+        self._px_sent.update(a.action_id for a in plan.actions)
+        self.px_dropped = []
+        b = self.block_size
+        blocks_of = self._stm.req_to_blocks
+        for rid in scheduled_req_ids:
+            st = self.px_reqs.get(rid)
+            if st is None or not (st.compressed or st.in_flight):
+                continue
+            blocks = blocks_of[rid]
+            key = blocks[st.request.num_computed_tokens // b]
+            plan.key_blocks[key.block_id] = rid
+        return plan
+
+    def apply_report(self, report: ProximaReport) -> None:
+        """Second phase: commit successful compressions (free sources), undo failed ones."""
+        blocks_of = self._stm.req_to_blocks
+        null = self.block_pool.null_block
+        to_free: list[KVCacheBlock] = []
+        for aid in report.ok:
+            ca = self.px_pending.pop(aid, None)
+            self._px_sent.discard(aid)
+            if ca is None:
+                continue  # its request was freed meanwhile; its blocks went with it
+            st = self.px_reqs[ca.req_id]
+            st.in_flight.pop(ca.index, None)
+            blocks = blocks_of[ca.req_id]
+            src = blocks[ca.index]
+            assert src.block_id == ca.src, (
+                f"request {ca.req_id} block {ca.index} moved from {ca.src} to {src.block_id} while being "
+                "compressed: this indicates a bug in Proxima's manager"
+            )
+            blocks[ca.index] = null
+            to_free.append(src)
+            st.compressed[ca.index] = (Format.parse(ca.fmt), ca.dst, ca.slot)
+            self.px_stats.committed += 1
+        for aid in report.failed:
+            ca = self.px_pending.pop(aid, None)
+            self._px_sent.discard(aid)
+            self.px_stats.failed += 1
+            if ca is None:
+                continue
+            st = self.px_reqs[ca.req_id]
+            st.in_flight.pop(ca.index, None)
+            self._unreserve(st, ca.dst)
+        if report.errors:
+            self.px_stats.errors.extend(report.errors[-5:])
+            logger.warning("proxima: %d compressions failed and stay uncompressed: %s",
+                           len(report.failed), report.errors[-1])
+        if to_free:
+            self.block_pool.free_blocks(to_free)
+            self.px_stats.freed_blocks += len(to_free)
+
+    def owned_blocks(self) -> set[int]:
+        owned: set[int] = set()
+        for blocks in self._stm.req_to_blocks.values():
+            owned.update(b.block_id for b in blocks if not b.is_null)
+        for st in self.px_reqs.values():
+            owned.update(st.dests)
+        return owned
+
+    def check_accounting(self) -> None:
+        """free + owned == total, and no block both free and owned (no leak, no double free)."""
+        pool = self.block_pool
+        total = pool.num_gpu_blocks - 1
+        owned = self.owned_blocks()
+        free_ids = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
+        both = owned & free_ids
+        if both or len(owned) + pool.get_num_free_blocks() != total or len(free_ids) != pool.get_num_free_blocks():
+            raise AssertionError(
+                f"proxima accounting broken: owned={len(owned)} free={pool.get_num_free_blocks()} "
+                f"(ref_cnt==0: {len(free_ids)}) total={total}, owned and free: {sorted(both)[:10]}"
+            )
+
+    def summary(self) -> dict[str, object]:
+        s = self.px_stats
+        nslots = sum(len(st.compressed) for st in self.px_reqs.values())
+        ndest = sum(len(st.dests) for st in self.px_reqs.values())
+        return {
+            "steps": s.steps, "planned": s.planned, "committed": s.committed, "failed": s.failed,
+            "emergencies": s.emergencies, "freed_blocks": s.freed_blocks, "peak_resident": s.peak_running,
+            "compressed_slots_now": nslots, "dest_blocks_now": ndest,
+            "free_blocks": self.block_pool.get_num_free_blocks(), "total_blocks": self.block_pool.num_gpu_blocks - 1,
+            "errors": s.errors[-3:],
+        }
+
+
+def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | None:
+    """Turn vLLM's manager instance into a `ProximaKVCacheManager` (None if unsupported)."""
+    if len(manager.coordinator.single_type_managers) != 1:
+        logger.warning("proxima: %d KV cache groups (hybrid model); Proxima supports one and stays inactive",
+                       len(manager.coordinator.single_type_managers))
+        return None
+    manager.__class__ = ProximaKVCacheManager
+    m: ProximaKVCacheManager = manager  # type: ignore[assignment]
+    m.px_policy = policy
+    m.px_state = EngineState()
+    m.px_reqs = {}
+    m.px_pending = {}
+    m.px_dropped = []
+    m.px_stats = ProximaStats()
+    m.px_formats = supported_formats(policy)
+    m.px_ids = itertools.count()
+    m._px_sent = set()  # type: ignore[attr-defined]
+    dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in m.px_formats}
+    if dropped:
+        logger.warning("proxima: formats %s are not stored by the vLLM path yet and are skipped", sorted(dropped))
+    return m

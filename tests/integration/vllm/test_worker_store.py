@@ -1,0 +1,68 @@
+"""The worker executor and reader on a fake vLLM CPU KV tensor (no engine: fast)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from proxima.formats import Format  # noqa: E402
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan  # noqa: E402
+from proxima.integration.vllm.worker import FAULT_ENV, WorkerStore  # noqa: E402
+
+NB, H, B, D = 12, 3, 128, 64
+TOL = {"int8": 0.02, "fp8": 0.08, "int4": 0.2, "int2": 0.6}
+
+
+def _store() -> tuple[WorkerStore, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    caches = {f"layer.{i}": torch.randn(NB, H, B, 2 * D).to(torch.bfloat16) for i in range(2)}
+    st = WorkerStore()
+    st.register(caches)
+    return st, caches
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int2"])
+def test_roundtrip_into_packed_slots(fmt: str) -> None:
+    st, caches = _store()
+    f = Format.parse(fmt)
+    before = {k: v.clone() for k, v in caches.items()}
+    acts = [CompressAction(i, "r", i, src=1 + i, dst=10, slot=i, fmt=fmt) for i in range(min(f.pack_ratio, 4))]
+    st.apply(ProximaPlan(actions=acts))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [a.action_id for a in acts] and not rep.failed
+    dst = torch.tensor([10] * len(acts))
+    slot = torch.tensor([a.slot for a in acts])
+    for layer, kv in before.items():
+        kh, vh = st.read(layer, f, dst, slot)  # [N, B, H, D]
+        view = kv.view(NB, H, 2, B, D)
+        for i, a in enumerate(acts):
+            k = view[a.src, :, 0].transpose(0, 1).float()
+            v = view[a.src, :, 1].transpose(0, 1).float()
+            rel_k = (kh[i].float() - k).norm() / k.norm()
+            rel_v = (vh[i].float() - v).norm() / v.norm()
+            assert rel_k < TOL[fmt] and rel_v < TOL[fmt], (fmt, rel_k, rel_v)
+        # Only the destination block changed.
+        changed = (caches[layer] != kv).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed == [10]
+    assert st.remap["r"][0] == (f, 10, 0)
+
+
+def test_injected_fault_keeps_blocks_hot(monkeypatch: pytest.MonkeyPatch) -> None:
+    st, caches = _store()
+    before = {k: v.clone() for k, v in caches.items()}
+    monkeypatch.setenv(FAULT_ENV, "compress")
+    st.apply(ProximaPlan(actions=[CompressAction(7, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
+    rep = st.take_report()
+    assert rep is not None and rep.failed == [7] and not rep.ok and rep.errors
+    assert "r" not in st.remap
+    assert all(torch.equal(before[k], caches[k]) for k in caches)
+
+
+def test_dropped_request_forgotten() -> None:
+    st, _ = _store()
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")]))
+    assert "r" in st.remap
+    st.apply(ProximaPlan(dropped=["r"]))
+    assert "r" not in st.remap

@@ -1,1 +1,60 @@
-"""compression"""
+"""Compressed KV block formats, their torch reference ops and Triton kernels (DESIGN.md "Block formats").
+
+Public API (shapes use named dims: N blocks, T tokens, H KV heads, Hq query heads, D head dim):
+
+- `compress_block(fmt, k [T, H, D], v, *, token_importance [T, H], protected bool [T])` and
+  `decompress_block(cb) -> (k_hat [T', H, D], v_hat, log_count [T', H])`; batched
+  `compress_blocks` / `decompress_blocks` over [N, T, H, D].
+- `decode_attention(q [S, Hq, D], segments)`: attention over hot and compressed blocks of
+  several formats, with output, log-sum-exp and per-block attention mass.
+- `attention_error(q_obs [W, Hq, D], k, v, cb)`: the compression-time probe.
+- `slot_spec(fmt, ...)`: bytes and metadata layout of a format; `layout`: views onto vLLM's KV
+  tensor (CPU_ATTN and FlashAttention layouts) and the metadata side table.
+
+Nothing here imports vLLM. Triton is imported only when a Triton backend is used.
+"""
+
+from proxima.compression.attention import (
+    DecodeOutput,
+    KVSegment,
+    attention_error,
+    decode_attention,
+    decode_attention_reference,
+    merge_partials,
+)
+from proxima.compression.blocks import (
+    CompressedBlock,
+    CompressedBlocks,
+    compress_block,
+    compress_blocks,
+    decompress_block,
+    decompress_blocks,
+    kept_count,
+)
+from proxima.compression.layout import KVLayout, SideTable, hot_store, read_slots, slot_pool, write_slots
+from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec, slot_spec
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "CompressedBlock",
+    "CompressedBlocks",
+    "DecodeOutput",
+    "KVLayout",
+    "KVSegment",
+    "SideTable",
+    "SlotSpec",
+    "attention_error",
+    "compress_block",
+    "compress_blocks",
+    "decode_attention",
+    "decode_attention_reference",
+    "decompress_block",
+    "decompress_blocks",
+    "hot_store",
+    "kept_count",
+    "merge_partials",
+    "read_slots",
+    "slot_pool",
+    "slot_spec",
+    "write_slots",
+]

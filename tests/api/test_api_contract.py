@@ -60,7 +60,9 @@ def test_invalid_yaml_points_at_line(client: TestClient) -> None:
     assert client.get("/v1/policy").json()["version"] == 1
 
 
-def test_invalid_policy_rejected_with_field_path_and_live_unchanged(client: TestClient, server: SimulatedServer) -> None:
+def test_invalid_policy_rejected_with_field_path_and_live_unchanged(
+    client: TestClient, server: SimulatedServer
+) -> None:
     before = client.get("/v1/policy").json()
     r = client.patch("/v1/policy", json={"bands": [{"name": "x", "enter": 0.5, "exit": 0.4, "target_free": 0.3,
                                                      "ladder": ["int4"]}]}, headers=AUTH)

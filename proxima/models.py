@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "proxima-model.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: no GGUF quantization_config in config.json
 DEFAULT_CACHE = Path(os.environ.get("PROXIMA_MODEL_CACHE", Path.home() / ".cache" / "proxima" / "models"))
 
 Progress = Callable[[str], None]
@@ -158,6 +158,10 @@ def _build(gguf: Path, dest: Path, progress: Progress) -> None:
     progress("[proxima] [2/3] copying weights into a fresh LlamaForCausalLM and saving (bf16 safetensors)")
     config = src.config
     config.dtype = torch.bfloat16
+    # The weights are dequantised now; a leftover GGUF quantization_config would make loaders
+    # (transformers, vLLM) look for the GGUF file again.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     with torch.device("meta"):
         fresh = LlamaForCausalLM(config)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in src.state_dict().items()}

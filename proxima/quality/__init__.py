@@ -1,0 +1,1 @@
+"""Quality evaluation: datasets, the harness, baselines and the damage model (SmolLM2, offline)."""

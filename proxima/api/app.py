@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import yaml
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -107,16 +109,51 @@ def _if_match(request: Request) -> int | None:
     return int(tag)
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _non_finite(data: Any, path: str = "") -> str | None:
+    """The path of the first NaN or infinite number in `data`, if any.
+
+    pydantic accepts them for float fields, but such a policy could not be written back as JSON
+    (every later GET would fail), so the API refuses them up front.
+    """
+    if isinstance(data, float) and not math.isfinite(data):
+        return path
+    if isinstance(data, dict):
+        items: Any = data.items()
+    elif isinstance(data, list):
+        items = enumerate(data)
+    else:
+        return None
+    for key, value in items:
+        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+        found = _non_finite(value, sub)
+        if found is not None:
+            return found
+    return None
+
+
+def _require_finite(data: Any, what: str) -> None:
+    where = _non_finite(data)
+    if where is not None:
+        raise ApiError(
+            422, f"{what} contains a NaN or infinite number", [{"field": where, "message": "must be a finite number"}]
+        )
+
+
 async def _json_object(request: Request, what: str) -> dict[str, Any]:
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if ctype not in JSON_TYPES:
         raise ApiError(415, f"{what} must be sent as one of {', '.join(JSON_TYPES)}; got {ctype!r}")
     try:
-        data = json.loads(await request.body())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(await request.body(), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise ApiError(400, f"{what} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(422, f"{what} must be a JSON object", [{"field": "", "message": "expected an object"}])
+    _require_finite(data, what)
     return data
 
 
@@ -232,6 +269,9 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
                 text = (await request.body()).decode("utf-8")
             except UnicodeDecodeError:
                 raise ApiError(400, "policy YAML must be UTF-8") from None
+            # Broken YAML is left to the store's parser, which reports it with line and column.
+            with contextlib.suppress(yaml.YAMLError):
+                _require_finite(yaml.safe_load(text), "the policy")
             version, changes = ctl.put_policy(None, "api:PUT", comment, expected, text=text)
         else:
             data = await _json_object(request, "the policy")

@@ -83,8 +83,12 @@ def test_webhook_set_by_patch_receives_fallback_alert(client: TestClient, server
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{httpd.server_port}/hook"
-        assert client.patch("/v1/policy", json={"alerts": {"webhook": {"url": url, "timeout_s": 2}}},
-                            headers=AUTH).status_code == 200
+        assert (
+            client.patch(
+                "/v1/policy", json={"alerts": {"webhook": {"url": url, "timeout_s": 2}}}, headers=AUTH
+            ).status_code
+            == 200
+        )
         client.post("/v1/fallback", json={"level": 1}, headers=AUTH)
         server.controller.webhook.join()
         assert _Hook.received and _Hook.received[-1]["kind"] == "fallback_forced"

@@ -28,8 +28,16 @@ def test_missing_wrong_right_token(client: TestClient, method: str, path: str, b
 
 
 def test_reads_need_no_token(client: TestClient) -> None:
-    for path in ("/v1/policy", "/v1/policy/history", "/v1/stats", "/v1/probes", "/v1/alerts", "/v1/fallback",
-                 "/metrics", "/healthz"):
+    for path in (
+        "/v1/policy",
+        "/v1/policy/history",
+        "/v1/stats",
+        "/v1/probes",
+        "/v1/alerts",
+        "/v1/fallback",
+        "/metrics",
+        "/healthz",
+    ):
         assert client.get(path).status_code == 200, path
 
 

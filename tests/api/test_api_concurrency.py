@@ -53,8 +53,9 @@ def test_concurrent_patches_are_serialized(client: TestClient, server: Simulated
 
 def test_if_match_lets_exactly_one_racer_win(client: TestClient) -> None:
     def send(i: int) -> int:
-        return client.patch("/v1/policy", json={"description": f"w{i}"}, headers={**AUTH, "If-Match": '"1"'}
-                            ).status_code
+        return client.patch(
+            "/v1/policy", json={"description": f"w{i}"}, headers={**AUTH, "If-Match": '"1"'}
+        ).status_code
 
     with ThreadPoolExecutor(max_workers=6) as pool:
         codes = list(pool.map(send, range(12)))
@@ -63,8 +64,9 @@ def test_if_match_lets_exactly_one_racer_win(client: TestClient) -> None:
 
 def test_every_change_is_logged_with_version_and_diff(client: TestClient, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="proxima.api.changes"):
-        client.patch("/v1/policy", json={"budget": {"max_blocks_per_step": 12}}, headers=AUTH,
-                     params={"comment": "tighter"})
+        client.patch(
+            "/v1/policy", json={"budget": {"max_blocks_per_step": 12}}, headers=AUTH, params={"comment": "tighter"}
+        )
     (rec,) = [r for r in caplog.records if r.name == "proxima.api.changes"]
     msg = rec.getMessage()
     assert "v1 -> v2" in msg and "api:PATCH" in msg and "(tighter)" in msg

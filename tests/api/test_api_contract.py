@@ -14,8 +14,17 @@ def test_healthz_and_openapi(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok", "policy_version": 1}
     doc = client.get("/openapi.json").json()
     paths = set(doc["paths"])
-    for p in ("/v1/policy", "/v1/policy/rollback", "/v1/policy/history", "/v1/stats", "/v1/probes",
-              "/v1/alerts", "/v1/fallback", "/metrics", "/healthz"):
+    for p in (
+        "/v1/policy",
+        "/v1/policy/rollback",
+        "/v1/policy/history",
+        "/v1/stats",
+        "/v1/probes",
+        "/v1/alerts",
+        "/v1/fallback",
+        "/metrics",
+        "/healthz",
+    ):
         assert p in paths
     assert {"get", "put", "patch"} <= set(doc["paths"]["/v1/policy"])
     assert doc["paths"]["/v1/policy"]["put"]["security"] == [{"HTTPBearer": []}]
@@ -64,8 +73,11 @@ def test_invalid_policy_rejected_with_field_path_and_live_unchanged(
     client: TestClient, server: SimulatedServer
 ) -> None:
     before = client.get("/v1/policy").json()
-    r = client.patch("/v1/policy", json={"bands": [{"name": "x", "enter": 0.5, "exit": 0.4, "target_free": 0.3,
-                                                     "ladder": ["int4"]}]}, headers=AUTH)
+    r = client.patch(
+        "/v1/policy",
+        json={"bands": [{"name": "x", "enter": 0.5, "exit": 0.4, "target_free": 0.3, "ladder": ["int4"]}]},
+        headers=AUTH,
+    )
     assert r.status_code == 422
     assert r.json()["problems"][0]["field"] == "bands[0]"
     assert "target_free" in r.json()["problems"][0]["message"]
@@ -82,12 +94,19 @@ def test_invalid_policy_rejected_with_field_path_and_live_unchanged(
 
 
 def test_patch_not_object_and_bad_content_type(client: TestClient) -> None:
-    assert client.patch("/v1/policy", content=b"[1, 2]", headers={**AUTH, "Content-Type": "application/json"}
-                        ).status_code == 422
-    assert client.patch("/v1/policy", content=b"{not json", headers={**AUTH, "Content-Type": "application/json"}
-                        ).status_code == 400
-    assert client.patch("/v1/policy", content=b"a: 1", headers={**AUTH, "Content-Type": "text/plain"}
-                        ).status_code == 415
+    assert (
+        client.patch("/v1/policy", content=b"[1, 2]", headers={**AUTH, "Content-Type": "application/json"}).status_code
+        == 422
+    )
+    assert (
+        client.patch(
+            "/v1/policy", content=b"{not json", headers={**AUTH, "Content-Type": "application/json"}
+        ).status_code
+        == 400
+    )
+    assert (
+        client.patch("/v1/policy", content=b"a: 1", headers={**AUTH, "Content-Type": "text/plain"}).status_code == 415
+    )
 
 
 def test_if_match_precondition(client: TestClient) -> None:
@@ -114,8 +133,18 @@ def test_stats_shape(client: TestClient, server: SimulatedServer) -> None:
     for _ in range(150):
         server.driver.tick()
     s = client.get("/v1/stats").json()
-    for key in ("pressure", "blocks_by_format", "saved_bytes", "effective_compression", "fragmentation_blocks",
-                "free_blocks", "owned_blocks", "total_blocks", "policy_version", "fallback_level"):
+    for key in (
+        "pressure",
+        "blocks_by_format",
+        "saved_bytes",
+        "effective_compression",
+        "fragmentation_blocks",
+        "free_blocks",
+        "owned_blocks",
+        "total_blocks",
+        "policy_version",
+        "fallback_level",
+    ):
         assert key in s
     assert s["free_blocks"] + s["owned_blocks"] == s["total_blocks"]
     assert 0.0 <= s["pressure"] <= 1.0
@@ -171,3 +200,16 @@ def test_policy_change_reaches_engine_next_step(client: TestClient, server: Simu
     server.driver.tick()
     assert server.backend.sim.policy is None  # the simulator treats an off policy as vanilla
     assert server.backend._version == r.json()["version"]
+
+
+def test_non_finite_numbers_rejected(client: TestClient) -> None:
+    r = client.patch(
+        "/v1/policy",
+        content=b'{"fallback": {"cooldown_s": Infinity}}',
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400
+    text = (CONFIGS / "balanced.yaml").read_text().replace("cooldown_s: 120", "cooldown_s: .inf")
+    r = client.put("/v1/policy", content=text, headers={**AUTH, "Content-Type": "application/yaml"})
+    assert r.status_code == 422 and r.json()["problems"][0]["field"] == "fallback.cooldown_s"
+    assert client.get("/v1/policy").status_code == 200

@@ -25,12 +25,17 @@ def _run(server: SimulatedServer, clock: FakeClock, probes: int) -> None:
             server.driver.tick()
 
 
-def test_regression_steps_down_alerts_and_recovers(client: TestClient, server: SimulatedServer,
-                                                   clock: FakeClock) -> None:
-    r = client.patch("/v1/policy", headers=AUTH, json={
-        "probes": {"canary": {"enabled": True, "interval_s": INTERVAL, "max_kl": 0.05, "min_top1": 0.9}},
-        "fallback": {"failures_to_step_down": 2, "passes_to_step_up": 3, "cooldown_s": COOLDOWN},
-    })
+def test_regression_steps_down_alerts_and_recovers(
+    client: TestClient, server: SimulatedServer, clock: FakeClock
+) -> None:
+    r = client.patch(
+        "/v1/policy",
+        headers=AUTH,
+        json={
+            "probes": {"canary": {"enabled": True, "interval_s": INTERVAL, "max_kl": 0.05, "min_top1": 0.9}},
+            "fallback": {"failures_to_step_down": 2, "passes_to_step_up": 3, "cooldown_s": COOLDOWN},
+        },
+    )
     assert r.status_code == 200, r.text
 
     _run(server, clock, 4)  # healthy
@@ -76,12 +81,15 @@ def test_regression_steps_down_alerts_and_recovers(client: TestClient, server: S
     assert server.backend.sim.state.fallback_level == 0
 
 
-def test_sustained_regression_walks_down_to_off(client: TestClient, server: SimulatedServer,
-                                                clock: FakeClock) -> None:
-    client.patch("/v1/policy", headers=AUTH, json={
-        "probes": {"canary": {"enabled": True, "interval_s": INTERVAL}},
-        "fallback": {"failures_to_step_down": 1, "cooldown_s": COOLDOWN},
-    })
+def test_sustained_regression_walks_down_to_off(client: TestClient, server: SimulatedServer, clock: FakeClock) -> None:
+    client.patch(
+        "/v1/policy",
+        headers=AUTH,
+        json={
+            "probes": {"canary": {"enabled": True, "interval_s": INTERVAL}},
+            "fallback": {"failures_to_step_down": 1, "cooldown_s": COOLDOWN},
+        },
+    )
     server.quality.inject(5.0)
     _run(server, clock, 6)
     state = client.get("/v1/fallback").json()
@@ -96,10 +104,14 @@ def test_sustained_regression_walks_down_to_off(client: TestClient, server: Simu
 
 
 def test_forced_level_holds_against_probes(client: TestClient, server: SimulatedServer, clock: FakeClock) -> None:
-    client.patch("/v1/policy", headers=AUTH, json={
-        "probes": {"canary": {"enabled": True, "interval_s": INTERVAL}},
-        "fallback": {"failures_to_step_down": 1},
-    })
+    client.patch(
+        "/v1/policy",
+        headers=AUTH,
+        json={
+            "probes": {"canary": {"enabled": True, "interval_s": INTERVAL}},
+            "fallback": {"failures_to_step_down": 1},
+        },
+    )
     client.post("/v1/fallback", json={"level": 0}, headers=AUTH)
     server.quality.inject(5.0)
     _run(server, clock, 3)
@@ -109,8 +121,11 @@ def test_forced_level_holds_against_probes(client: TestClient, server: Simulated
 
 def test_policy_swap_with_fewer_levels_rebases_ladder(client: TestClient, server: SimulatedServer) -> None:
     client.post("/v1/fallback", json={"level": 3}, headers=AUTH)
-    r = client.patch("/v1/policy", headers=AUTH, json={"fallback": {"levels": [{"name": "full"}, {"name": "off",
-                                                                                 "max_pack_ratio": 1}]}})
+    r = client.patch(
+        "/v1/policy",
+        headers=AUTH,
+        json={"fallback": {"levels": [{"name": "full"}, {"name": "off", "max_pack_ratio": 1}]}},
+    )
     assert r.status_code == 200
     state = client.get("/v1/fallback").json()
     assert state["level"] == 1 and state["level_name"] == "off"

@@ -19,13 +19,32 @@ for _ in range(20):  # some resident blocks, so /v1/stats and /metrics have cont
 _CLIENT = TestClient(_SERVER.app)
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids, max_size=4),
     max_leaves=20,
 )
 # Keys that exist in the policy, so the fuzzer reaches deep validation instead of 'unknown key'.
-policy_keys = st.sampled_from(["bands", "protect", "budget", "importance", "layer_overrides", "damage",
-                               "probes", "fallback", "alerts", "api", "enabled", "name", "schema_version"])
+policy_keys = st.sampled_from(
+    [
+        "bands",
+        "protect",
+        "budget",
+        "importance",
+        "layer_overrides",
+        "damage",
+        "probes",
+        "fallback",
+        "alerts",
+        "api",
+        "enabled",
+        "name",
+        "schema_version",
+    ]
+)
 patches = st.dictionaries(policy_keys, json_values, max_size=3)
 
 
@@ -48,8 +67,17 @@ def test_other_writes_never_5xx(path: str, body: object) -> None:
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(raw=st.binary(max_size=300), ctype=st.sampled_from(["application/json", "application/yaml", "text/plain",
-                                                          "application/merge-patch+json"]))
+@given(
+    raw=st.binary(max_size=300)
+    | st.sampled_from(
+        [
+            b'{"fallback": {"cooldown_s": Infinity}}',
+            b'{"importance": {"ema_decay": NaN}}',
+            b"fallback: {cooldown_s: .inf}",
+        ]
+    ),
+    ctype=st.sampled_from(["application/json", "application/yaml", "text/plain", "application/merge-patch+json"]),
+)
 def test_raw_bytes_never_5xx(raw: bytes, ctype: str) -> None:
     for method in ("PUT", "PATCH"):
         r = _CLIENT.request(method, "/v1/policy", content=raw, headers={**AUTH, "Content-Type": ctype})

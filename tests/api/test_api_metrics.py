@@ -11,10 +11,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxima.api.server import SimulatedServer
 
 REQUIRED = {
-    "proxima_pool_pressure_ratio", "proxima_pool_blocks", "proxima_pool_saved_bytes",
-    "proxima_pool_effective_compression_factor", "proxima_pool_fragmentation_blocks",
-    "proxima_engine_decisions", "proxima_engine_compression_errors", "proxima_engine_compression_kernel_seconds",
-    "proxima_probe_runs", "proxima_probe_value", "proxima_fallback_level", "proxima_alerts_fired",
+    "proxima_pool_pressure_ratio",
+    "proxima_pool_blocks",
+    "proxima_pool_saved_bytes",
+    "proxima_pool_effective_compression_factor",
+    "proxima_pool_fragmentation_blocks",
+    "proxima_engine_decisions",
+    "proxima_engine_compression_errors",
+    "proxima_engine_compression_kernel_seconds",
+    "proxima_probe_runs",
+    "proxima_probe_value",
+    "proxima_fallback_level",
+    "proxima_alerts_fired",
     "proxima_policy_version",
 }
 
@@ -60,8 +68,9 @@ def test_stale_format_gauge_drops_to_zero(server: SimulatedServer) -> None:
     from proxima.api.backend import BackendStats
 
     m = server.controller.metrics
-    base = dict(pressure=0.5, total_blocks=10, free_blocks=5, owned_blocks=5, block_bytes=1,
-                fragmentation_blocks=0.0, step=1)
+    base = dict(
+        pressure=0.5, total_blocks=10, free_blocks=5, owned_blocks=5, block_bytes=1, fragmentation_blocks=0.0, step=1
+    )
     m.set_stats(BackendStats(blocks_by_format={"bf16": 3, "int4": 8}, **base))
     m.set_stats(BackendStats(blocks_by_format={"bf16": 5}, **base))
     assert m.registry.get_sample_value("proxima_pool_blocks", {"format": "int4"}) == 0

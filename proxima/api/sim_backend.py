@@ -16,14 +16,17 @@ import numpy as np
 
 from proxima.api.backend import BackendStats, StepReport
 from proxima.api.controller import Controller
-from proxima.policy.probes import ProbeResult, evaluate_canary
-from proxima.policy.schema import CanaryProbe, Policy
+from proxima.policy.probes import DriftSample, ProbeResult, drift_test, evaluate_canary
+from proxima.policy.schema import CanaryProbe, DriftProbe, Policy
 from proxima.simulator.sim import PoolConfig, Simulator
 from proxima.simulator.workload import RequestSpec, WorkloadConfig, synthetic
 
 # One uncompressed 16-token block of SmolLM2-135M (K and V, 30 layers, 3 KV heads, head_dim 64,
 # bf16): 2 * 30 * 3 * 64 * 16 * 2 bytes. Only scales `saved_bytes`; nothing else depends on it.
 SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 2
+
+
+DRIFT_EVERY_STEPS = 20
 
 
 class SimulatedBackend:
@@ -115,6 +118,14 @@ class SimulatedQuality:
     def inject(self, degradation: float) -> None:
         self.degradation = float(degradation)
 
+    def drift(self, cfg: DriftProbe) -> ProbeResult:
+        """A window of compressed-request tokens against the holdout's; damage lowers log-probs."""
+        n = cfg.window
+        hold = DriftSample(-self._rng.exponential(1.0, n), self._rng.gamma(2.0, 1.0, n))
+        shift = self.degradation * 0.5
+        comp = DriftSample(-self._rng.exponential(1.0, n) - shift, self._rng.gamma(2.0, 1.0, n) + shift)
+        return drift_test(comp, hold, cfg)
+
     def canary(self, cfg: CanaryProbe) -> ProbeResult:
         live = [r + self._rng.standard_normal(r.shape) * self.degradation for r in self.reference]
         return evaluate_canary(self.reference, live, cfg)
@@ -135,6 +146,7 @@ class SimDriver:
         self.quality = quality or SimulatedQuality()
         self.step_interval_s = step_interval_s
         self._last_canary: float | None = None
+        self._steps_since_drift = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -147,6 +159,13 @@ class SimDriver:
         if canary.enabled and (self._last_canary is None or now - self._last_canary >= canary.interval_s):
             self._last_canary = now
             ctl.on_probe(self.quality.canary(canary))
+        # Drift compares windows of finished requests; in the simulator one window per
+        # DRIFT_EVERY_STEPS steps stands in for "enough requests have finished".
+        drift = version.policy.probes.drift
+        self._steps_since_drift += 1
+        if drift.enabled and self._steps_since_drift >= DRIFT_EVERY_STEPS:
+            self._steps_since_drift = 0
+            ctl.on_probe(self.quality.drift(drift))
 
     def start(self) -> None:
         def loop() -> None:

@@ -131,3 +131,27 @@ def test_policy_swap_with_fewer_levels_rebases_ladder(client: TestClient, server
     assert state["level"] == 1 and state["level_name"] == "off"
     server.driver.tick()
     assert server.backend.sim.state.fallback_level == 1
+
+
+def test_drift_regression_steps_down(client: TestClient, server: SimulatedServer) -> None:
+    from proxima.api.sim_backend import DRIFT_EVERY_STEPS
+
+    client.patch(
+        "/v1/policy",
+        headers=AUTH,
+        json={
+            "probes": {"drift": {"enabled": True, "window": 100, "p_value": 0.01}},
+            "fallback": {"failures_to_step_down": 2},
+        },
+    )
+    for _ in range(DRIFT_EVERY_STEPS * 2):
+        server.driver.tick()
+    assert client.get("/v1/probes").json()["probes"]["drift"]["passes"] >= 1
+    server.quality.inject(2.0)
+    for _ in range(DRIFT_EVERY_STEPS * 2):
+        server.driver.tick()
+    probes = client.get("/v1/probes").json()
+    assert probes["probes"]["drift"]["last"]["passed"] is False
+    assert probes["probes"]["drift"]["last"]["values"]["p_logprob"] < 0.005
+    assert probes["fallback"]["level"] == 1
+    assert client.get("/v1/alerts").json()["alerts"][-1]["details"]["probe"]["kind"] == "drift"

@@ -112,9 +112,7 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     return (w.unsqueeze(-1) * o.float()).sum(0), total
 
 
-def _segment_logits(
-    q: torch.Tensor, seg: KVSegment, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment_logits(q: torch.Tensor, seg: KVSegment, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference logits [S, Hq, E*C] (masked -inf) and dequantized values [S, Hq, E*C, D]."""
     s, hq, d = q.shape
     st = seg.store

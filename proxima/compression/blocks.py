@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from proxima.compression import reference as ref
-from proxima.compression.spec import DEFAULT_GROUP_SIZE, VALUES_PER_BYTE
+from proxima.compression.spec import DEFAULT_GROUP_SIZE
 from proxima.formats import Format
 
 Backend = Literal["auto", "triton", "torch"]
@@ -133,7 +133,9 @@ def _check_inputs(
         raise ValueError("token_importance contains NaN")
     if protected is not None:
         if protected.shape != (n, t) or protected.dtype != torch.bool:
-            raise ValueError(f"protected must be bool [N, T] = {(n, t)}, got {protected.dtype} {tuple(protected.shape)}")
+            raise ValueError(
+                f"protected must be bool [N, T] = {(n, t)}, got {protected.dtype} {tuple(protected.shape)}"
+            )
         keep = kept_count(fmt, t)
         worst = int(protected.sum(1).max()) if n else 0
         if fmt.reduction == "sparse" and worst > keep:
@@ -221,9 +223,7 @@ def decompress_blocks(
     """
     n, c, h = cb.num_slots, cb.slot_tokens, cb.num_kv_heads
     dev = cb.k_data.device
-    log_count = (
-        cb.log_count.float().clone() if cb.log_count is not None else torch.zeros(n, c, h, device=dev)
-    )
+    log_count = cb.log_count.float().clone() if cb.log_count is not None else torch.zeros(n, c, h, device=dev)
     q = cb.fmt.quant
     if q == "bf16":
         return cb.k_data.to(cb.dtype), cb.v_data.to(cb.dtype), log_count

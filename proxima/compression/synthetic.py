@@ -41,9 +41,7 @@ def realistic_kv(
     return k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
 
 
-def queries_for(
-    k: torch.Tensor, w: int, hq: int, *, seed: int = 1, sharpness: float = 0.2
-) -> torch.Tensor:
+def queries_for(k: torch.Tensor, w: int, hq: int, *, seed: int = 1, sharpness: float = 0.2) -> torch.Tensor:
     """w queries [W, Hq, D] for keys k [T, H, D]: noisy copies of random keys of the block, so each
     query attends mostly to a few tokens (GQA: query head i uses KV head i // (Hq / H))."""
     t, h, d = k.shape

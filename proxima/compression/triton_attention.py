@@ -26,19 +26,52 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, sq_s, sq_h,  # [S, Hq, D] queries (D contiguous)
-    k_ptr, sk_slot, sk_t, sk_h,  # key pool [slots, C, H, P] (P contiguous)
-    v_ptr, sv_slot, sv_t, sv_h,  # value pool, same shape
-    ks_ptr, kz_ptr, sks_slot, sks_t, sks_h,  # key scale / zero (see CompressedBlocks)
-    vs_ptr, vz_ptr, svs_slot, svs_t, svs_h,  # value scale / zero
-    lc_ptr, slc_slot, slc_t, slc_h,  # log(count) [slots, C, H] (cluster only)
-    tab_ptr, ntok_ptr,  # [S, E] int32 slot ids and valid tokens per entry (contiguous)
-    o_ptr, lse_ptr,  # [SPLITS, S, Hq, D] and [SPLITS, S, Hq] float32 partial results
+    q_ptr,
+    sq_s,
+    sq_h,  # [S, Hq, D] queries (D contiguous)
+    k_ptr,
+    sk_slot,
+    sk_t,
+    sk_h,  # key pool [slots, C, H, P] (P contiguous)
+    v_ptr,
+    sv_slot,
+    sv_t,
+    sv_h,  # value pool, same shape
+    ks_ptr,
+    kz_ptr,
+    sks_slot,
+    sks_t,
+    sks_h,  # key scale / zero (see CompressedBlocks)
+    vs_ptr,
+    vz_ptr,
+    svs_slot,
+    svs_t,
+    svs_h,  # value scale / zero
+    lc_ptr,
+    slc_slot,
+    slc_t,
+    slc_h,  # log(count) [slots, C, H] (cluster only)
+    tab_ptr,
+    ntok_ptr,  # [S, E] int32 slot ids and valid tokens per entry (contiguous)
+    o_ptr,
+    lse_ptr,  # [SPLITS, S, Hq, D] and [SPLITS, S, Hq] float32 partial results
     ent_ptr,  # [S, E, Hq] float32 per-entry log-sum-exp (natural log)
-    S, E, Hq, E_PER_SPLIT, sm_scale_log2,
-    QUANT: tl.constexpr, HAS_COUNT: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-    PER: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK_D: tl.constexpr, C: tl.constexpr, SLOTS_PER_IT: tl.constexpr,
+    S,
+    E,
+    Hq,
+    E_PER_SPLIT,
+    sm_scale_log2,
+    QUANT: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    PER: tl.constexpr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    C: tl.constexpr,
+    SLOTS_PER_IT: tl.constexpr,
     DOT_F32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9), so dot in f32
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -68,8 +101,12 @@ def _decode_kernel(
         slot = tl.where(valid, slot, 0)  # padding entries may hold any id; read slot 0 instead
         m2 = valid[:, None] & md[None, :]
         if QUANT == 0:
-            k = tl.load(k_ptr + slot[:, None] * sk_slot + t[:, None] * sk_t + h * sk_h + od[None, :], mask=m2, other=0.0)
-            v = tl.load(v_ptr + slot[:, None] * sv_slot + t[:, None] * sv_t + h * sv_h + od[None, :], mask=m2, other=0.0)
+            k = tl.load(
+                k_ptr + slot[:, None] * sk_slot + t[:, None] * sk_t + h * sk_h + od[None, :], mask=m2, other=0.0
+            )
+            v = tl.load(
+                v_ptr + slot[:, None] * sv_slot + t[:, None] * sv_t + h * sv_h + od[None, :], mask=m2, other=0.0
+            )
         else:
             k = _load_dequant(
                 k_ptr, ks_ptr, kz_ptr, slot, t, h, od, m2, sk_slot, sk_t, sk_h,

@@ -15,7 +15,6 @@ import triton.language as tl
 
 from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, QUANT_CODE, VALUES_PER_BYTE
 
-
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Kernels that work around interpreter-only bugs check this (it is read once, like triton does)."""
 
@@ -62,7 +61,10 @@ def _quantize_kernel(
     z_ptr,  # zero point, same layout as scale (sub-byte formats only)
     T,  # tokens per block
     H,  # KV heads
-    sx_n, sx_t, sx_h, sx_d,  # strides of x
+    sx_n,
+    sx_t,
+    sx_h,
+    sx_d,  # strides of x
     QUANT: tl.constexpr,  # spec.QUANT_CODE: 1 fp8, 2 int8, 3 int4, 4 int2
     IS_KEY: tl.constexpr,  # sub-byte keys group along tokens (KIVI), values along channels
     D: tl.constexpr,
@@ -109,9 +111,7 @@ def _quantize_kernel(
             rng = hi - lo
             scale = tl.where(rng > 0, tl.math.div_rn(rng, LEVELS * 1.0), 1.0).to(tl.float16)
             zero = lo.to(tl.float16)
-            codes = tl.floor(
-                tl.math.div_rn(x - zero.to(tl.float32)[None, :], scale.to(tl.float32)[None, :]) + 0.5
-            )
+            codes = tl.floor(tl.math.div_rn(x - zero.to(tl.float32)[None, :], scale.to(tl.float32)[None, :]) + 0.5)
             GK = (T + GROUP - 1) // GROUP
             m_off = ((n * GK + tb) * H + h) * D + offs_d
             tl.store(s_ptr + m_off, scale, mask=md)
@@ -124,9 +124,7 @@ def _quantize_kernel(
             rng = hi - lo
             scale = tl.where(rng > 0, tl.math.div_rn(rng, LEVELS * 1.0), 1.0).to(tl.float16)
             zero = lo.to(tl.float16)
-            c3 = tl.floor(
-                tl.math.div_rn(x3 - zero.to(tl.float32)[:, :, None], scale.to(tl.float32)[:, :, None]) + 0.5
-            )
+            c3 = tl.floor(tl.math.div_rn(x3 - zero.to(tl.float32)[:, :, None], scale.to(tl.float32)[:, :, None]) + 0.5)
             codes = tl.reshape(c3, (BLOCK_T, BLOCK_D))
             offs_g = tl.arange(0, NG)
             DG: tl.constexpr = D // GROUP
@@ -192,12 +190,24 @@ def quantize(
 
 @triton.jit
 def _load_dequant(
-    d_ptr, s_ptr, z_ptr,  # codes and their metadata (layouts as in _quantize_kernel)
-    slot, t, h, d,  # int64 slot id [R] or scalar, token [R], head (scalar), channel [C]
+    d_ptr,
+    s_ptr,
+    z_ptr,  # codes and their metadata (layouts as in _quantize_kernel)
+    slot,
+    t,
+    h,
+    d,  # int64 slot id [R] or scalar, token [R], head (scalar), channel [C]
     mask,  # [R, C]
-    sd_slot, sd_t, sd_h,  # strides of the code tensor (last dim contiguous)
-    ss_slot, ss_t, ss_h,  # strides of the scale/zero tensors (last dim contiguous)
-    QUANT: tl.constexpr, IS_KEY: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+    sd_slot,
+    sd_t,
+    sd_h,  # strides of the code tensor (last dim contiguous)
+    ss_slot,
+    ss_t,
+    ss_h,  # strides of the scale/zero tensors (last dim contiguous)
+    QUANT: tl.constexpr,
+    IS_KEY: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
     PER: tl.constexpr,
 ):
     """Dequantized float32 tile [R, C] for rows (slot, t) and channels d of head h."""
@@ -227,13 +237,26 @@ def _load_dequant(
 
 @triton.jit
 def _dequantize_kernel(
-    d_ptr, s_ptr, z_ptr,  # codes [N, T, H, P] and metadata (contiguous)
+    d_ptr,
+    s_ptr,
+    z_ptr,  # codes [N, T, H, P] and metadata (contiguous)
     o_ptr,  # [N, T, H, D] output, contiguous
-    T, H,
-    sd_slot, sd_t, sd_h,  # code strides
-    ss_slot, ss_t, ss_h,  # metadata strides
-    QUANT: tl.constexpr, IS_KEY: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-    PER: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    T,
+    H,
+    sd_slot,
+    sd_t,
+    sd_h,  # code strides
+    ss_slot,
+    ss_t,
+    ss_h,  # metadata strides
+    QUANT: tl.constexpr,
+    IS_KEY: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    PER: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # output is bf16: round to nearest even before the cast
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -315,13 +338,20 @@ def _ranks(imp_ptr, prot_ptr, n, h, T, H, HAS_PROT: tl.constexpr, BLOCK_T: tl.co
 
 @triton.jit
 def _sparsify_kernel(
-    k_ptr, v_ptr,  # [N, T, H, D] source, contiguous
+    k_ptr,
+    v_ptr,  # [N, T, H, D] source, contiguous
     imp_ptr,  # [N, T, H] importance, contiguous
     prot_ptr,  # [N, T] uint8 protected flags, contiguous (unused without HAS_PROT)
-    ko_ptr, vo_ptr,  # [N, C, H, D] kept tokens, contiguous
+    ko_ptr,
+    vo_ptr,  # [N, C, H, D] kept tokens, contiguous
     idx_ptr,  # [N, C, H] int32 source token of each kept token
-    T, H, C,
-    HAS_PROT: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    T,
+    H,
+    C,
+    HAS_PROT: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -359,15 +389,23 @@ def sparsify(
 
 @triton.jit
 def _cluster_kernel(
-    k_ptr, v_ptr,  # [N, T, H, D] source, contiguous
+    k_ptr,
+    v_ptr,  # [N, T, H, D] source, contiguous
     w_ptr,  # [N, T, H] float32 weights > 0
     imp_ptr,  # [N, T, H] importance for the seed ranks (same as w up to the clamp)
     prot_ptr,  # [N, T] uint8 protected flags
-    ko_ptr, vo_ptr,  # [N, C, H, D] float32 centroids and value means, contiguous
+    ko_ptr,
+    vo_ptr,  # [N, C, H, D] float32 centroids and value means, contiguous
     lc_ptr,  # [N, C, H] float32 log(count)
-    T, H, C,
-    ITERS: tl.constexpr, HAS_PROT: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    T,
+    H,
+    C,
+    ITERS: tl.constexpr,
+    HAS_PROT: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)

@@ -70,8 +70,10 @@ def test_slots_round_trip_and_stay_inside_their_block(layout, fmt):
         x, y = getattr(cb, name), getattr(back, name)
         assert (x is None) == (y is None)
         if x is not None:
-            assert torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
-                               y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y), name
+            assert torch.equal(
+                x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y,
+            ), name
     kh, vh, _ = decompress_blocks(back)
     kw, vw, _ = decompress_blocks(cb)
     assert torch.equal(kh, kw) and torch.equal(vh, vw)

@@ -102,7 +102,7 @@ def test_cluster_objective_vs_sklearn():
     t, c, d = 64, 8, 32
     centers = torch.randn(c, d, generator=g) * 4
     k = (centers[torch.randint(0, c, (t,), generator=g)] + torch.randn(t, d, generator=g)).view(1, t, 1, d)
-    w = (torch.rand(1, t, 1, generator=g) + 0.2)
+    w = torch.rand(1, t, 1, generator=g) + 0.2
     ranks = ref.token_ranks(w, None)
     kc, *_ = ref.cluster(k, k, w, ranks, c, 4)
     ours = ref.kmeans_objective(k, w, kc).item()

@@ -1,0 +1,432 @@
+"""Compression kernels on the GPU: check every kernel against its torch reference, then time them.
+
+    PYTHONPATH=. python bench/kernels.py --out DIR [--quick]
+
+Writes DIR/kernels-h200.json and DIR/kernels-h200.md (copy them to bench/results/). Rows:
+
+- `copy`: a 1 GiB device-to-device copy; bytes read + written per second is the roofline.
+- `compress` / `decompress` per format over >= 256 MB of bf16 KV (1024 blocks of 64 tokens,
+  8 KV heads, head_dim 128): bytes read + written (data and metadata) per second.
+- `decode` per format and (context, batch): Proxima's split-K kernel over paged slots
+  (shuffled slot table, block size 64), 32 query heads / 8 KV heads / head_dim 128, against
+  `scaled_dot_product_attention` on contiguous bf16 KV (`sdpa_time_us`). Both timed as CUDA graph
+  replays (median), as vLLM runs decode; bytes = KV data + metadata read.
+- `quality`: attention-output relative error (the compression-time probe) on synthetic KV with
+  outlier key channels (`proxima.compression.synthetic`).
+
+Every number comes from this run; nothing here is a test (the tests are in tests/compression).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+import triton
+import triton.testing
+
+from proxima.compression import (
+    KVSegment,
+    attention_error,
+    compress_block,
+    compress_blocks,
+    decode_attention,
+    decode_attention_reference,
+    decompress_blocks,
+)
+from proxima.compression import reference as ref
+from proxima.compression.synthetic import queries_for, realistic_kv
+
+HQ, H, D, B = 32, 8, 128, 64
+FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int4", "cluster(2)+int8"]
+DECODE_FORMATS = ["bf16", "fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int4"]
+T_START = time.time()
+DEADLINE_S = 420
+"""Decode shapes still to run are skipped past this many seconds, so a run always writes results
+inside the device tool's 10-minute command limit."""
+DECODE_SHAPES = [(4096, 1), (4096, 16), (4096, 64), (32768, 1), (32768, 8), (32768, 32), (131072, 1), (131072, 8)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    den = float(b.double().norm())
+    return float((a.double() - b.double()).norm()) / den if den else float((a.double() - b.double()).norm())
+
+
+def nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def cb_bytes(cb) -> int:
+    return nbytes(cb.k_data, cb.v_data, cb.k_scale, cb.k_zero, cb.v_scale, cb.v_zero, cb.log_count, cb.token_index)
+
+
+def bench_ms(fn, graph: bool = False) -> float:
+    if graph:
+        try:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
+        except Exception as e:  # capture can fail on a host sync; eager timing is then the fallback
+            print(f"  cudagraph capture failed ({type(e).__name__}: {e}); timing eagerly", flush=True)
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(256 * 1024 * 1024 // 2 * 4, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * nbytes(src) / ms / 1e6  # GB/s
+
+
+# ----------------------------------------------------------------------------------------------
+# correctness on the GPU
+
+
+def checks() -> list[dict]:
+    out = []
+    torch.manual_seed(0)
+    k, v = realistic_kv(32, 64, H, D, seed=1, device="cuda")
+    imp = torch.rand(32, 64, H, device="cuda")
+    prot = torch.zeros(32, 64, dtype=torch.bool, device="cuda")
+    prot[:, :2] = True
+    for fmt in FORMATS:
+        a = compress_blocks(fmt, k, v, token_importance=imp, protected=prot, backend="torch")
+        b = compress_blocks(fmt, k, v, token_importance=imp, protected=prot, backend="triton")
+        ka, va, la = decompress_blocks(a, backend="torch")
+        kb, vb, lb = decompress_blocks(b, backend="triton")
+        kc, vc, _ = decompress_blocks(b, backend="torch")
+        e_k, e_v = rel(kb.float(), ka.float()), rel(vb.float(), va.float())
+        e_deq = max(rel(kb.float(), kc.float()), rel(vb.float(), vc.float()))
+        row = {"op": "check_compress", "format": fmt, "k_rel_err": e_k, "v_rel_err": e_v, "dequant_rel_err": e_deq}
+        ok = e_k < 2e-3 and e_v < 2e-3 and e_deq < 1e-3
+        if fmt.startswith("cluster"):
+            # compare the k-means objective (near-ties may flip an assignment)
+            w = imp.float().clamp_min(1e-6)
+            src = k
+            oa = ref.kmeans_objective(src, w, ka).sum().item()
+            ob = ref.kmeans_objective(src, w, kb).sum().item()
+            row["objective_ratio"] = ob / oa
+            ok = abs(ob / oa - 1) < 1e-2 and torch.allclose(la.exp(), lb.exp(), atol=1e-2)
+        row["ok"] = bool(ok)
+        out.append(row)
+    # mixed-format decode attention, Triton vs reference
+    s, segs = 4, []
+    for i, (fmt, e) in enumerate(
+        [("bf16", 8), ("int4", 8), ("fp8", 4), ("int8", 4), ("cluster(4)", 4), ("sparse(2)+int2", 4)]
+    ):
+        kk, vv = realistic_kv(s * e + 5, B, H, D, seed=10 + i, device="cuda")
+        cb = compress_blocks(fmt, kk, vv, token_importance=torch.rand(s * e + 5, B, H, device="cuda"))
+        tab = torch.randperm(s * e + 5, device="cuda")[: s * e].view(s, e).int()
+        nt = torch.full((s, e), cb.slot_tokens, dtype=torch.int32, device="cuda")
+        nt[0, -1] = max(1, cb.slot_tokens // 3)
+        nt[1, 0] = 0
+        segs.append(KVSegment(cb, tab, nt))
+    for hq in (8, 24, 64):  # GQA 1, 3, 8
+        q = torch.randn(s, hq, D, device="cuda", dtype=torch.bfloat16)
+        r = decode_attention_reference(q, segs)
+        o = decode_attention(q, segs, backend="triton")
+        mass_err = max(float((a - b).abs().max()) for a, b in zip(o.block_mass, r.block_mass, strict=True))
+        e_o, e_lse = rel(o.out.float(), r.out.float()), float((o.lse - r.lse).abs().max())
+        out.append({
+            "op": "check_decode", "format": "mixed", "gqa": hq // H, "out_rel_err": e_o,
+            "lse_abs_err": e_lse, "mass_abs_err": mass_err, "ok": bool(e_o < 1e-2 and e_lse < 1e-2 and mass_err < 2e-3),
+        })  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# throughput
+
+
+def compress_rows(copy_gbps: float, n_blocks: int) -> list[dict]:
+    rows = []
+    k = torch.randn(n_blocks, B, H, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    imp = torch.rand(n_blocks, B, H, device="cuda")
+    src = nbytes(k, v)
+    for fmt in FORMATS:
+        try:
+            rows += _compress_one(fmt, k, v, imp, src, copy_gbps, n_blocks)
+        except Exception as e:  # keep going: one broken kernel must not hide the other numbers
+            traceback.print_exc()
+            rows.append({"op": "compress", "format": fmt, "error": f"{type(e).__name__}: {e}"[:500]})
+    return rows
+
+
+def _compress_one(fmt, k, v, imp, src, copy_gbps, n_blocks) -> list[dict]:
+    rows = []
+    if True:
+        needs_imp = "(" in fmt
+
+        def fn(fmt=fmt, imp_=imp if needs_imp else None):
+            return compress_blocks(fmt, k, v, token_importance=imp_, backend="triton")
+
+        cb = fn()
+        ms = bench_ms(fn)
+        moved = src + (nbytes(imp) if needs_imp else 0) + cb_bytes(cb)
+        rows.append({
+            "op": "compress", "format": fmt, "context": n_blocks * B, "batch": n_blocks, "time_us": ms * 1e3,
+            "gbps": moved / ms / 1e6, "copy_gbps": copy_gbps, "bytes": moved,
+        })  # fmt: skip
+        ms = bench_ms(lambda cb=cb: decompress_blocks(cb, backend="triton"))
+        moved = cb_bytes(cb) - nbytes(cb.token_index) + 2 * cb.num_slots * cb.slot_tokens * H * D * 2
+        rows.append({
+            "op": "decompress", "format": fmt, "context": n_blocks * B, "batch": n_blocks, "time_us": ms * 1e3,
+            "gbps": moved / ms / 1e6, "copy_gbps": copy_gbps, "bytes": moved,
+        })  # fmt: skip
+        print(f"  compress {fmt:16s} {rows[-2]['time_us']:9.1f} us {rows[-2]['gbps']:7.0f} GB/s", flush=True)
+        del cb
+    return rows
+
+
+def decode_rows(copy_gbps: float, shapes: list[tuple[int, int]]) -> list[dict]:
+    rows = []
+    for ctx, batch in shapes:
+        if time.time() - T_START > DEADLINE_S:
+            print(f"  skipping decode {ctx} x {batch}: past the {DEADLINE_S}s budget", flush=True)
+            rows.append({"op": "decode", "format": "all", "context": ctx, "batch": batch, "error": "skipped: time"})
+            continue
+        e = ctx // B
+        nblk = batch * e
+        k = torch.randn(nblk, B, H, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        # SDPA on contiguous bf16 KV: [batch, H, ctx, D]
+        kc = k.view(batch, e, B, H, D).permute(0, 3, 1, 2, 4).reshape(batch, H, ctx, D).contiguous()
+        vc = v.view(batch, e, B, H, D).permute(0, 3, 1, 2, 4).reshape(batch, H, ctx, D).contiguous()
+        qs = q.unsqueeze(2)
+
+        def sdpa(qs=qs, kc=kc, vc=vc):
+            return torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)
+
+        sdpa_ms = bench_ms(sdpa, graph=True)
+        del sdpa, kc, vc
+        table = torch.randperm(nblk, device="cuda").view(batch, e).int()
+        bf16_ms = None
+        for fmt in DECODE_FORMATS:
+            try:
+                if fmt == "bf16":
+                    cb = compress_blocks("bf16", k, v, backend="triton")
+                else:
+                    imp = torch.rand(nblk, B, H, device="cuda") if "(" in fmt else None
+                    cb = compress_blocks(fmt, k, v, token_importance=imp, backend="triton")
+                    del imp
+                ntok = torch.full((batch, e), cb.slot_tokens, dtype=torch.int32, device="cuda")
+                seg = KVSegment(cb, table, ntok)
+
+                def fn(seg=seg, q=q):
+                    return decode_attention(q, [seg], backend="triton")
+
+                ms = bench_ms(fn, graph=True)
+                moved = cb_bytes(cb) - nbytes(cb.token_index) + nbytes(q) * 2
+                if fmt == "bf16":
+                    bf16_ms = ms
+                rows.append({
+                "op": "decode", "format": fmt, "context": ctx, "batch": batch, "time_us": ms * 1e3,
+                "gbps": moved / ms / 1e6, "copy_gbps": copy_gbps, "sdpa_time_us": sdpa_ms * 1e3,
+                "speedup_vs_bf16": bf16_ms / ms, "speedup_vs_sdpa": sdpa_ms / ms, "bytes": moved,
+            })  # fmt: skip
+                print(
+                    f"  decode {ctx:6d} x {batch:2d} {fmt:16s} {ms * 1e3:9.1f} us (sdpa {sdpa_ms * 1e3:8.1f})",
+                    flush=True,
+                )
+                del cb, seg, fn
+            except Exception as e:  # keep going: one broken kernel must not hide the other numbers
+                traceback.print_exc()
+                rows.append(
+                    {
+                        "op": "decode",
+                        "format": fmt,
+                        "context": ctx,
+                        "batch": batch,
+                        "error": f"{type(e).__name__}: {e}"[:500],
+                    }
+                )
+                bf16_ms = bf16_ms or float("nan")
+        del k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def quality_rows() -> list[dict]:
+    rows = []
+    k, v = realistic_kv(4, 128, 2, 128, seed=3)
+    for fmt in ["fp8", "int8", "int4", "int2", "sparse(2)", "sparse(4)", "cluster(2)", "cluster(4)", "sparse(2)+int4"]:
+        errs = []
+        for i in range(4):
+            q = queries_for(k[i], 16, 8, seed=i)
+            p = torch.softmax(
+                torch.einsum("whd,thd->wht", q.float(), k[i].float().repeat_interleave(4, 1)) / math.sqrt(128), -1
+            )
+            imp = p.sum(0).view(2, 4, 128).sum(1).T.contiguous()  # observation-window mass per token
+            errs.append(attention_error(q, k[i], v[i], compress_block(fmt, k[i], v[i], token_importance=imp)))
+        rows.append({"op": "quality", "format": fmt, "attn_rel_err": sum(errs) / len(errs)})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    t = []
+    by = lambda op, fmt: [r for r in rows if r["op"] == op and r["format"] == fmt]  # noqa: E731
+    for fmt in ("fp8", "int8", "int4"):
+        r = by("compress", fmt)[0]
+        t.append(
+            {
+                "target": f"compress {fmt} >= 60% of copy bandwidth",
+                "value": r["gbps"] / r["copy_gbps"],
+                "met": r["gbps"] >= 0.6 * r["copy_gbps"],
+            }
+        )
+    big = [r for r in by("decode", "int4") if r["context"] >= 32768]
+    t.append(
+        {
+            "target": "int4 decode >= 2.5x Proxima bf16 at >= 32k",
+            "value": min(r["speedup_vs_bf16"] for r in big),
+            "met": all(r["speedup_vs_bf16"] >= 2.5 for r in big),
+        }
+    )
+    t.append(
+        {
+            "target": "int4 decode faster than SDPA bf16 at >= 32k",
+            "value": min(r["speedup_vs_sdpa"] for r in big),
+            "met": all(r["speedup_vs_sdpa"] > 1 for r in big),
+        }
+    )
+    hot = by("decode", "bf16")
+    t.append(
+        {
+            "target": "Proxima bf16 paged within 1.3x of SDPA",
+            "value": max(r["time_us"] / r["sdpa_time_us"] for r in hot),
+            "met": all(r["time_us"] <= 1.3 * r["sdpa_time_us"] for r in hot),
+        }
+    )
+    qual = {r["format"]: r["attn_rel_err"] for r in rows if r["op"] == "quality"}
+    for fmt, bound in (("int8", 0.01), ("fp8", 0.01), ("int4", 0.05)):
+        t.append({"target": f"attention error {fmt} <= {bound:.0%}", "value": qual[fmt], "met": qual[fmt] <= bound})
+    return t  # fmt: skip
+
+
+def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
+    lines = [f"# Proxima compression kernels on {meta['gpu']}", ""]
+    lines += [
+        f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write).",
+        "",
+    ]
+    lines += ["## Targets", "", "| target | value | met |", "|---|---|---|"]
+    lines += [f"| {x['target']} | {x['value']:.3g} | {'yes' if x['met'] else 'no'} |" for x in tg]
+    lines += [
+        "",
+        "## Checks against the torch reference (GPU)",
+        "",
+        "| op | format | errors | ok |",
+        "|---|---|---|---|",
+    ]
+    for r in meta["checks"]:
+        errs = ", ".join(
+            f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in r.items()
+            if k not in ("op", "format", "ok", "gqa")
+        )
+        lines.append(
+            f"| {r['op']} | {r['format']}{' gqa ' + str(r['gqa']) if 'gqa' in r else ''} | {errs} | {r['ok']} |"
+        )
+    lines += ["", "## Compress / decompress (1024 blocks x 64 tokens x 8 heads x 128, bf16 = 256 MiB)", ""]
+    lines += ["| op | format | time_us | GB/s | % of copy |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['format']} | error: {r['error'][:200]} | | |")
+        elif r["op"] in ("compress", "decompress"):
+            lines.append(
+                f"| {r['op']} | {r['format']} | {r['time_us']:.1f} | {r['gbps']:.0f} | {100 * r['gbps'] / r['copy_gbps']:.0f}% |"
+            )
+    lines += ["", "## Decode attention (32 q heads, 8 KV heads, D 128, block 64; CUDA-graph medians)", ""]
+    lines += [
+        "| context | batch | format | time_us | GB/s | sdpa_time_us | vs bf16 | vs SDPA |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["op"] == "decode" and "error" not in r:
+            lines.append(
+                f"| {r['context']} | {r['batch']} | {r['format']} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
+                f"{r['sdpa_time_us']:.1f} | {r['speedup_vs_bf16']:.2f}x | {r['speedup_vs_sdpa']:.2f}x |"
+            )
+    lines += [
+        "",
+        "## Attention-output error (probe, synthetic KV with outlier key channels)",
+        "",
+        "| format | rel. error |",
+        "|---|---|",
+    ]
+    lines += [f"| {r['format']} | {r['attn_rel_err']:.4f} |" for r in rows if r["op"] == "quality"]
+    return "\n".join(lines) + "\n"  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--quick", action="store_true", help="small shapes only (smoke run)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D, "block_size": B},
+    }
+    print("checks ...", flush=True)
+    try:
+        meta["checks"] = checks()
+    except Exception as e:
+        traceback.print_exc()
+        meta["checks"] = [{"op": "checks", "format": "-", "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}]
+    for r in meta["checks"]:
+        print(f"  {r['op']} {r['format']} ok={r['ok']}", flush=True)
+    meta["copy_gbps"] = copy_bandwidth()
+    print(f"copy {meta['copy_gbps']:.0f} GB/s  ({time.time() - t0:.0f}s)", flush=True)
+    rows = [
+        {
+            "op": "copy",
+            "format": "bf16",
+            "context": 0,
+            "batch": 0,
+            "time_us": 0.0,
+            "gbps": meta["copy_gbps"],
+            "copy_gbps": meta["copy_gbps"],
+        }
+    ]
+    rows += compress_rows(meta["copy_gbps"], 64 if args.quick else 1024)
+    print(f"compress done ({time.time() - t0:.0f}s)", flush=True)
+    rows += decode_rows(meta["copy_gbps"], [(4096, 1), (32768, 2)] if args.quick else DECODE_SHAPES)
+    print(f"decode done ({time.time() - t0:.0f}s)", flush=True)
+    rows += quality_rows()
+    try:
+        tg = targets([r for r in rows if "error" not in r])
+    except Exception as e:
+        traceback.print_exc()
+        tg = [{"target": "evaluation failed", "value": float("nan"), "met": False, "error": str(e)}]
+    meta["elapsed_s"] = time.time() - t0
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "kernels-h200.json"), "w") as f:
+        json.dump({"meta": meta, "targets": tg, "rows": rows}, f, indent=1)
+    md = markdown(meta, rows, tg)
+    with open(os.path.join(args.out, "kernels-h200.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0 if all(r["ok"] for r in meta["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

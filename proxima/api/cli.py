@@ -9,6 +9,7 @@ http://127.0.0.1:8765) and the token from `$PROXIMA_API_TOKEN`. A 4xx answer is 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -123,6 +124,8 @@ def register(app: typer.Typer) -> None:
         except PolicyError as exc:
             _echo_err(str(exc))
             raise typer.Exit(2) from None
+        # Policy changes and alerts go to proxima.* loggers; uvicorn only configures its own.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         srv = simulated(pol, source=str(policy), seed=seed)
         if srv.controller.store.policy.api.token_file is None and not os.environ.get(pol.api.token_env):
             _echo_err(f"warning: {pol.api.token_env} is not set; the API will refuse every change")

@@ -26,8 +26,8 @@ def test_serve_simulate_end_to_end() -> None:
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "proxima.cli",
+            "-c",
+            "from proxima.cli import main; main()",
             "api",
             "serve",
             "--simulate",

@@ -8,7 +8,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import ClassVar
 
-from conftest import AUTH
+from api_helpers import AUTH
 from fastapi.testclient import TestClient
 
 from proxima.api.alerts import AlertLog, WebhookSink

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import AUTH, TOKEN, FakeClock, make_server
+from api_helpers import AUTH, TOKEN, FakeClock, make_server
 from fastapi.testclient import TestClient
 
 from proxima.api.auth import AuthError, TokenSource, check_bearer

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, TOKEN
+from api_helpers import CONFIGS, TOKEN
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 

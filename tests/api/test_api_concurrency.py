@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import AUTH
+from api_helpers import AUTH
 from fastapi.testclient import TestClient
 
 from proxima.api.server import SimulatedServer

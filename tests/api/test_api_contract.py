@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import AUTH, CONFIGS
+from api_helpers import AUTH, CONFIGS
 from fastapi.testclient import TestClient
 
 from proxima.api.server import SimulatedServer

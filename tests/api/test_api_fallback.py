@@ -3,7 +3,7 @@ alert and moves the metric; once quality is back and the cooldown is over, the l
 
 from __future__ import annotations
 
-from conftest import AUTH, FakeClock
+from api_helpers import AUTH, FakeClock
 from fastapi.testclient import TestClient
 
 from proxima.api.server import SimulatedServer

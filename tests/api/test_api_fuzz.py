@@ -8,7 +8,7 @@ the mutating endpoints (it runs even where schemathesis is not installed).
 from __future__ import annotations
 
 import pytest
-from conftest import AUTH, FakeClock, make_server
+from api_helpers import AUTH, FakeClock, make_server
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

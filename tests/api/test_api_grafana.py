@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from conftest import CONFIGS
+from api_helpers import CONFIGS
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import AUTH
+from api_helpers import AUTH
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 

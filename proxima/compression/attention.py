@@ -54,9 +54,15 @@ class DecodeOutput:
     """[S, Hq, D] attention output, dtype of q."""
     lse: torch.Tensor
     """[S, Hq] float32 natural-log sum of exp of the (scaled, count-corrected) logits."""
-    block_mass: list[torch.Tensor]
-    """Per segment, [S, E, Hq] float32: softmax mass each entry received (sums to 1 over all
-    entries of all segments, per sequence and query head; 0 for padding)."""
+    entry_lse: list[torch.Tensor]
+    """Per segment, [S, E, Hq] float32 log-sum-exp of each entry's logits (-inf for padding)."""
+
+    @property
+    def block_mass(self) -> list[torch.Tensor]:
+        """Per segment, [S, E, Hq] float32: softmax mass each entry received (sums to 1 over all
+        entries of all segments, per sequence and query head; 0 for padding). Computed on
+        access, so a decode step that does not need it launches nothing for it."""
+        return [torch.exp(e - self.lse.unsqueeze(1)).nan_to_num(0.0) for e in self.entry_lse]
 
 
 def _check_q(q: torch.Tensor, segments: list[KVSegment]) -> None:
@@ -93,12 +99,16 @@ def decode_attention(
         return decode_attention_reference(q, segments, sm_scale=scale)
     from proxima.compression import triton_attention as ta
 
-    parts = [ta.segment_partial(q, seg, scale, num_splits) for seg in segments]
-    o_all = torch.cat([p[0] for p in parts], 0)  # [P, S, Hq, D]
-    lse_all = torch.cat([p[1] for p in parts], 0)  # [P, S, Hq]
-    out, lse = merge_partials(o_all, lse_all)
-    mass = [torch.exp(p[2] - lse.unsqueeze(1)).nan_to_num(0.0) for p in parts]
-    return DecodeOutput(out.to(q.dtype), lse, mass)
+    s, hq, d = q.shape
+    splits = [ta.plan_splits(q, seg, num_splits) for seg in segments]
+    o_all = torch.empty(sum(splits), s, hq, d, device=q.device, dtype=torch.float32)
+    lse_all = torch.empty(sum(splits), s, hq, device=q.device, dtype=torch.float32)
+    ents, p0 = [], 0
+    for seg, sp in zip(segments, splits, strict=True):
+        ents.append(ta.segment_partial(q, seg, scale, sp, o_all[p0 : p0 + sp], lse_all[p0 : p0 + sp]))
+        p0 += sp
+    out, lse = ta.merge(o_all, lse_all, q.dtype)
+    return DecodeOutput(out, lse, ents)
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,13 +154,13 @@ def decode_attention_reference(
     lse = torch.logsumexp(logits, -1)
     p = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
     out = torch.einsum("shn,shnd->shd", p, values)
-    mass, start = [], 0
+    ents, start = [], 0
     for seg in segments:
         e, c = seg.slot_table.shape[1], seg.store.slot_tokens
-        pe = p[..., start : start + e * c].reshape(s, hq, e, c).sum(-1)
-        mass.append(pe.transpose(1, 2).contiguous())
+        le = torch.logsumexp(logits[..., start : start + e * c].reshape(s, hq, e, c), -1)
+        ents.append(le.transpose(1, 2).contiguous())
         start += e * c
-    return DecodeOutput(out.to(q.dtype), lse, mass)
+    return DecodeOutput(out.to(q.dtype), lse, ents)
 
 
 def attention_error(

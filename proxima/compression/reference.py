@@ -4,7 +4,7 @@ All functions are batched over blocks. Named dims: N blocks, T tokens of a block
 D head dim, P packed dim (D / values per byte), C kept tokens or centroids, G group size.
 
 Arithmetic is float32 and written so the Triton kernels can follow it step for step:
-quantization codes are `floor(x / scale + 0.5)` (not torch's round-half-even), sub-byte scales
+quantization codes are `floor(x * (1 / scale) + 0.5)` (not torch's round-half-even), sub-byte scales
 and zero points are rounded to float16 *before* the codes are computed (so the stored metadata
 is the one the codes were made with), and k-means distances are `|k|^2 - 2 k.c + |c|^2`.
 """
@@ -53,7 +53,7 @@ def quantize_per_token(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch
     qmax = FP8_E4M3_MAX if quant == "fp8" else INT8_MAX
     # An all-zero row gets scale 1 so that 0 / scale stays 0 (and never NaN).
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-    y = xf / scale.unsqueeze(-1)
+    y = xf * (1.0 / scale).unsqueeze(-1)  # a reciprocal, then multiplies: what the kernel does
     if quant == "fp8":
         return y.to(torch.float8_e4m3fn), scale
     return _round(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
@@ -74,7 +74,7 @@ def _asym_meta(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Ten
 
 def _asym_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes in [0, 2^bits); scale and zero broadcast against x."""
-    return _round((x - zero.float()) / scale.float()).clamp(0, (1 << bits) - 1)
+    return _round((x - zero.float()) * (1.0 / scale.float())).clamp(0, (1 << bits) - 1)
 
 
 def quantize_kivi_keys(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, ...]:

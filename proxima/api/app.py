@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -27,7 +26,7 @@ from proxima import __version__
 from proxima.api.auth import AuthError, TokenSource, check_bearer
 from proxima.api.controller import Controller, VersionConflict, changes_json, policy_summary
 from proxima.api.limits import BodyLimitMiddleware
-from proxima.policy.loader import PolicyError
+from proxima.policy.loader import PolicyError, clean_loc, field_path
 from proxima.policy.schema import Policy
 from proxima.policy.store import Change, PolicyVersion
 
@@ -72,21 +71,6 @@ class ApiError(Exception):
 
 def _error(status: int, error: str, problems: list[dict[str, Any]] | None = None, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": error, "problems": problems or [], **extra}, status_code=status)
-
-
-def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _bracket_indices(path: str) -> str:
-    # The store joins pydantic locations with dots ('bands.0.exit'); files and docs say 'bands[0].exit'.
-    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
 
 
 def _write_response(version: PolicyVersion, changes: list[Change]) -> JSONResponse:
@@ -202,10 +186,7 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
 
     @app.exception_handler(PolicyError)
     async def _policy_error(_: Request, exc: PolicyError) -> JSONResponse:
-        problems = [
-            {"field": _bracket_indices(p.field), "message": p.message, "line": p.line, "column": p.column}
-            for p in exc.problems
-        ]
+        problems = [{"field": p.field, "message": p.message, "line": p.line, "column": p.column} for p in exc.problems]
         return _error(
             422, "invalid policy; the live policy is unchanged", problems, live_version=ctl.store.current.version
         )
@@ -217,7 +198,8 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = [
-            {"field": _field_path([p for p in e["loc"] if p != "body"]), "message": e["msg"]} for e in exc.errors()
+            {"field": field_path(clean_loc([p for p in e["loc"] if p != "body"])), "message": e["msg"]}
+            for e in exc.errors()
         ]
         return _error(422, "invalid request", problems)
 

@@ -57,14 +57,6 @@ class SimulatedBackend:
         self._batch += 1
         return [replace(s, request_id=f"b{batch}-{s.request_id}", arrival=s.arrival + at_step) for s in specs]
 
-    def _forget_finished(self) -> None:
-        # The simulator keeps every request it has seen (fine for a finite run); an endless server
-        # must drop finished ones or it grows without bound. Reaches into its private table.
-        sim = self.sim
-        live = {r.spec.request_id for r in sim.running} | {r.spec.request_id for r in sim.waiting}
-        live |= {s.request_id for s in sim._arrivals}
-        sim._reqs = {k: v for k, v in sim._reqs.items() if k in live}
-
     def step(self, version: int, policy: Policy, fallback_level: int) -> StepReport:
         """One engine step under `policy` (swapped in if its version changed) at `fallback_level`."""
         with self._lock:
@@ -72,8 +64,7 @@ class SimulatedBackend:
             if version != self._version:
                 sim.set_policy(policy)
                 self._version = version
-            if len(sim.waiting) + len(sim._arrivals) < self.workload_cfg.num_requests // 2:
-                self._forget_finished()
+            if len(sim.waiting) + sim.pending_arrivals < self.workload_cfg.num_requests // 2:
                 sim.add_requests(self._next_batch(sim.step_no))
             sim.state = replace(sim.state, fallback_level=fallback_level)
             before = dict(sim.result.decisions_by_format)

@@ -44,7 +44,7 @@ class PolicyError(ValueError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-def _field_path(loc: Sequence[str | int]) -> str:
+def field_path(loc: Sequence[str | int]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -76,7 +76,7 @@ def _locate(node: yaml.Node | None, loc: Sequence[str | int]) -> yaml.Mark | Non
     return mark
 
 
-def _clean_loc(loc: Sequence[Any]) -> list[str | int]:
+def clean_loc(loc: Sequence[Any]) -> list[str | int]:
     # pydantic inserts validator names (e.g. 'function-plain[_to_format()]') into locations.
     return [p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
 
@@ -128,7 +128,7 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
     except ValidationError as exc:
         problems = []
         for err in exc.errors(include_url=False):
-            loc = _clean_loc(err["loc"])
+            loc = clean_loc(err["loc"])
             mark = _unknown_key_mark(node, loc) if err["type"] == "extra_forbidden" else None
             mark = mark or _locate(node, loc)
             msg = err["msg"]
@@ -141,7 +141,7 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
                     source,
                     mark.line + 1 if mark else None,
                     mark.column + 1 if mark else None,
-                    _field_path(loc),
+                    field_path(loc),
                     msg,
                 )
             )

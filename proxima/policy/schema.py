@@ -54,7 +54,8 @@ FormatField = Annotated[
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # allow_inf_nan=False: a policy holding .inf or .nan could not be served back as JSON.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class Band(_Model):

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from proxima.policy.loader import PolicyError, Problem, load_policy, parse_policy
+from proxima.policy.loader import PolicyError, Problem, clean_loc, field_path, load_policy, parse_policy
 from proxima.policy.schema import Policy
 
 MAX_HISTORY = 100
@@ -71,7 +71,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 def _validation_problems(exc: ValidationError, source: str) -> PolicyError:
     problems = [
-        Problem(source, None, None, ".".join(str(p) for p in e["loc"]), e["msg"].removeprefix("Value error, "))
+        Problem(source, None, None, field_path(clean_loc(e["loc"])), e["msg"].removeprefix("Value error, "))
         for e in exc.errors(include_url=False)
     ]
     return PolicyError(problems)

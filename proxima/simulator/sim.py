@@ -126,7 +126,9 @@ class Simulator:
         self.result = RunResult(self.label)
         self.pool = PackedPool(cfg.total_blocks)
         self._arrivals = deque(sorted(workload, key=lambda r: (r.arrival, r.request_id)))
+        # Requests not yet finished; finished ones are dropped, so an endless run stays bounded.
         self._reqs = {spec.request_id: _Req(spec, i) for i, spec in enumerate(workload)}
+        self._next_index = len(workload)
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
         self.state = EngineState()
@@ -138,10 +140,15 @@ class Simulator:
 
     def add_requests(self, specs: list[RequestSpec]) -> None:
         """Offer more requests to a running simulation (they arrive at their `arrival` step)."""
-        base = len(self._reqs)
-        for i, spec in enumerate(specs):
-            self._reqs[spec.request_id] = _Req(spec, base + i)
+        for spec in specs:
+            self._reqs[spec.request_id] = _Req(spec, self._next_index)
+            self._next_index += 1
             self._arrivals.append(spec)
+
+    @property
+    def pending_arrivals(self) -> int:
+        """Requests offered but not arrived yet."""
+        return len(self._arrivals)
 
     @property
     def done(self) -> bool:
@@ -183,6 +190,7 @@ class Simulator:
             if r.generated >= r.spec.output_tokens:
                 pool.free_request(r.spec.request_id)
                 running.remove(r)
+                del self._reqs[r.spec.request_id]
                 res.finished += 1
 
         # Admission, FIFO, whole prompt in one prefill step.

@@ -13,6 +13,7 @@ Rows (requests) of the batch split in two once per step, in the metadata builder
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from proxima.formats import Format
 from proxima.integration.vllm.worker import STORE
+
+DEBUG_ENV = "PROXIMA_DEBUG"
+"""`read-sources`: compressed rows read their freed source blocks through the scratch path
+(valid only while those blocks are not reused): isolates the row split and scratch plumbing
+from the formats' loss. Diagnostics only."""
 
 
 @dataclass
@@ -79,12 +85,15 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         first_slots = meta.slot_mapping[torch.tensor(qsl[:n], dtype=torch.long)].tolist()
         comp_rows: list[int] = []
         comp_maps: list[dict[int, tuple[Format, int, int]]] = []
+        debug_hot = os.environ.get(DEBUG_ENV) == "read-sources"
         for r in range(n):
             rid = STORE.key_blocks.get(first_slots[r] // b)
             remap = STORE.remap.get(rid) if rid is not None else None
             if remap:
                 comp_rows.append(r)
                 comp_maps.append(remap)
+                if debug_hot:  # the worker's block table still holds the sources (append-only)
+                    comp_maps[-1] = {}
         if not comp_rows:
             return meta
         seq_lens = meta.seq_lens

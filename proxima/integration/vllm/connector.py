@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("proxima.vllm")
 STATS_ENV = "PROXIMA_STATS_FILE"
-"""If set, the scheduler side writes its counters there (JSON) every 50 steps and at the end."""
+"""If set, the scheduler side writes its counters there (JSON) at every step."""
 
 
 class ProximaConnector(KVConnectorBase_V1):
@@ -69,7 +69,7 @@ class ProximaConnector(KVConnectorBase_V1):
         if self.manager is None:
             return ProximaPlan()
         plan = self.manager.build_plan(scheduler_output.num_scheduled_tokens.keys())
-        if os.environ.get(STATS_ENV) and self.manager.px_stats.steps % 50 == 0:
+        if os.environ.get(STATS_ENV):
             self.dump_stats()
         return plan
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ from proxima.policy.schema import Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
 
 logger = logging.getLogger("proxima.vllm")
+CHECK_ENV = "PROXIMA_CHECK_ACCOUNTING"
+"""`1`: assert the physical accounting invariant at every step (tests)."""
 
 
 def supported_formats(policy: Policy) -> set[Format]:
@@ -68,6 +71,8 @@ class ProximaStats:
     failed: int = 0
     emergencies: int = 0
     peak_running: int = 0
+    running_sum: int = 0
+    preemptions: int = 0
     freed_blocks: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -84,6 +89,9 @@ class ProximaKVCacheManager(KVCacheManager):
     px_stats: ProximaStats
     px_formats: set[Format]
     px_ids: itertools.count
+    px_check: bool
+    px_effective: Policy
+    """The policy with ladders restricted to the formats this data path stores."""
 
     # --- vLLM hooks -------------------------------------------------------------------------
 
@@ -101,6 +109,8 @@ class ProximaKVCacheManager(KVCacheManager):
         return None
 
     def free(self, request: Request) -> None:
+        if request.request_id in self.px_reqs and not request.is_finished():
+            self.px_stats.preemptions += 1
         self._release_request(request.request_id)
         super().free(request)
 
@@ -198,34 +208,64 @@ class ProximaKVCacheManager(KVCacheManager):
         if self.px_policy.is_off:
             return 0
         snap, _ = self.snapshot(pending_blocks)
-        decision = decide(snap, self.px_policy, self.px_state)
+        decision = decide(snap, self.px_effective, self.px_state)
         self.px_state = decision.state
         planned = 0
         blocks_of = self._stm.req_to_blocks
         for act in decision.actions:
             fmt = act.to_format
-            if fmt not in self.px_formats or act.from_format != HOT:
-                continue  # recompressing a compressed block is not supported on vLLM yet
+            if fmt not in self.px_formats:
+                continue  # filtered out of the ladders by install(); kept as a guard
             st = self.px_reqs[act.request_id]
             src = blocks_of[act.request_id][act.block_index]
-            if src.is_null or src.ref_cnt != 1:
+            prev = st.compressed.get(act.block_index)
+            if prev is None and (src.is_null or src.ref_cnt != 1):
                 continue
+            if prev is not None and prev[0].pack_ratio >= fmt.pack_ratio:
+                continue
+            if self.px_check:
+                self._check_protected(st, act.block_index)
             res = self._reserve_slot(st, fmt)
             if res is None:
                 break
             dest, slot = res
-            ca = CompressAction(next(self.px_ids), act.request_id, act.block_index, src.block_id,
-                                dest.block.block_id, slot, fmt.name)
+            if prev is None:
+                ca = CompressAction(next(self.px_ids), act.request_id, act.block_index, src.block_id,
+                                    dest.block.block_id, slot, fmt.name)
+            else:
+                ca = CompressAction(next(self.px_ids), act.request_id, act.block_index, -1,
+                                    dest.block.block_id, slot, fmt.name, prev[0].name, prev[1], prev[2])
             st.in_flight[act.block_index] = ca
             self.px_pending[ca.action_id] = ca
             planned += 1
         self.px_stats.planned += planned
         return planned
 
+    def _check_protected(self, st: _ReqState, index: int) -> None:
+        """DESIGN.md invariants, re-checked on every action (tests): never the hot tail, never a
+        protected window, never a block still being prefilled or not fully computed."""
+        b, prot = self.block_size, self.px_policy.protect
+        r = st.request
+        n = len(self._stm.req_to_blocks[r.request_id])
+        ok = (
+            index < n - 1
+            and index * b >= prot.sink_tokens
+            and (index + 1) * b <= r.num_computed_tokens - prot.recent_tokens
+            and r.num_computed_tokens >= r.num_prompt_tokens
+        )
+        if not ok:
+            raise AssertionError(
+                f"proxima would compress block {index} of {r.request_id} ({n} blocks, "
+                f"{r.num_computed_tokens} computed, protect={prot}): this indicates a bug in the engine's eligibility"
+            )
+
     def build_plan(self, scheduled_req_ids: Iterable[str]) -> ProximaPlan:
         """Called at the end of each `schedule()`: this step's actions for the worker."""
         self.px_stats.steps += 1
         self.px_stats.peak_running = max(self.px_stats.peak_running, len(self.px_reqs))
+        self.px_stats.running_sum += len(self.px_reqs)
+        if self.px_check:
+            self.check_accounting()
         if not self.px_pending:
             self._plan()
         plan = ProximaPlan(
@@ -257,6 +297,11 @@ class ProximaKVCacheManager(KVCacheManager):
                 continue  # its request was freed meanwhile; its blocks went with it
             st = self.px_reqs[ca.req_id]
             st.in_flight.pop(ca.index, None)
+            st.compressed[ca.index] = (Format.parse(ca.fmt), ca.dst, ca.slot)
+            self.px_stats.committed += 1
+            if ca.from_fmt != HOT.name:  # recompression: release the old slot
+                self._unreserve(st, ca.from_dst)
+                continue
             blocks = blocks_of[ca.req_id]
             src = blocks[ca.index]
             assert src.block_id == ca.src, (
@@ -265,8 +310,6 @@ class ProximaKVCacheManager(KVCacheManager):
             )
             blocks[ca.index] = null
             to_free.append(src)
-            st.compressed[ca.index] = (Format.parse(ca.fmt), ca.dst, ca.slot)
-            self.px_stats.committed += 1
         for aid in report.failed:
             ca = self.px_pending.pop(aid, None)
             self._px_sent.discard(aid)
@@ -312,6 +355,8 @@ class ProximaKVCacheManager(KVCacheManager):
         return {
             "steps": s.steps, "planned": s.planned, "committed": s.committed, "failed": s.failed,
             "emergencies": s.emergencies, "freed_blocks": s.freed_blocks, "peak_resident": s.peak_running,
+            "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
+            "resident_now": len(self.px_reqs),
             "compressed_slots_now": nslots, "dest_blocks_now": ndest,
             "free_blocks": self.block_pool.get_num_free_blocks(), "total_blocks": self.block_pool.num_gpu_blocks - 1,
             "errors": s.errors[-3:],
@@ -333,7 +378,11 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     m.px_dropped = []
     m.px_stats = ProximaStats()
     m.px_formats = supported_formats(policy)
+    m.px_effective = policy.model_copy(update={"bands": [  # type: ignore[attr-defined]
+        b.model_copy(update={"ladder": [f for f in b.ladder if f in m.px_formats]}) for b in policy.bands
+    ]})
     m.px_ids = itertools.count()
+    m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
     m._px_sent = set()  # type: ignore[attr-defined]
     dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in m.px_formats}
     if dropped:

@@ -23,6 +23,10 @@ class CompressAction:
     slot: int
     fmt: str
     """Format spelling (`Format.parse` gives it back); strings keep the message small."""
+    from_fmt: str = "bf16"
+    """Recompression: the block's current format, read from (from_dst, from_slot); `src` unused."""
+    from_dst: int = -1
+    from_slot: int = -1
 
 
 @dataclass

@@ -51,10 +51,13 @@ class WorkerStore:
         self.pools: dict[tuple[str, Format], _LayerPool] = {}
         self.remap: dict[str, dict[int, tuple[Format, int, int]]] = {}
         """request -> logical block index -> (format, destination block, slot)."""
+        self.sources: dict[str, dict[int, int]] = {}
+        """request -> logical block index -> source physical block (diagnostics only: freed)."""
         self.key_blocks: dict[int, str] = {}
         self.group_size = DEFAULT_GROUP_SIZE
         self.report = ProximaReport()
         self.meta_bytes = 0
+        self.batches = 0
         self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
 
     # --- geometry ---------------------------------------------------------------------------
@@ -97,33 +100,45 @@ class WorkerStore:
         """Drop freed requests, then run this step's compressions (before the forward pass)."""
         for rid in plan.dropped:
             self.remap.pop(rid, None)
+            self.sources.pop(rid, None)
         self.key_blocks = dict(plan.key_blocks)
-        by_fmt: dict[str, list[CompressAction]] = {}
+        by_fmt: dict[tuple[str, str], list[CompressAction]] = {}
         for a in plan.actions:
-            by_fmt.setdefault(a.fmt, []).append(a)
-        for name, acts in by_fmt.items():
+            by_fmt.setdefault((a.fmt, a.from_fmt), []).append(a)
+        for (name, from_name), acts in by_fmt.items():
             try:
-                self._compress(Format.parse(name), acts)
+                self._compress(Format.parse(name), Format.parse(from_name), acts)
             except Exception as e:  # a failure must never fail a request: keep the blocks hot
                 self.report.failed.extend(a.action_id for a in acts)
                 self.report.errors.append(f"{type(e).__name__}: {e}")
                 continue
             for a in acts:
                 self.remap.setdefault(a.req_id, {})[a.index] = (Format.parse(a.fmt), a.dst, a.slot)
+                self.sources.setdefault(a.req_id, {})[a.index] = a.src
             self.report.ok.extend(a.action_id for a in acts)
 
-    def _compress(self, fmt: Format, acts: list[CompressAction]) -> None:
-        if os.environ.get(FAULT_ENV) == "compress":
-            raise InjectedFault("PROXIMA_FAULT_INJECT=compress")
+    def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
+        fault = os.environ.get(FAULT_ENV, "")
+        if fault.startswith("compress"):
+            # "compress": every batch fails; "compress@N": every Nth batch fails.
+            self.batches += 1
+            every = int(fault.partition("@")[2] or 1)
+            if self.batches % every == 0:
+                raise InjectedFault(f"{FAULT_ENV}={fault}")
         src = torch.tensor([a.src for a in acts], dtype=torch.long)
         r = fmt.pack_ratio
         slots = torch.tensor([a.dst * r + a.slot for a in acts], dtype=torch.long)
         staged: list[tuple[_LayerPool, CompressedBlocks]] = []
+        from_dst = torch.tensor([a.from_dst for a in acts], dtype=torch.long)
+        from_slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long)
         for layer, kv in self.kv_caches.items():
             n, h, b, d = self.geometry(layer)
-            blocks = kv.view(n, h, 2, b, d).index_select(0, src)  # [N, H, 2, B, D]
-            k = blocks[:, :, 0].transpose(1, 2).contiguous()  # [N, B, H, D]
-            v = blocks[:, :, 1].transpose(1, 2).contiguous()
+            if from_fmt.is_hot:
+                blocks = kv.view(n, h, 2, b, d).index_select(0, src)  # [N, H, 2, B, D]
+                k = blocks[:, :, 0].transpose(1, 2).contiguous()  # [N, B, H, D]
+                v = blocks[:, :, 1].transpose(1, 2).contiguous()
+            else:  # recompression: from the current slot (its loss is kept, not undone)
+                k, v = self.read(layer, from_fmt, from_dst, from_slot)
             cb = compress_blocks(fmt, k, v, group_size=self.group_size, backend="torch")
             staged.append((self.pool(layer, fmt), cb))
         # Writes happen only after every layer compressed: a failure above leaves no partial slot.

@@ -66,3 +66,15 @@ def test_dropped_request_forgotten() -> None:
     assert "r" in st.remap
     st.apply(ProximaPlan(dropped=["r"]))
     assert "r" not in st.remap
+
+
+def test_recompression_reads_the_current_slot() -> None:
+    st, caches = _store()
+    orig = caches["layer.0"].clone()
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")]))
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt="int4",
+                                                 from_fmt="int8", from_dst=10, from_slot=0)]))
+    assert st.remap["r"][0] == (Format.parse("int4"), 11, 0)
+    kh, _ = st.read("layer.0", Format.parse("int4"), torch.tensor([11]), torch.tensor([0]))
+    k = orig.view(NB, H, 2, B, D)[1, :, 0].transpose(0, 1).float()
+    assert (kh[0].float() - k).norm() / k.norm() < TOL["int4"]

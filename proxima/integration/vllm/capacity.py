@@ -136,19 +136,23 @@ def compare(wl: Workload, configs: list[str], log: Callable[[str], None] = print
             "kv_blocks": r["kv_blocks"],
             "compressed_blocks": px.get("committed", 0),
             "compression_failures": px.get("failed", 0),
+            # Scales and zero points live outside vLLM's pool; in KV-block equivalents:
+            "side_table_peak_blocks": round(px.get("side_table_peak_bytes", 0) / px["block_bytes"], 2)
+            if px.get("block_bytes") else 0.0,
         }
     return table
 
 
 def table_markdown(table: dict[str, dict]) -> str:
-    rows = ["| config | peak running | mean running | preemptions | tokens/s | wall s | greedy prefix (tokens) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| config | peak running | mean running | preemptions | tokens/s | wall s | greedy prefix (tokens) "
+            "| side table (blocks) |", "|---|---|---|---|---|---|---|---|"]
     for cfg, t in table.items():
         if "error" in t:
-            rows.append(f"| {cfg} | error: {t['error']} | | | | | |")
+            rows.append(f"| {cfg} | error: {t['error']} | | | | | | |")
             continue
         rows.append(f"| {cfg} | {t['peak_running']} | {t['mean_running']} | {t['preemptions']} | "
-                    f"{t['tokens_per_s']} | {t['wall_s']} | {t['greedy_prefix_tokens']} |")
+                    f"{t['tokens_per_s']} | {t['wall_s']} | {t['greedy_prefix_tokens']} | "
+                    f"{t['side_table_peak_blocks']} |")
     return "\n".join(rows)
 
 

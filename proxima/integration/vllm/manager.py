@@ -23,6 +23,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
+from proxima.compression.spec import SlotSpec
 from proxima.formats import HOT, Format
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
 from proxima.policy.engine import EngineState, decide
@@ -72,6 +73,7 @@ class ProximaStats:
     emergencies: int = 0
     peak_running: int = 0
     running_sum: int = 0
+    side_bytes_peak: int = 0
     preemptions: int = 0
     freed_blocks: int = 0
     errors: list[str] = field(default_factory=list)
@@ -90,6 +92,7 @@ class ProximaKVCacheManager(KVCacheManager):
     px_formats: set[Format]
     px_ids: itertools.count
     px_check: bool
+    px_meta_cache: dict[Format, int]
     px_effective: Policy
     """The policy with ladders restricted to the formats this data path stores."""
 
@@ -264,6 +267,7 @@ class ProximaKVCacheManager(KVCacheManager):
         self.px_stats.steps += 1
         self.px_stats.peak_running = max(self.px_stats.peak_running, len(self.px_reqs))
         self.px_stats.running_sum += len(self.px_reqs)
+        self.px_stats.side_bytes_peak = max(self.px_stats.side_bytes_peak, self.side_table_bytes())
         if self.px_check:
             self.check_accounting()
         if not self.px_pending:
@@ -327,6 +331,26 @@ class ProximaKVCacheManager(KVCacheManager):
             self.block_pool.free_blocks(to_free)
             self.px_stats.freed_blocks += len(to_free)
 
+    def side_table_bytes(self) -> int:
+        """Metadata bytes (scales, zero points) of the live compressed slots, all layers.
+
+        They live outside vLLM's KV pool, so an honest capacity comparison adds them to it.
+        """
+        total = 0
+        for st in self.px_reqs.values():
+            for fmt, _, _ in st.compressed.values():
+                total += self._meta_per_slot(fmt)
+        return total
+
+    def _meta_per_slot(self, fmt: Format) -> int:
+        cached = self.px_meta_cache.get(fmt)
+        if cached is None:
+            spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            layers = len(self.kv_cache_config.kv_cache_groups[0].layer_names)
+            ss = SlotSpec(fmt, spec.block_size, spec.head_size, spec.num_kv_heads)  # type: ignore[attr-defined]
+            cached = self.px_meta_cache[fmt] = ss.meta_bytes_per_slot * layers
+        return cached
+
     def owned_blocks(self) -> set[int]:
         owned: set[int] = set()
         for blocks in self._stm.req_to_blocks.values():
@@ -357,6 +381,9 @@ class ProximaKVCacheManager(KVCacheManager):
             "emergencies": s.emergencies, "freed_blocks": s.freed_blocks, "peak_resident": s.peak_running,
             "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
             "resident_now": len(self.px_reqs),
+            "side_table_peak_bytes": s.side_bytes_peak,
+            "block_bytes": self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+            * len(self.kv_cache_config.kv_cache_groups[0].layer_names),
             "compressed_slots_now": nslots, "dest_blocks_now": ndest,
             "free_blocks": self.block_pool.get_num_free_blocks(), "total_blocks": self.block_pool.num_gpu_blocks - 1,
             "errors": s.errors[-3:],
@@ -382,6 +409,7 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
         b.model_copy(update={"ladder": [f for f in b.ladder if f in m.px_formats]}) for b in policy.bands
     ]})
     m.px_ids = itertools.count()
+    m.px_meta_cache = {}
     m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
     m._px_sent = set()  # type: ignore[attr-defined]
     dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in m.px_formats}

@@ -22,7 +22,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    model, churn = sys.argv[1], int(sys.argv[2])
+    model, churn = sys.argv[1], int(sys.argv[2])  # churn 0: skip scenario 4
     b = 32
     llm = LLM(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True, block_size=b,
               num_gpu_blocks_override=24, seed=0, max_num_seqs=32, enable_prefix_caching=True)
@@ -32,17 +32,17 @@ def main() -> None:
         return [100 + (seed * 7919 + i * 104729) % vocab for i in range(n)]
 
     out: dict[str, object] = {}
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     t0 = time.perf_counter()
-    res = llm.generate([TokensPrompt(prompt_token_ids=toks(s, 150)) for s in range(10)], sp, use_tqdm=False)
+    res = llm.generate([TokensPrompt(prompt_token_ids=toks(s, 150)) for s in range(8)], sp, use_tqdm=False)
     out["pressure"] = [list(r.outputs[0].token_ids) for r in res]
 
     prefix = toks(999, 128)
-    res = llm.generate([TokensPrompt(prompt_token_ids=prefix + toks(s, 40)) for s in range(6)], sp, use_tqdm=False)
+    res = llm.generate([TokensPrompt(prompt_token_ids=prefix + toks(s, 40)) for s in range(4)], sp, use_tqdm=False)
     out["prefix"] = [list(r.outputs[0].token_ids) for r in res]
 
     engine = llm.llm_engine
-    long_sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    long_sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     for i in range(6):
         engine.add_request(f"abort-{i}", TokensPrompt(prompt_token_ids=toks(50 + i, 120)), long_sp)
     finished: dict[str, int] = {}
@@ -52,14 +52,15 @@ def main() -> None:
             if r.finished:
                 finished[r.request_id] = len(r.outputs[0].token_ids)
         steps += 1
-        if steps == 12:
+        if steps == 8:
             engine.abort_request([f"abort-{i}" for i in range(0, 6, 2)])
     out["abort_finished"] = finished
 
-    sp_short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    res = llm.generate([TokensPrompt(prompt_token_ids=toks(1000 + s, 70)) for s in range(churn)], sp_short,
-                       use_tqdm=False)
-    out["churn_lengths"] = [len(r.outputs[0].token_ids) for r in res]
+    if churn:
+        sp_short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        res = llm.generate([TokensPrompt(prompt_token_ids=toks(1000 + s, 40)) for s in range(churn)], sp_short,
+                           use_tqdm=False)
+        out["churn_lengths"] = [len(r.outputs[0].token_ids) for r in res]
     out["wall_s"] = time.perf_counter() - t0
     stats = os.environ.get("PROXIMA_STATS_FILE")
     del llm

@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
-CHURN = 120
+CHURN = 200
 pytestmark = pytest.mark.slow
 
 
@@ -37,13 +37,13 @@ def _model() -> str:
     return str(prepare("smollm2", progress=lambda *_: None))
 
 
-def _run(tmp: Path, name: str, env_extra: dict[str, str]) -> dict:
+def _run(tmp: Path, name: str, env_extra: dict[str, str], churn: int = 0) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
     env.update(env_extra)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the pool is num_gpu_blocks_override; cap the RAM reserve
     if "PROXIMA_POLICY" in env_extra:
         env["PROXIMA_STATS_FILE"] = str(tmp / f"{name}-stats.json")
-    proc = subprocess.run([sys.executable, str(HERE / "engine_runner.py"), _model(), str(CHURN)],
+    proc = subprocess.run([sys.executable, str(HERE / "engine_runner.py"), _model(), str(churn)],
                           env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -61,13 +61,13 @@ def runs() -> dict[str, dict]:
             "PROXIMA_POLICY": str(HERE / "force-int4.yaml"),
             "PROXIMA_CHECK_ACCOUNTING": "1",
             "PROXIMA_FAULT_INJECT": "compress@3",
-        }),
+        }, churn=CHURN),
     }
 
 
 def test_policy_off_is_identical_to_vanilla(runs: dict[str, dict]) -> None:
     van, off = runs["vanilla"], runs["off"]
-    for key in ("pressure", "prefix", "abort_finished", "churn_lengths"):
+    for key in ("pressure", "prefix", "abort_finished"):
         assert off[key] == van[key], key
     assert off["proxima"]["planned"] == 0 and off["proxima"]["committed"] == 0
 
@@ -76,23 +76,23 @@ def test_compression_frees_blocks_and_every_request_completes(runs: dict[str, di
     r = runs["int4"]
     px = r["proxima"]
     assert px["committed"] > 0 and px["freed_blocks"] == px["committed"]
-    assert all(len(t) == 24 for t in r["pressure"]) and all(len(t) == 24 for t in r["prefix"])
-    assert r["churn_lengths"] == [4] * CHURN
+    assert all(len(t) == 20 for t in r["pressure"]) and all(len(t) == 20 for t in r["prefix"])
+    assert r["churn_lengths"] == [3] * CHURN
 
 
 def test_preemption_and_resume_under_pressure(runs: dict[str, dict]) -> None:
-    # 10 requests of ~6 blocks against 24 blocks: vanilla must preempt (the plugin counts it in
+    # 8 requests of 6 blocks against 24 blocks: vanilla must preempt (the plugin counts it in
     # the off run), and every preempted request resumed and finished.
     assert runs["off"]["proxima"]["preemptions"] > 0
-    assert all(len(t) == 24 for t in runs["off"]["pressure"])
+    assert all(len(t) == 20 for t in runs["off"]["pressure"])
 
 
 def test_aborted_requests_release_everything(runs: dict[str, dict]) -> None:
     r = runs["int4"]
     fin = r["abort_finished"]
-    assert sorted(fin) == [f"abort-{i}" for i in range(6)]
-    assert all(fin[f"abort-{i}"] == 64 for i in (1, 3, 5))
-    assert all(fin[f"abort-{i}"] < 64 for i in (0, 2, 4))
+    assert all(fin[f"abort-{i}"] == 48 for i in (1, 3, 5))
+    # An aborted request may or may not surface a final output; it never ran to completion.
+    assert all(fin.get(f"abort-{i}", 0) < 48 for i in (0, 2, 4))
 
 
 def test_no_leak_after_hundreds_of_requests(runs: dict[str, dict]) -> None:

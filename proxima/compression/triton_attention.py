@@ -21,20 +21,6 @@ from proxima.compression.spec import QUANT_CODE, VALUES_PER_BYTE
 from proxima.compression.triton_ops import INTERPRET, _load_dequant, _p2, _round_to_bf16
 
 LOG2E = 1.4426950408889634
-
-# Decode tiles are small ([16, 128] queries, [64, 128] keys) and the loop is a chain of dependent
-# gathers, so warps and pipeline depth matter; they are tuned per format and slot size on the
-# GPU. Under the interpreter (tests) autotuning would only multiply the run time, so it is off.
-_DECODE_CONFIGS = [
-    triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 3), (8, 2), (8, 3), (2, 3))
-]
-
-
-def _maybe_autotune(fn):
-    jitted = triton.jit(fn)
-    if INTERPRET:
-        return jitted
-    return triton.autotune(configs=_DECODE_CONFIGS, key=["S", "QUANT", "C", "G_PAD", "BLOCK_D", "HAS_COUNT"])(jitted)
 LN2 = 0.6931471805599453
 
 
@@ -150,7 +136,7 @@ def _kivi_values_tile(
     return tl.reshape(v3, (BLOCK_N, BLOCK_D))
 
 
-@_maybe_autotune
+@triton.jit
 def _decode_kernel(
     q_ptr,
     sq_s,

@@ -53,20 +53,7 @@ def _round_to_bf16(x):
     return r.to(tl.float32, bitcast=True)
 
 
-def _autotune_warps(key: list[str]):
-    """Tune num_warps on the GPU (tiles here are [32, 128]: 2-8 warps are all plausible); a no-op
-    under the interpreter, where it would only repeat work."""
-
-    def wrap(fn):
-        jitted = triton.jit(fn)
-        if INTERPRET:
-            return jitted
-        return triton.autotune([triton.Config({}, num_warps=w) for w in (2, 4, 8)], key=key)(jitted)
-
-    return wrap
-
-
-@_autotune_warps(["QUANT", "IS_KEY", "BLOCK_T", "BLOCK_D"])
+@triton.jit
 def _quantize_kernel(
     x_ptr,  # [N, T, H, D] source keys or values (any float dtype, any strides)
     d_ptr,  # [N, T, H, P] output codes (P = D / values per byte), contiguous

@@ -11,8 +11,8 @@ from tests.compression.conftest import rel_err
 QUANTS = ["fp8", "int8", "int4", "int2"]
 
 # Round-trip relative error bounds on realistic KV (outlier key channels), keys / values.
-# Measured (seed 0, T=64, D=128): fp8 .025/.023, int8 .003/.004, int4 .07/.08, int2 .31/.35.
-ROUNDTRIP_BOUND = {"fp8": (0.04, 0.04), "int8": (0.006, 0.008), "int4": (0.12, 0.12), "int2": (0.45, 0.45)}
+# Measured (seed 0, T=64, D=128): fp8 .022/.026, int8 .002/.0067, int4 .036/.078, int2 .18/.39.
+ROUNDTRIP_BOUND = {"fp8": (0.035, 0.04), "int8": (0.004, 0.01), "int4": (0.06, 0.12), "int2": (0.3, 0.5)}
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -51,15 +51,13 @@ def test_roundtrip_error_on_realistic_kv(quant, device):
     assert torch.equal(lc, torch.zeros_like(lc))
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_per_channel_keys_beat_per_token_keys_on_outliers(quant):
-    """Why keys are KIVI-grouped: per-token scales waste the precision on outlier channels."""
+def test_per_channel_int8_keys_beat_per_token_keys_on_outliers():
+    """Why int8 keys are KIVI-grouped: a per-token scale spends its range on outlier channels."""
     k, _ = realistic_kv(1, 64, 1, 128, seed=3)
-    bits = ref.bits_of(quant)
-    packed, s, z = ref.quantize_kivi_keys(k, bits, 32)
-    per_channel = rel_err(ref.dequantize_kivi_keys(packed, s, z, bits, 32), k)
+    packed, s, z = ref.quantize_kivi_keys(k, 8, 32)
+    per_channel = rel_err(ref.dequantize_kivi_keys(packed, s, z, 8, 32), k)
     d8, s8 = ref.quantize_per_token(k, "int8")
-    assert quant != "int8" or per_channel < rel_err(ref.dequantize_per_token(d8, s8), k) / 3
+    assert per_channel < rel_err(ref.dequantize_per_token(d8, s8), k) / 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

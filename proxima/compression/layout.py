@@ -70,7 +70,8 @@ def hot_store(kv_cache: torch.Tensor, layout: KVLayout, *, num_kv_heads: int, he
 def block_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     """uint8 [num_blocks, bytes per block] view of a block-contiguous KV tensor (any layout)."""
     nb = kv_cache.shape[0]
-    order = sorted(range(kv_cache.dim()), key=lambda i: -kv_cache.stride(i))
+    strides = kv_cache.stride()
+    order = sorted(range(kv_cache.dim()), key=lambda i: -strides[i])  # stable: ties keep logical order
     phys = kv_cache.permute(*order)
     if order[0] != 0 or not phys.is_contiguous():
         raise ValueError(

@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
     @app.command("calibrate")
     def calibrate(
         out: Annotated[Path | None, typer.Option("--out", help="Damage-model JSON (default: the packaged one)")] = None,
-        contexts: Annotated[int, typer.Option(help="Wikipedia contexts to compress")] = 2,
+        contexts: Annotated[int, typer.Option(help="Wikipedia contexts to compress")] = 1,
         context: Annotated[int, typer.Option(help="Tokens per context")] = 1024,
     ) -> None:
         """Rebuild the damage model (probe error per block and format) from SmolLM2 runs."""

@@ -29,6 +29,7 @@ import torch
 from proxima.formats import Format
 from proxima.integration.hf import ProximaCache
 from proxima.policy.loader import load_policy
+from proxima.policy.schema import Policy
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SINKS = 4
@@ -36,6 +37,8 @@ SINKS = 4
 SNAP_WINDOW = 32
 """SnapKV observation window (queries) and always-kept recent tokens."""
 SNAP_POOL = 7
+PROBE_SLACK = 2.0
+"""Calibrated probe bound = PROBE_SLACK x the format's median measured error."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,29 @@ def _none(cache: ProximaCache) -> None:
     return None
 
 
-def _policy(name: str, ratio: float, cache: ProximaCache) -> None:
-    cache.policy = load_policy(CONFIGS / f"{name}.yaml")
+def calibrated(policy: Policy, model: dict | None = None, slack: float = PROBE_SLACK) -> Policy:
+    """The policy with its damage table and probe bounds taken from the fitted damage model:
+    table = median measured probe error per format; bound = `slack` x that median (so the probe
+    refuses the worst blocks of a format, not the format). Formats the model lacks keep the
+    policy's own values."""
+    from proxima.quality import damage
+
+    model = model if model is not None else damage.load()
+    table = dict(model["table"])
+    bounds = {f: round(slack * e, 6) for f, e in table.items() if e > 0}
+    probe = policy.probes.compression.model_copy(update={"max_error": {**policy.probes.compression.max_error, **bounds}})
+    return policy.model_copy(
+        update={
+            "name": policy.name + "-calibrated",
+            "damage": policy.damage.model_copy(update={"table": {**policy.damage.table, **table}}),
+            "probes": policy.probes.model_copy(update={"compression": probe}),
+        }
+    )
+
+
+def _policy(name: str, ratio: float, calibrate: bool, cache: ProximaCache) -> None:
+    policy = load_policy(CONFIGS / f"{name}.yaml")
+    cache.policy = calibrated(policy) if calibrate else policy
     cache.apply_policy(target_ratio=ratio)
 
 
@@ -110,16 +134,24 @@ def _snapkv(ratio: float, cache: ProximaCache) -> None:
 RATIOS = (2, 4, 8)
 POLICIES = ("conservative", "balanced", "aggressive")
 FORMATS_BY_RATIO: dict[int, tuple[str, ...]] = {
-    2: ("int8", "fp8", "sparse(2)", "cluster(2)"),
-    4: ("int4", "sparse(4)", "cluster(4)", "cluster(2)+int8"),
-    8: ("int2", "sparse(8)", "cluster(8)", "cluster(2)+int4"),
+    2: ("int8",),
+    4: ("int4", "sparse(4)", "cluster(4)"),
+    8: ("int2", "cluster(2)+int4"),
 }
 
 
 def all_methods() -> list[Method]:
     out = [Method("baseline", "baseline", 1.0, _none)]
+    # Shipped policies exactly as written (their probe bounds included), at 4x ...
+    out += [Method(f"proxima:{p}@4x", "proxima", 4, partial(_policy, p, 4, False)) for p in POLICIES]
+    # ... and with damage table and probe bounds from the calibrated damage model: all three at
+    # 4x, the two that can reach 8x (balanced, aggressive) at 2x and 8x.
     for r in RATIOS:
-        out += [Method(f"proxima:{p}@{r}x", "proxima", r, partial(_policy, p, r)) for p in POLICIES]
+        out += [
+            Method(f"proxima:{p}-cal@{r}x", "proxima", r, partial(_policy, p, r, True))
+            for p in POLICIES
+            if r == 4 or p != "conservative"
+        ]
     for r in RATIOS:
         out += [Method(f"streaming_llm@{r}x", "reference", r, partial(_streaming, r))]
         out += [Method(f"snapkv@{r}x", "reference", r, partial(_snapkv, r))]

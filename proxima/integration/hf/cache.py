@@ -152,15 +152,18 @@ class ProximaLayer(CacheLayerMixin):
     def n_blocks(self) -> int:
         return len(self.formats)
 
-    def block_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Block i as attention sees it: k, v `[B, H, bs, D]` and bias `[B, H, bs]` (None = all 0)."""
+    def block_kv(
+        self, i: int, decoded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Block i as attention sees it: k, v `[B, H, bs, D]` and bias `[B, H, bs]` (None = all 0).
+        `decoded`: the slot's batch already decoded (a batch holds many blocks; decode it once)."""
         slot = self.slots[i]
         if slot is None:
             k, v = self.hot_k[i], self.hot_v[i]
             assert k is not None and v is not None, f"block {i} has neither hot data nor a slot"
             bias = None
         else:
-            kh, vh, lc = slot.enc.decode()  # [N, C, H, D], [N, C, H]
+            kh, vh, lc = decoded if decoded is not None else slot.enc.decode()  # [N, C, H, D], [N, C, H]
             rows = slot.rows
             c = kh.shape[1]
             b, h, d = len(rows), kh.shape[2], kh.shape[3]
@@ -184,8 +187,15 @@ class ProximaLayer(CacheLayerMixin):
         if self._work is None:
             assert self.tail_k is not None and self.tail_v is not None
             ks, vs, bs_ = [], [], []
+            decoded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
             for i in range(self.n_blocks):
-                k, v, b = self.block_kv(i)
+                slot = self.slots[i]
+                dec = None
+                if slot is not None:
+                    if id(slot.enc) not in decoded:
+                        decoded[id(slot.enc)] = slot.enc.decode()
+                    dec = decoded[id(slot.enc)]
+                k, v, b = self.block_kv(i, dec)
                 ks.append(k)
                 vs.append(v)
                 bs_.append(b)
@@ -207,12 +217,12 @@ class ProximaLayer(CacheLayerMixin):
             self._work = (wk, wv, bias)
         return self._work
 
-    def _patch_work(self, i: int) -> None:
+    def _patch_work(self, i: int, decoded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """Rewrite block i inside the cached working copy after its storage changed."""
         if self._work is None:
             return
         wk, wv, wb = self._work
-        k, v, b = self.block_kv(i)
+        k, v, b = self.block_kv(i, decoded)
         sl = slice(i * self.block_size, (i + 1) * self.block_size)
         wk[..., sl, :] = k
         wv[..., sl, :] = v
@@ -225,12 +235,13 @@ class ProximaLayer(CacheLayerMixin):
     def store(self, blocks: Sequence[int], fmt: Format, enc: Encoded, batch: int) -> None:
         """Commit compressed blocks: `enc` rows are ordered (block, batch element)."""
         per_row = enc.nbytes // max(1, len(blocks) * batch)
+        decoded = enc.decode() if self._work is not None else None
         for j, i in enumerate(blocks):
             self.slots[i] = _Slot(enc, [j * batch + b for b in range(batch)], per_row * batch)
             self.hot_k[i] = None
             self.hot_v[i] = None
             self.formats[i] = fmt
-            self._patch_work(i)
+            self._patch_work(i, decoded)
 
     def evict(self, keep: torch.Tensor) -> None:
         """Token eviction (baselines): keep `[B, H, n_blocks * bs]` bool over the full blocks."""
@@ -513,9 +524,11 @@ class ProximaCache(Cache):
         encs, errs = [], []
         for li, layer in enumerate(self.proxima_layers):
             lf = self._layer_format(fmt, li)
-            src = [layer.block_kv(i)[:2] for i in blocks]
-            k = torch.stack([kv[0] for kv in src])  # [n, B, H, bs, D]
-            v = torch.stack([kv[1] for kv in src])
+            # Hot blocks read exactly; quantized ones (being recompressed) read dequantised.
+            wk, wv, _ = layer.materialize()
+            bsz = layer.block_size
+            k = torch.stack([wk[..., i * bsz : (i + 1) * bsz, :] for i in blocks])  # [n, B, H, bs, D]
+            v = torch.stack([wv[..., i * bsz : (i + 1) * bsz, :] for i in blocks])
             n, b, h, bs, d = k.shape
             kk = k.reshape(n * b, h, bs, d).transpose(1, 2)  # [N, bs, H, D]
             vv = v.reshape(n * b, h, bs, d).transpose(1, 2)

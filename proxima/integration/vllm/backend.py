@@ -65,7 +65,8 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         lens = [qsl[r + 1] - qsl[r] for r in rows]
         sub_qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
         sub_qsl[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
-        tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows]) if rows else torch.zeros(0, dtype=torch.long)
+        empty = torch.zeros(0, dtype=torch.long)
+        tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows]) if rows else empty
         sl = seq_lens[rows].contiguous()
         sched = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(rows), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,

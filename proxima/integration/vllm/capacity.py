@@ -62,7 +62,8 @@ def _child(wl: Workload, config: str) -> dict:
     tok = AutoTokenizer.from_pretrained(wl.model)
     ids = tok(_text())["input_ids"]
     stride = max(1, (len(ids) - wl.prompt_tokens) // max(1, wl.requests))
-    prompts = [TokensPrompt(prompt_token_ids=ids[i * stride : i * stride + wl.prompt_tokens]) for i in range(wl.requests)]
+    prompts = [TokensPrompt(prompt_token_ids=ids[i * stride : i * stride + wl.prompt_tokens])
+               for i in range(wl.requests)]
     blocks = wl.pool_blocks
     kwargs: dict = {}
     if config == "vanilla_fp8":

@@ -20,7 +20,8 @@ def _policy_path(policy: str) -> Path:
     shipped = CONFIGS / f"{policy}.yaml"
     if shipped.exists():
         return shipped
-    raise typer.BadParameter(f"{policy!r} is neither a file nor a shipped policy ({', '.join(sorted(q.stem for q in CONFIGS.glob('*.yaml')))})")
+    names = ", ".join(sorted(q.stem for q in CONFIGS.glob("*.yaml")))
+    raise typer.BadParameter(f"{policy!r} is neither a file nor a shipped policy ({names})")
 
 
 def register(app: typer.Typer) -> None:

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("proxima.vllm")
 STATS_ENV = "PROXIMA_STATS_FILE"
-"""If set, the scheduler side writes its counters there (JSON) at every step."""
+"""If set, the scheduler side writes its counters there (JSON) at every step and after every
+request's blocks are freed."""
 
 
 class ProximaConnector(KVConnectorBase_V1):
@@ -58,6 +59,8 @@ class ProximaConnector(KVConnectorBase_V1):
         from proxima.integration.vllm.manager import install
 
         self.manager = install(kv_cache_manager, self.policy)
+        if self.manager is not None and os.environ.get(STATS_ENV):
+            self.manager.px_on_change = self.dump_stats
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -93,6 +93,8 @@ class ProximaKVCacheManager(KVCacheManager):
     px_ids: itertools.count
     px_check: bool
     px_meta_cache: dict[Format, int]
+    px_on_change: Callable[[], None] | None
+    """Called after a request's blocks were freed (the connector dumps its counters)."""
     px_effective: Policy
     """The policy with ladders restricted to the formats this data path stores."""
 
@@ -116,6 +118,8 @@ class ProximaKVCacheManager(KVCacheManager):
             self.px_stats.preemptions += 1
         self._release_request(request.request_id)
         super().free(request)
+        if self.px_on_change is not None:
+            self.px_on_change()
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         dests = self._release_request(request.request_id, free_now=False)
@@ -163,7 +167,7 @@ class ProximaKVCacheManager(KVCacheManager):
     def _unreserve(self, st: _ReqState, dst: int) -> None:
         dest = st.dests[dst]
         dest.live -= 1
-        if dest.live == 0 and dest.next_slot >= dest.fmt.pack_ratio:
+        if dest.live == 0 and (dest.next_slot >= dest.fmt.pack_ratio or dest.next_slot == 0):
             del st.dests[dst]
             if st.open.get(dest.fmt) is dest:
                 del st.open[dest.fmt]
@@ -314,14 +318,16 @@ class ProximaKVCacheManager(KVCacheManager):
             )
             blocks[ca.index] = null
             to_free.append(src)
-        for aid in report.failed:
-            ca = self.px_pending.pop(aid, None)
-            self._px_sent.discard(aid)
-            self.px_stats.failed += 1
-            if ca is None:
-                continue
+        failed = [self.px_pending.pop(aid, None) for aid in report.failed]
+        self.px_stats.failed += len(report.failed)
+        self._px_sent.difference_update(report.failed)
+        # Latest slots first, so that an open destination can take its failed slots back.
+        for ca in sorted((c for c in failed if c is not None), key=lambda c: (c.dst, -c.slot)):
             st = self.px_reqs[ca.req_id]
             st.in_flight.pop(ca.index, None)
+            dest = st.dests[ca.dst]
+            if st.open.get(dest.fmt) is dest and dest.next_slot - 1 == ca.slot:
+                dest.next_slot -= 1
             self._unreserve(st, ca.dst)
         if report.errors:
             self.px_stats.errors.extend(report.errors[-5:])
@@ -410,6 +416,7 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     ]})
     m.px_ids = itertools.count()
     m.px_meta_cache = {}
+    m.px_on_change = None
     m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
     m._px_sent = set()  # type: ignore[attr-defined]
     dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in m.px_formats}

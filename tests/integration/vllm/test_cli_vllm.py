@@ -47,5 +47,5 @@ def test_plugin_refuses_unsupported_vllm() -> None:
     from proxima.integration.vllm.plugin import check_vllm_version
 
     check_vllm_version("0.32.0")
-    with pytest.raises(RuntimeError, match="supports vLLM 0.32"):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32"):
         check_vllm_version("0.40.1")

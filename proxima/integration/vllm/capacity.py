@@ -85,7 +85,7 @@ def _child(wl: Workload, config: str) -> dict:
             "kv_blocks": blocks, "outputs": [list(o.outputs[0].token_ids) for o in outs], "proxima": stats}
 
 
-def run_config(wl: Workload, config: str) -> dict:
+def run_config(wl: Workload, config: str, timeout_s: float = 1800.0) -> dict:
     env = dict(os.environ)
     policy = "off" if config.startswith("vanilla") else config
     env["PROXIMA_POLICY"] = str(CONFIGS_DIR / f"{policy}.yaml") if not Path(config).exists() else config
@@ -93,7 +93,10 @@ def run_config(wl: Workload, config: str) -> dict:
     # The pool is set by num_gpu_blocks_override; this only stops vLLM from reserving 92% of RAM.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, "-m", "proxima.integration.vllm.capacity", "--child", config, json.dumps(asdict(wl))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
     last = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not last:
         err = [ln for ln in proc.stderr.splitlines() if "Error" in ln]

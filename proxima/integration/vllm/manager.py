@@ -94,6 +94,8 @@ class ProximaKVCacheManager(KVCacheManager):
     px_check: bool
     px_meta_cache: dict[Format, int]
     px_on_change: Callable[[], None] | None
+    px_emergency: bool
+    """An emergency compression is in flight: admit no new request until it commits."""
     """Called after a request's blocks were freed (the connector dumps its counters)."""
     px_effective: Policy
     """The policy with ladders restricted to the formats this data path stores."""
@@ -101,6 +103,10 @@ class ProximaKVCacheManager(KVCacheManager):
     # --- vLLM hooks -------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs) -> KVCacheBlocks | None:  # type: ignore[override]
+        if self.px_emergency and self.px_pending and request.request_id not in self.px_reqs:
+            # Blocks an emergency compression frees belong to the running requests that needed
+            # them: admitting new requests meanwhile would starve those (and repeat the emergency).
+            return None
         out = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         if out is not None:
             if request.request_id not in self.px_reqs:
@@ -111,6 +117,7 @@ class ProximaKVCacheManager(KVCacheManager):
         need = -(-num_new_tokens // self.block_size) + 1
         if not self.px_pending and self._plan(pending_blocks=need):
             self.px_stats.emergencies += 1
+            self.px_emergency = True
         return None
 
     def free(self, request: Request) -> None:
@@ -333,6 +340,8 @@ class ProximaKVCacheManager(KVCacheManager):
             self.px_stats.errors.extend(report.errors[-5:])
             logger.warning("proxima: %d compressions failed and stay uncompressed: %s",
                            len(report.failed), report.errors[-1])
+        if not self.px_pending:
+            self.px_emergency = False
         if to_free:
             self.block_pool.free_blocks(to_free)
             self.px_stats.freed_blocks += len(to_free)
@@ -417,6 +426,7 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     m.px_ids = itertools.count()
     m.px_meta_cache = {}
     m.px_on_change = None
+    m.px_emergency = False
     m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
     m._px_sent = set()  # type: ignore[attr-defined]
     dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in m.px_formats}

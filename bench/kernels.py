@@ -195,14 +195,15 @@ def decode_rows(copy_gbps: float, shapes: list[tuple[int, int]]) -> list[dict]:
             print(f"  skipping decode {ctx} x {batch}: past the {DEADLINE_S}s budget", flush=True)
             rows.append({"op": "decode", "format": "all", "context": ctx, "batch": batch, "error": "skipped: time"})
             continue
-        e = ctx // B
-        nblk = batch * e
+        # Not `e`: `except ... as e` below would delete it (Python unbinds the name after the handler).
+        per_seq = ctx // B
+        nblk = batch * per_seq
         k = torch.randn(nblk, B, H, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         # SDPA on contiguous bf16 KV: [batch, H, ctx, D]
-        kc = k.view(batch, e, B, H, D).permute(0, 3, 1, 2, 4).reshape(batch, H, ctx, D).contiguous()
-        vc = v.view(batch, e, B, H, D).permute(0, 3, 1, 2, 4).reshape(batch, H, ctx, D).contiguous()
+        kc = k.view(batch, per_seq, B, H, D).permute(0, 3, 1, 2, 4).reshape(batch, H, ctx, D).contiguous()
+        vc = v.view(batch, per_seq, B, H, D).permute(0, 3, 1, 2, 4).reshape(batch, H, ctx, D).contiguous()
         qs = q.unsqueeze(2)
 
         def sdpa(qs=qs, kc=kc, vc=vc):
@@ -210,7 +211,7 @@ def decode_rows(copy_gbps: float, shapes: list[tuple[int, int]]) -> list[dict]:
 
         sdpa_ms = bench_ms(sdpa, graph=True)
         del sdpa, kc, vc
-        table = torch.randperm(nblk, device="cuda").view(batch, e).int()
+        table = torch.randperm(nblk, device="cuda").view(batch, per_seq).int()
         bf16_ms = None
         for fmt in DECODE_FORMATS:
             try:
@@ -220,7 +221,7 @@ def decode_rows(copy_gbps: float, shapes: list[tuple[int, int]]) -> list[dict]:
                     imp = torch.rand(nblk, B, H, device="cuda") if "(" in fmt else None
                     cb = compress_blocks(fmt, k, v, token_importance=imp, backend="triton")
                     del imp
-                ntok = torch.full((batch, e), cb.slot_tokens, dtype=torch.int32, device="cuda")
+                ntok = torch.full((batch, per_seq), cb.slot_tokens, dtype=torch.int32, device="cuda")
                 seg = KVSegment(cb, table, ntok)
 
                 def fn(seg=seg, q=q):

@@ -98,7 +98,8 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if not comp_rows:
             return meta
         seq_lens = meta.seq_lens
-        rest_rows = [r for r in range(n) if r not in set(comp_rows)]
+        comp_set = set(comp_rows)
+        rest_rows = [r for r in range(n) if r not in comp_set]
         bt = meta.block_table
         hot_src: list[int] = []
         hot_dst: list[int] = []

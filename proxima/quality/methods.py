@@ -65,7 +65,8 @@ def calibrated(policy: Policy, model: dict | None = None, slack: float = PROBE_S
     model = model if model is not None else damage.load()
     table = dict(model["table"])
     bounds = {f: round(slack * e, 6) for f, e in table.items() if e > 0}
-    probe = policy.probes.compression.model_copy(update={"max_error": {**policy.probes.compression.max_error, **bounds}})
+    shipped = policy.probes.compression
+    probe = shipped.model_copy(update={"max_error": {**shipped.max_error, **bounds}})
     return policy.model_copy(
         update={
             "name": policy.name + "-calibrated",

@@ -43,7 +43,7 @@ def markdown(rows: Sequence[Any], meta: dict | None = None) -> str:
     out = ["# Quality on SmolLM2-135M-Instruct", ""]
     if meta:
         out += [f"- {k}: {v}" for k, v in meta.items()] + [""]
-    out += lines + ["", "## Targets (4x)", ""] + check_targets(rows)
+    out += [*lines, "", "## Targets (4x)", "", *check_targets(rows)]
     return "\n".join(out) + "\n"
 
 
@@ -51,7 +51,11 @@ def check_targets(rows: Sequence[Any]) -> list[str]:
     """The issue's targets, evaluated on `rows`, one line each (PASS/FAIL with numbers)."""
     by = {_get(r, "method"): r for r in rows}
     base = by["baseline"]
-    cands = [r for r in rows if str(_get(r, "method")).startswith("proxima:") and f"@{TARGET_RATIO}x" in _get(r, "method")]
+    cands = [
+        r
+        for r in rows
+        if str(_get(r, "method")).startswith("proxima:") and f"@{TARGET_RATIO}x" in str(_get(r, "method"))
+    ]
     if not cands:
         return ["no proxima policy at 4x in this run"]
 
@@ -92,9 +96,7 @@ def _series(rows: Sequence[Any]) -> dict[str, list[Any]]:
         name = str(_get(r, "method"))
         if name == "baseline":
             continue
-        if name.startswith("proxima:"):
-            key = name.split("@")[0]
-        elif "@" in name:
+        if name.startswith("proxima:") or "@" in name:
             key = name.split("@")[0]
         elif name.startswith("format:"):
             f = name[len("format:") :]

@@ -22,7 +22,7 @@ class _Tok:
 
 
 @pytest.fixture(scope="module")
-def prefilled():  # noqa: ANN201
+def prefilled():
     model = enable(tiny_llama())
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 256, (1, 512), generator=g)

@@ -67,8 +67,7 @@ def proxima_sdpa_attention(
                 # sdpa's own causal mask is top-left aligned; with a past it must be bottom-right.
                 q, k = query.shape[2], key.shape[2]
                 attention_mask = (
-                    torch.arange(q, device=key.device)[:, None] + (k - q)
-                    >= torch.arange(k, device=key.device)[None, :]
+                    torch.arange(q, device=key.device)[:, None] + (k - q) >= torch.arange(k, device=key.device)[None, :]
                 ).view(1, 1, q, k)
             kwargs["position_bias"] = pb
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

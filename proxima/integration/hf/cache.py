@@ -89,6 +89,7 @@ class ProximaLayer(CacheLayerMixin):
         self.tail_v: torch.Tensor | None = None
         self._work: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.n_tokens = 0
+        self.last_bias: torch.Tensor | None = None
 
     # -- transformers' layer interface -------------------------------------------------------
 
@@ -98,7 +99,7 @@ class ProximaLayer(CacheLayerMixin):
         self.tail_v = value_states[..., :0, :]
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):  # noqa: ANN201
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self.tail_k is not None and self.tail_v is not None
@@ -203,7 +204,9 @@ class ProximaLayer(CacheLayerMixin):
                 ref = self.tail_k
                 bias = torch.cat(
                     [
-                        b if b is not None else torch.zeros(ref.shape[0], ref.shape[1], self.block_size, device=ref.device)
+                        b
+                        if b is not None
+                        else torch.zeros(ref.shape[0], ref.shape[1], self.block_size, device=ref.device)
                         for b in bs_
                     ],
                     dim=-1,
@@ -348,7 +351,7 @@ class ProximaCache(Cache):
             )
         if layer_idx == 0 and self.capacity_blocks is not None and not self.policy.is_off:
             self.apply_policy()
-        layer = self.layers[layer_idx]
+        layer = self.proxima_layers[layer_idx]
         keys, values = layer.update(key_states, value_states)
         if layer.last_bias is not None:
             self._pending_bias = layer_idx
@@ -358,13 +361,14 @@ class ProximaCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:  # type: ignore[override]
         if layer_idx >= len(self.layers):
             return query_length, 0
-        return self.layers[layer_idx].get_mask_sizes(query_length)
+        return self.proxima_layers[layer_idx].get_mask_sizes(query_length)
 
     def _take_attention_bias(self, layer_idx: int, kv_len: int) -> torch.Tensor | None:
         if layer_idx >= len(self.layers):
             return None
-        bias = self.layers[layer_idx].last_bias
-        self.layers[layer_idx].last_bias = None
+        layer = self.proxima_layers[layer_idx]
+        bias = layer.last_bias
+        layer.last_bias = None
         if self._pending_bias == layer_idx:
             self._pending_bias = None
         if bias is not None and bias.shape[-1] != kv_len:
@@ -487,16 +491,15 @@ class ProximaCache(Cache):
             if self.chosen[int(i)].reduction is None and self.chosen[int(i)].pack_ratio < fmt.pack_ratio
         ]
         self.ineligible.update(int(i) for i in blocks if self.chosen[int(i)].reduction is not None)
-        candidates = [fmt] + sorted((f for f in ladder if f.pack_ratio < fmt.pack_ratio), key=lambda f: -f.pack_ratio)
+        milder = sorted((f for f in ladder if f.pack_ratio < fmt.pack_ratio), key=lambda f: -f.pack_ratio)
+        candidates = [fmt, *milder]
         for cand in candidates:
             if not todo:
                 break
             encs, errs = self._encode_all_layers(todo, cand)
             err = torch.stack(errs).mean(0)  # [len(todo)]
-            if probe:
-                ok = (err <= self.policy.probes.compression.bound(cand)).tolist()
-            else:
-                ok = [True] * len(todo)
+            bound = self.policy.probes.compression.bound(cand) if probe else float("inf")
+            ok = (err <= bound).tolist()
             accepted = [b for b, o in zip(todo, ok, strict=True) if o]
             if accepted:
                 if len(accepted) != len(todo):

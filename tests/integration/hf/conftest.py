@@ -6,7 +6,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_llama(seed: int = 0):  # noqa: ANN201
+def tiny_llama(seed: int = 0):
     """A random 2-layer Llama with GQA (4 query heads, 2 KV heads, head_dim 32), built in ~0.1 s."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -27,7 +27,7 @@ def tiny_llama(seed: int = 0):  # noqa: ANN201
 
 
 @pytest.fixture
-def model():  # noqa: ANN201
+def model():
     return tiny_llama()
 
 

@@ -29,7 +29,7 @@ def test_off_equals_dynamic_cache_exactly(model, ids, attn):
         b = model(nxt, past_key_values=cache).logits
         assert torch.equal(a, b)
     for layer_ref, layer in zip(ref_cache.layers, cache.layers, strict=True):
-        wk, wv, wb = layer.materialize()
+        wk, _, wb = layer.materialize()
         assert wb is None
         assert torch.equal(torch.cat([wk, layer.tail_k], -2), layer_ref.keys)
 
@@ -128,7 +128,8 @@ def test_policy_engine_reaches_target_ratio(model, ids):
     enable(model)
     # A random model's attention is flat, so int4 errors exceed the shipped probe bounds: probes off here.
     policy = load_policy("configs/balanced.yaml")
-    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": policy.probes.compression.model_copy(update={"enabled": False})})})
+    no_probe = policy.probes.compression.model_copy(update={"enabled": False})
+    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": no_probe})})
     cache = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=cache)
     rep = cache.apply_policy(target_ratio=4)

@@ -41,8 +41,17 @@ def main() -> None:
     wl = Workload(args.model, args.requests, args.prompt_tokens, args.output_tokens, args.block_size,
                   args.pool_requests)
     t0 = time.time()
-    table = compare(wl, args.configs.split(","), log=lambda m: print(m, file=sys.stderr, flush=True))
-    doc = {
+
+    def write(table: dict[str, dict]) -> None:
+        doc = document(table)
+        if args.out:
+            args.out.write_text(json.dumps(doc, indent=2) + "\n")
+            args.out.with_suffix(".md").write_text(
+                f"Command: `{doc['command']}`\n\nWorkload: {json.dumps(doc['workload'])}\n\n"
+                f"{table_markdown(table)}\n")
+
+    def document(table: dict[str, dict]) -> dict:
+        return {
         "command": " ".join(["bench/capacity.py", *sys.argv[1:]]),
         "workload": {k: v for k, v in wl.__dict__.items() if k != "model"} | {"kv_pool_blocks": wl.pool_blocks - 1},
         "model": Path(args.model).name,
@@ -50,14 +59,13 @@ def main() -> None:
         "host": f"{os.cpu_count()} CPU cores (shared with other jobs while measured)",
         "total_s": round(time.time() - t0, 1),
         "results": table,
-    }
-    text = json.dumps(doc, indent=2)
-    print(text)
+        }
+
+    table = compare(wl, args.configs.split(","), log=lambda m: print(m, file=sys.stderr, flush=True),
+                    on_table=write)
+    write(table)
+    print(json.dumps(document(table), indent=2))
     print(table_markdown(table), file=sys.stderr)
-    if args.out:
-        args.out.write_text(text + "\n")
-        args.out.with_suffix(".md").write_text(
-            f"Command: `{doc['command']}`\n\nWorkload: {json.dumps(doc['workload'])}\n\n{table_markdown(table)}\n")
 
 
 if __name__ == "__main__":

@@ -113,13 +113,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def compare(wl: Workload, configs: list[str], log: Callable[[str], None] = print) -> dict[str, dict]:
-    """Run each configuration; the first one named vanilla is the greedy-prefix reference."""
+def compare(wl: Workload, configs: list[str], log: Callable[[str], None] = print,
+            on_table: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
+    """Run each configuration; the one named vanilla is the greedy-prefix reference.
+
+    `on_table` receives the table after every configuration (partial results survive a crash).
+    """
     results: dict[str, dict] = {}
     for cfg in configs:
         log(f"[proxima] {cfg}: {wl.requests} requests x {wl.prompt_tokens}+{wl.output_tokens} tokens, "
             f"KV pool {wl.pool_blocks - 1} blocks of {wl.block_size} ...")
         results[cfg] = run_config(wl, cfg)
+        if on_table is not None:
+            on_table(tabulate(results))
+    return tabulate(results)
+
+
+def tabulate(results: dict[str, dict]) -> dict[str, dict]:
     ref = results.get("vanilla", {}).get("outputs")
     table: dict[str, dict] = {}
     for cfg, r in results.items():

@@ -97,6 +97,8 @@ class ProximaKVCacheManager(KVCacheManager):
     px_meta_cache: dict[Format, int]
     px_on_change: Callable[[], None] | None
     px_emergency: bool
+    px_waiting_need: int
+    """Blocks the largest waiting request needed this step (counted as pressure)."""
     """An emergency compression is in flight: admit no new request until it commits."""
     """Called after a request's blocks were freed (the connector dumps its counters)."""
     px_effective: Policy
@@ -114,8 +116,15 @@ class ProximaKVCacheManager(KVCacheManager):
             # block, and a pool filled to the last block could never compress its way out.
             need = -(-(num_new_tokens + kwargs.get("num_lookahead_tokens", 0)) // self.block_size) + 1
             if self.px_reqs and self.block_pool.get_num_free_blocks() - need < DEST_RESERVE_BLOCKS:
-                return None  # (with nothing resident the reserve is moot: never block a lone request)
+                # (with nothing resident the reserve is moot: never block a lone request)
+                self.px_waiting_need = max(self.px_waiting_need, need + DEST_RESERVE_BLOCKS)
+                return None
         out = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if out is None and request.request_id not in self.px_reqs:
+            # A waiting request that does not fit: its demand counts as pressure (pending blocks).
+            need = -(-num_new_tokens // self.block_size) + 1 + DEST_RESERVE_BLOCKS
+            self.px_waiting_need = max(self.px_waiting_need, need)
+            return None
         if out is not None:
             if request.request_id not in self.px_reqs:
                 self.px_reqs[request.request_id] = _ReqState(request)
@@ -290,7 +299,8 @@ class ProximaKVCacheManager(KVCacheManager):
         if self.px_check:
             self.check_accounting()
         if not self.px_pending:
-            self._plan()
+            self._plan(pending_blocks=min(self.px_waiting_need, self.block_pool.num_gpu_blocks - 1))
+        self.px_waiting_need = 0
         plan = ProximaPlan(
             actions=[a for a in self.px_pending.values() if a.action_id not in self._px_sent],
             dropped=self.px_dropped,
@@ -435,6 +445,7 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     m.px_meta_cache = {}
     m.px_on_change = None
     m.px_emergency = False
+    m.px_waiting_need = 0
     m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
     m._px_sent = set()  # type: ignore[attr-defined]
     dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in m.px_formats}

@@ -51,8 +51,12 @@ def test_smollm2_end_to_end():
         b = model(ctx, past_key_values=cache).logits
         assert torch.equal(a, b)
         before = cache.stored_nbytes()
-        cache.compress_all("int4", protect_sinks=64, protect_recent=64)
-        assert cache.stored_nbytes() < 0.45 * before
+        rep = cache.compress_all("int4", protect_sinks=64, protect_recent=64)
+        # The model runs in float32, so an int4 block (with its fp16 scales and zero points)
+        # stores about 0.16 of its hot bytes; the rest of the context stays hot.
+        frac = rep.actions * 64 / ctx.shape[1]
+        assert rep.actions >= 4
+        assert cache.stored_nbytes() < (1 - frac + 0.2 * frac) * before
         q = torch.tensor([sample.question_ids])
         la = model(q, past_key_values=ref).logits[0]
         lb = model(q, past_key_values=cache).logits[0]

@@ -6,21 +6,18 @@
 Writes bench/results/quality-smollm2.{json,md,png} and the damage model fitted from the same
 run's compression-time probes (proxima/quality/data/damage-smollm2.json).
 
-Sizing (2 CPU cores shared with other jobs; measured: a 1024-token prefill 2.5-30 s and a
-decode step 0.13-1 s depending on the load): every sample's context is prefilled once and each
-method compresses a copy of that cache, so the cost is per-method decoding. Chosen so that the
-run takes about 30-40 minutes on a loaded machine:
-- first the damage model is calibrated (1 context x 9 formats, no generation) and written to
-  proxima/quality/data/damage-smollm2.json; the `-cal` policies read it;
-- block size 64 (vLLM's CPU default is 128; 64 gives 1k contexts 16 blocks to choose from);
-- perplexity / teacher-forced fidelity / greedy agreement: 1 Wikipedia context of 1024 tokens,
-  a 64-token continuation (63 scored positions) and 64 greedy tokens;
-- passkey: 1024-token contexts at depths 10/50/90% and a 2048-token context at 50%;
-- 25 methods: baseline; the 3 shipped policies at 4x as written; the policies with calibrated
-  damage table and probe bounds (all at 4x; balanced and aggressive at 2x and 8x); 8 reference
-  baselines; 6 single formats.
-4k contexts, more samples and the remaining formats are left out for time; `proxima eval`
-runs any of them on demand.
+Sizing. Every sample's context is prefilled once and each method compresses a copy of that
+cache, so the cost is per-method decoding. Measured on this project's machine (2 CPU cores
+shared with other jobs, load average 4-5): a 1024-token prefill takes 2.5-30 s and a decode step
+0.13-1 s; one 1024-token text sample with 64 greedy tokens took 2419 s for 25 methods (about
+97 s per method). Defaults (all methods, 1 text context, passkey at 10/50/90% of 1024 tokens and
+50% of 2048, 64 greedy tokens) therefore take about 60-70 minutes on such a loaded machine and
+about 25 on an idle one. The recorded run restricts itself to the 4x comparison the targets are
+about (12 methods, 32 greedy tokens, no 2048-token passkey): see the command in the JSON's meta.
+- The damage model is calibrated first (1 context x 9 formats, no generation) and written to
+  proxima/quality/data/damage-smollm2.json (`--no-calibrate` reuses it); the `-cal` policies read it.
+- Block size 64 (vLLM's CPU default is 128; 64 gives 1k contexts 16 blocks to choose from).
+- `--threads 1` by default: with other jobs on the cores, OpenMP barriers made 2 threads slower.
 """
 
 from __future__ import annotations
@@ -49,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 text + 1 passkey sample (smoke test)")
     ap.add_argument("--methods", nargs="*", help="subset of method names or prefixes (baseline always runs)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="1 is faster on a shared machine (no OpenMP barriers)")
+    ap.add_argument("--greedy", type=int, default=64, help="greedy tokens compared with the uncompressed model")
+    ap.add_argument("--text", type=int, default=1, help="Wikipedia contexts (1024 tokens)")
+    ap.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths at 1024 tokens")
+    ap.add_argument("--long-depths", default="0.5", help="passkey depths at 2048 tokens ('' for none)")
+    ap.add_argument("--no-calibrate", action="store_true", help="reuse the packaged damage model")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load("smollm2")
     from proxima.quality import damage
 
-    if not args.quick or not damage.DEFAULT_PATH.exists():
+    if not damage.DEFAULT_PATH.exists() or not (args.quick or args.no_calibrate):
         fitted = damage.calibrate(
             model, tok, contexts=1, context_len=512 if args.quick else 1024, log=lambda m: print(m, flush=True)
         )
@@ -71,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         needles = datasets.needle_samples(tok, 512, [0.5])
         greedy = 16
     else:
-        text = datasets.text_samples(tok, 1024, 1)
-        needles = datasets.needle_samples(tok, 1024, [0.1, 0.5, 0.9])
-        needles += datasets.needle_samples(tok, 2048, [0.5])
-        greedy = 64
+        text = datasets.text_samples(tok, 1024, args.text)
+        needles = datasets.needle_samples(tok, 1024, [float(d) for d in args.depths.split(",") if d])
+        needles += datasets.needle_samples(tok, 2048, [float(d) for d in args.long_depths.split(",") if d])
+        greedy = args.greedy
     print(
         f"[quality] {len(chosen)} methods x ({len(text)} text + {len(needles)} passkey samples); "
         f"model loaded in {time.monotonic() - t0:.0f}s",
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "machine": platform.machine(),
         "seconds": round(elapsed),
-        "command": "nice -n 10 .venv/bin/python bench/quality.py" + (" --quick" if args.quick else ""),
+        "command": "nice -n 10 .venv/bin/python bench/quality.py " + " ".join(sys.argv[1:]),
     }
     suffix = "-quick" if args.quick else ""
     args.out.mkdir(parents=True, exist_ok=True)

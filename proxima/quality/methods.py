@@ -91,19 +91,22 @@ def _uniform(fmt: str, cache: ProximaCache) -> None:
     cache.compress_all(fmt)
 
 
-def _full_tokens(cache: ProximaCache) -> int:
+def _tokens(cache: ProximaCache) -> tuple[int, int]:
+    """(tokens in full blocks, tokens in the hot tail). Eviction acts on full blocks; the tail
+    (the newest tokens) is always kept and counts against the budget."""
     layer = cache.proxima_layers[0]
-    if layer.tail_k is not None and layer.tail_k.shape[-2]:
-        raise ValueError("token-eviction baselines expect a context that is a whole number of blocks")
-    return layer.n_blocks * layer.block_size
+    tail = layer.tail_k.shape[-2] if layer.tail_k is not None else 0
+    return layer.n_blocks * layer.block_size, tail
 
 
 def _streaming(ratio: float, cache: ProximaCache) -> None:
-    t = _full_tokens(cache)
-    budget = round(t / ratio)
+    t, tail = _tokens(cache)
+    budget = round((t + tail) / ratio)
     keep = torch.zeros(t, dtype=torch.bool)
     keep[:SINKS] = True
-    keep[t - (budget - SINKS) :] = True
+    recent = max(0, budget - SINKS - tail)
+    if recent:
+        keep[t - recent :] = True
     masks = []
     for layer in cache.proxima_layers:
         assert layer.tail_k is not None
@@ -113,8 +116,9 @@ def _streaming(ratio: float, cache: ProximaCache) -> None:
 
 
 def _snapkv(ratio: float, cache: ProximaCache) -> None:
-    t = _full_tokens(cache)
-    budget = round(t / ratio)
+    t, tail = _tokens(cache)
+    budget = max(0, round((t + tail) / ratio) - tail)
+    window = max(0, SNAP_WINDOW - tail)
     masks = []
     for li in range(len(cache.layers)):
         imp = cache.token_importance(li)
@@ -124,7 +128,8 @@ def _snapkv(ratio: float, cache: ProximaCache) -> None:
         pooled = torch.nn.functional.avg_pool1d(
             imp.reshape(b * h, 1, t), SNAP_POOL, stride=1, padding=SNAP_POOL // 2
         ).reshape(b, h, t)
-        pooled[..., t - SNAP_WINDOW :] = float("inf")  # the window itself is always kept
+        if window:
+            pooled[..., t - window :] = float("inf")  # the window itself is always kept
         top = pooled.topk(budget, dim=-1).indices
         keep = torch.zeros(b, h, t, dtype=torch.bool)
         keep.scatter_(-1, top, True)

@@ -119,25 +119,6 @@ def simulate(
             out.print(f"plot written to {plot}")
 
 
-@app.command()
-def demo(
-    policy: Annotated[Path, typer.Option(help="Policy to demonstrate.")] = Path("configs/balanced.yaml"),
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-) -> None:
-    """Run the default memory-bound workload in the simulator, vanilla vs a policy, and print the gain."""
-    simulate(
-        policy=policy,
-        trace=None,
-        seed=seed,
-        as_json=False,
-        plot=None,
-        total_blocks=2048,
-        block_size=16,
-        requests=128,
-        max_running=256,
-    )
-
-
 def _register_subsystems() -> None:
     for name in _COMMAND_MODULES:
         try:

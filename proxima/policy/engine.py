@@ -134,20 +134,23 @@ def select_band(bands: list[Band], pressure: float, active: int | None) -> int |
 
 
 def eligible_mask(snap: Snapshot, policy: Policy) -> np.ndarray:
-    """Blocks the engine may touch: DESIGN.md's invariants, as one boolean array over blocks."""
-    req = snap.block_request
+    """Blocks the engine may touch: DESIGN.md's invariants, as one boolean array over blocks.
+
+    Per request the eligible positions form one range [lo, hi): `lo` skips the attention sinks
+    (a block starting before `sink_tokens`), `hi` stops before the recent window and the hot tail
+    block; a request still in prefill has an empty range. The range is computed per request and
+    gathered per block, which is cheaper than testing every block's token span.
+    """
     b = snap.block_size
-    start = snap.block_index.astype(np.int64) * b
-    end = start + snap.block_tokens
-    req_tokens = snap.request_tokens[req]
-    is_tail = snap.block_index == snap.request_blocks[req] - 1
+    lo = -(-policy.protect.sink_tokens // b)  # first block that starts at or after the sinks
+    hi = np.minimum(snap.request_blocks - 1, (snap.request_tokens - policy.protect.recent_tokens) // b)
+    hi = np.where(snap.request_prefill, 0, hi)  # a prompt still being written is never touched
+    idx = snap.block_index
     return (
-        ~snap.request_prefill[req]  # a prompt still being written is never touched
+        (idx >= lo)
+        & (idx < hi[snap.block_request])
         & ~snap.block_shared  # prefix-cache blocks serve other requests: never in place
-        & ~is_tail  # the hot tail block receives new tokens
         & (snap.block_tokens == b)  # only full blocks
-        & (start >= policy.protect.sink_tokens)  # attention sinks
-        & (end <= req_tokens - policy.protect.recent_tokens)  # recent window
     )
 
 

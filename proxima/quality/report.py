@@ -29,7 +29,7 @@ def markdown(rows: Sequence[Any], meta: dict | None = None) -> str:
     base = next(r for r in rows if _get(r, "method") == "baseline")
     bppl = _num(_get(base, "ppl"))
     lines = [
-        "| method | ratio | achieved | needle_acc | ppl (Δ%) | tf_top1 | KL | agreement@64 |",
+        "| method | ratio | achieved | needle_acc | ppl (Δ%) | tf_top1 | KL | agreement |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -62,7 +62,9 @@ def check_targets(rows: Sequence[Any]) -> list[str]:
     def key(r: Any) -> tuple[float, float]:
         return (_num(_get(r, "needle_acc")), _num(_get(r, "tf_top1")))
 
-    best = max(cands, key=key)
+    # The best policy among those that really reach the ratio (else the best of all, which fails it).
+    reaching = [r for r in cands if _num(_get(r, "achieved_ratio")) >= TARGET_RATIO * 0.98]
+    best = max(reaching or cands, key=key)
     bn, bp = _num(_get(base, "needle_acc")), _num(_get(base, "ppl"))
     n, p, t = _num(_get(best, "needle_acc")), _num(_get(best, "ppl")), _num(_get(best, "tf_top1"))
     ach = _num(_get(best, "achieved_ratio"))

@@ -321,7 +321,8 @@ def targets(rows: list[dict]) -> list[dict]:
 def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
     lines = [f"# Proxima compression kernels on {meta['gpu']}", ""]
     lines += [
-        f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write).",
+        f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; "
+        f"copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write).",
         "",
     ]
     lines += ["## Targets", "", "| target | value | met |", "|---|---|---|"]
@@ -349,7 +350,8 @@ def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
             lines.append(f"| {r['op']} | {r['format']} | error: {r['error'][:200]} | | |")
         elif r["op"] in ("compress", "decompress"):
             lines.append(
-                f"| {r['op']} | {r['format']} | {r['time_us']:.1f} | {r['gbps']:.0f} | {100 * r['gbps'] / r['copy_gbps']:.0f}% |"
+                f"| {r['op']} | {r['format']} | {r['time_us']:.1f} | {r['gbps']:.0f} "
+                f"| {100 * r['gbps'] / r['copy_gbps']:.0f}% |"
             )
     lines += ["", "## Decode attention (32 q heads, 8 KV heads, D 128, block 64; CUDA-graph medians)", ""]
     lines += [

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export TRITON_INTERPRET=1
+# Lint and types first: they take seconds and fail fast (pyproject.toml configures both).
+.venv/bin/ruff check proxima tests bench
+.venv/bin/mypy
 # Exit code 5 means pytest collected nothing: that is a failure here, never a pass.
 set +e
 .venv/bin/python -m pytest "$@"

@@ -36,7 +36,7 @@ _TORCH_DTYPE = {
 }
 
 
-class KVLayout(str, Enum):
+class KVLayout(str, Enum):  # noqa: UP042 - (str, Enum) keeps str() and format() output as callers see it today
     CPU_ATTN = "cpu_attn"
     FLASH_ATTN = "flash_attn"
 

@@ -39,7 +39,8 @@ def test_sparse_format_keeps_whole_block_when_small(device):
     """k = B: a partial block of 3 tokens under sparse(2) keeps ceil(3/2) = 2; keep == T is the identity."""
     k, v = realistic_kv(1, 8, 2, 64, seed=1, device=device)
     kt, vt, idx = ops.sparsify(k, v, torch.rand(1, 8, 2, device=device), None, 8)
-    assert torch.equal(kt, k) and torch.equal(idx[0, :, 0].cpu(), torch.arange(8, dtype=torch.int32))
+    assert torch.equal(kt, k) and torch.equal(vt, v)
+    assert torch.equal(idx[0, :, 0].cpu(), torch.arange(8, dtype=torch.int32))
     cb = compress_blocks("sparse(2)", k[:, :3], v[:, :3])
     assert cb.slot_tokens == 2
 

@@ -70,7 +70,8 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         sl = seq_lens[rows].contiguous()
         sched = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(rows), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, seq_lens=sl, dtype=self.dtype, query_start_loc=sub_qsl, causal=causal,
+            head_dim=self.head_dim, seq_lens=sl, dtype=self.dtype,  # type: ignore[arg-type]  # vLLM's own value
+            query_start_loc=sub_qsl, causal=causal,
             sliding_window_size=self.window_size, isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
             kv_cache_dtype=self.kv_cache_dtype,
         )
@@ -144,7 +145,8 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=sub.query_start_loc, seq_lens=sub.seq_lens, scale=self.scale, causal=causal,
-            alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window, block_table=sub.block_table,
+            alibi_slopes=self.alibi_slopes,  # type: ignore[arg-type]  # vLLM's own attribute, passed as vLLM does
+            sliding_window=self.sliding_window, block_table=sub.block_table,
             softcap=self.logits_soft_cap, scheduler_metadata=sub.scheduler_metadata, s_aux=self.sinks,
             dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,

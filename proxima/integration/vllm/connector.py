@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from proxima.integration.vllm.manager import ProximaKVCacheManager
+
 logger = logging.getLogger("proxima.vllm")
 STATS_ENV = "PROXIMA_STATS_FILE"
 """If set, the scheduler side writes its counters there (JSON) at every step and after every
@@ -46,7 +48,7 @@ class ProximaConnector(KVConnectorBase_V1):
 
         path = os.environ.get(POLICY_ENV)
         self.policy = load_policy(path) if path else Policy(enabled=False)
-        self.manager = None  # scheduler role, set in bind_kv_cache_manager
+        self.manager: ProximaKVCacheManager | None = None  # scheduler role, set in bind_kv_cache_manager
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -94,6 +94,8 @@ class ProximaKVCacheManager(KVCacheManager):
     px_formats: set[Format]
     px_ids: itertools.count
     px_check: bool
+    _px_sent: set[int]
+    """Action ids already sent to the worker (not sent again while in flight)."""
     px_meta_cache: dict[Format, int]
     px_on_change: Callable[[], None] | None
     px_emergency: bool
@@ -447,7 +449,7 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     m.px_emergency = False
     m.px_waiting_need = 0
     m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
-    m._px_sent = set()  # type: ignore[attr-defined]
+    m._px_sent = set()
     dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in m.px_formats}
     if dropped:
         logger.warning("proxima: formats %s are not stored by the vLLM path yet and are skipped", sorted(dropped))

@@ -28,13 +28,14 @@ def test_fit_exports_plain_json_and_predicts():
 
 
 def test_shipped_damage_model_loads_into_a_policy():
-    if not damage.DEFAULT_PATH.exists():
-        pytest.skip("no damage model committed yet")
+    from proxima.formats import Format
     from proxima.policy.schema import Damage
 
+    assert damage.DEFAULT_PATH.exists(), "the calibrated damage model must ship with the package"
     model = damage.load()
     table = Damage(table=model["table"])
-    assert table.of(__import__("proxima.formats", fromlist=["Format"]).Format.parse("int4")) >= 0
+    # Measured errors: int8 costs less than int4, which costs less than int2.
+    assert 0 < table.of(Format.parse("int8")) < table.of(Format.parse("int4")) < table.of(Format.parse("int2"))
 
 
 def test_clean_wikitext():
@@ -43,11 +44,7 @@ def test_clean_wikitext():
 
 
 def test_offline_text_is_there():
-    pytest.importorskip("transformers")
-    try:
-        arts = datasets.lee_articles()
-    except FileNotFoundError:
-        pytest.skip("gensim not installed")
+    arts = datasets.lee_articles()  # scripts/bootstrap.sh installs gensim's data (--no-deps)
     assert len(arts) > 200
     title, text = next(iter(datasets.wiki_pages()))
     assert title and len(text) > 100

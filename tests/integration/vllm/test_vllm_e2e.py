@@ -30,10 +30,8 @@ def _model() -> str:
     env = os.environ.get("PX_MODEL")
     if env:
         return env
-    try:
-        from proxima.models import prepare
-    except ImportError:
-        pytest.skip("proxima.models is not available to prepare SmolLM2")
+    from proxima.models import prepare
+
     return str(prepare("smollm2", progress=lambda *_: None))
 
 

@@ -11,7 +11,7 @@ Block positions are logical: block `i` of a request covers tokens `[i*B, i*B + t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -63,7 +63,6 @@ class Snapshot:
     pending_blocks: int = 0
     """Blocks that allocations waiting this step need (a compression can make room for them)."""
     probe_status: ProbeStatus = "ok"
-    extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.free_blocks <= self.total_blocks:

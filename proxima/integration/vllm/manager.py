@@ -106,6 +106,18 @@ class ProximaKVCacheManager(KVCacheManager):
     px_effective: Policy
     """The policy with ladders restricted to the formats this data path stores."""
 
+    def px_set_policy(self, policy: Policy) -> None:
+        """Adopt a (validated) policy; takes effect at the next planning step. Blocks already
+        compressed keep their format, in-flight actions still commit."""
+        self.px_policy = policy
+        self.px_formats = supported_formats(policy)
+        self.px_effective = policy.model_copy(update={"bands": [
+            b.model_copy(update={"ladder": [f for f in b.ladder if f in self.px_formats]}) for b in policy.bands
+        ]})
+        dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in self.px_formats}
+        if dropped:
+            logger.warning("proxima: formats %s are not stored by the vLLM path yet and are skipped", sorted(dropped))
+
     # --- vLLM hooks -------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs) -> KVCacheBlocks | None:  # type: ignore[override]
@@ -433,16 +445,12 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
         return None
     manager.__class__ = ProximaKVCacheManager
     m: ProximaKVCacheManager = manager  # type: ignore[assignment]
-    m.px_policy = policy
     m.px_state = EngineState()
     m.px_reqs = {}
     m.px_pending = {}
     m.px_dropped = []
     m.px_stats = ProximaStats()
-    m.px_formats = supported_formats(policy)
-    m.px_effective = policy.model_copy(update={"bands": [  # type: ignore[attr-defined]
-        b.model_copy(update={"ladder": [f for f in b.ladder if f in m.px_formats]}) for b in policy.bands
-    ]})
+    m.px_set_policy(policy)
     m.px_ids = itertools.count()
     m.px_meta_cache = {}
     m.px_on_change = None
@@ -450,7 +458,4 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     m.px_waiting_need = 0
     m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
     m._px_sent = set()
-    dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in m.px_formats}
-    if dropped:
-        logger.warning("proxima: formats %s are not stored by the vLLM path yet and are skipped", sorted(dropped))
     return m

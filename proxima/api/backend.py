@@ -1,9 +1,9 @@
 """What the controller needs from an engine: the `Backend` protocol and the plain data it returns.
 
 Two implementations: `proxima.api.sim_backend.SimulatedBackend` (the simulator, for demos and
-tests) and, later, the vLLM integration's KV manager. Both are passive: the engine drives its own
-steps and calls the controller's hooks (`policy_for_step`, `on_step`, `on_probe`); the controller
-only asks the backend for `stats()`.
+tests) and `proxima.integration.vllm.live.ManagerBackend` (vLLM's KV manager). Both are passive:
+the engine drives its own steps and calls the controller's hooks (`policy_for_step`, `on_step`,
+`on_probe`); the controller only asks the backend for `stats()`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ class BackendStats:
     """Bytes of one uncompressed physical block (all layers, K and V)."""
     fragmentation_blocks: float
     step: int
+    applied_policy_version: int | None = None
+    """The policy version the engine planned its last step with (None: not known). It trails the
+    store's live version until the engine's next step picks a change up."""
 
     @property
     def logical_blocks(self) -> int:

@@ -89,6 +89,7 @@ class SimulatedBackend:
                 block_bytes=self.block_bytes,
                 fragmentation_blocks=pool.fragmentation_blocks(),
                 step=sim.step_no,
+                applied_policy_version=self._version or None,
             )
 
 

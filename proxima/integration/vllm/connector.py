@@ -8,6 +8,9 @@ scheduling are unchanged. It uses the connector's *channel*:
   (wait instead of preempting while a commit is in flight);
 * worker: `register_kv_caches`, `start_load_kv` (before the forward: execute the plan),
   `build_connector_worker_meta` (report).
+
+With the runtime API enabled, the scheduler side also drives `live.LiveControl` (policy swaps,
+fallback level, stats, step reports); without it `self.live` stays None and nothing changes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from proxima.integration.vllm.live import LiveControl
     from proxima.integration.vllm.manager import ProximaKVCacheManager
 
 logger = logging.getLogger("proxima.vllm")
@@ -47,8 +51,10 @@ class ProximaConnector(KVConnectorBase_V1):
         from proxima.policy.schema import Policy
 
         path = os.environ.get(POLICY_ENV)
+        self.policy_source = path or "initial"
         self.policy = load_policy(path) if path else Policy(enabled=False)
         self.manager: ProximaKVCacheManager | None = None  # scheduler role, set in bind_kv_cache_manager
+        self.live: LiveControl | None = None  # scheduler role, only when the runtime API is enabled
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -63,6 +69,10 @@ class ProximaConnector(KVConnectorBase_V1):
         self.manager = install(kv_cache_manager, self.policy)
         if self.manager is not None and os.environ.get(STATS_ENV):
             self.manager.px_on_change = self.dump_stats
+        if self.manager is not None:
+            from proxima.integration.vllm.live import LiveControl
+
+            self.live = LiveControl.from_env(self.manager, self.policy, self.policy_source)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
@@ -73,7 +83,11 @@ class ProximaConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.manager is None:
             return ProximaPlan()
+        if self.live is not None:
+            self.live.before_plan()  # a policy changed through the API is planned with from this step on
         plan = self.manager.build_plan(scheduler_output.num_scheduled_tokens.keys())
+        if self.live is not None:
+            self.live.after_plan()
         if os.environ.get(STATS_ENV):
             self.dump_stats()
         return plan
@@ -81,7 +95,10 @@ class ProximaConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         rep = connector_output.kv_connector_worker_meta
         if self.manager is not None and isinstance(rep, ProximaReport):
-            self.manager.apply_report(rep)
+            if self.live is not None:
+                self.live.commit(rep)  # applies the report, then tells the controller about the step
+            else:
+                self.manager.apply_report(rep)
 
     def has_pending_block_frees(self) -> bool:
         return self.manager is not None and self.manager.has_pending()
@@ -101,6 +118,8 @@ class ProximaConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.dump_stats()
+        if self.live is not None:
+            self.live.stop()
 
     # --- worker role ------------------------------------------------------------------------
 

@@ -1,0 +1,215 @@
+"""The runtime tuning API inside a live vLLM engine.
+
+Everything here runs in the EngineCore process, next to the scheduler-side KV manager, and only
+when the API is enabled (`api.enabled` in the policy, or `PROXIMA_API_PORT`): otherwise the
+connector never builds a `LiveControl` and no line of this module runs.
+
+Two threads meet here. The engine thread steps and calls the hooks (`before_plan`, `after_plan`,
+`commit`); the API threads (uvicorn) read `ManagerBackend.stats()` and write the `PolicyStore`.
+They share no mutable state: the engine publishes an immutable `BackendStats` at the end of each
+step (one reference assignment), and the store hands out immutable policy versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from proxima.api.backend import BackendStats, StepReport
+from proxima.api.controller import Controller
+from proxima.api.metrics import Metrics
+from proxima.formats import HOT
+from proxima.policy.schema import Policy
+from proxima.policy.store import PolicyStore
+
+if TYPE_CHECKING:
+    import threading
+
+    import uvicorn
+
+    from proxima.integration.vllm.manager import ProximaKVCacheManager
+    from proxima.integration.vllm.plan import ProximaReport
+
+logger = logging.getLogger("proxima.vllm")
+API_PORT_ENV = "PROXIMA_API_PORT"
+"""Serve the API on this port (enables it even when the policy's `api.enabled` is false)."""
+API_HOST_ENV = "PROXIMA_API_HOST"
+"""Bind address; defaults to the policy's `api.host` (127.0.0.1)."""
+STARTUP_TIMEOUT_S = 10.0
+
+
+def api_address(policy: Policy, environ: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
+    """Where to serve the API, or None when it is not enabled."""
+    port_text = environ.get(API_PORT_ENV, "").strip()
+    if not port_text and not policy.api.enabled:
+        return None
+    host = environ.get(API_HOST_ENV, "").strip() or policy.api.host
+    if not port_text:
+        return host, policy.api.port
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{API_PORT_ENV}={port_text!r} is not a TCP port (1-65535)")
+    return host, port
+
+
+class ManagerBackend:
+    """`proxima.api.backend.Backend` over the scheduler-side KV manager.
+
+    `stats()` is called from API threads while the engine thread mutates the manager, so it never
+    reads the manager: it returns the snapshot the engine thread last published (`publish`).
+    """
+
+    def __init__(self, manager: ProximaKVCacheManager) -> None:
+        self.manager = manager
+        self.block_bytes = int(manager.summary()["block_bytes"])  # type: ignore[call-overload]
+        self._latest = self.measure()
+
+    def stats(self) -> BackendStats:
+        return self._latest
+
+    def publish(self, pending_blocks: int = 0, applied_policy_version: int | None = None) -> None:
+        """Engine thread: measure the pool now and make it what `stats()` returns."""
+        self._latest = self.measure(pending_blocks, applied_policy_version)
+
+    def measure(self, pending_blocks: int = 0, applied_policy_version: int | None = None) -> BackendStats:
+        """A consistent view of the pool; engine thread only (it walks the manager's live state)."""
+        m = self.manager
+        pool = m.block_pool
+        total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        free = pool.get_num_free_blocks()
+        by_format: Counter[str] = Counter()
+        for rid, blocks in m.coordinator.single_type_managers[0].req_to_blocks.items():
+            st = m.px_reqs.get(rid)
+            compressed = st.compressed if st is not None else {}
+            for index, block in enumerate(blocks):
+                entry = compressed.get(index)
+                if entry is not None:
+                    by_format[entry[0].name] += 1
+                elif not block.is_null:  # a committed source is the null block; its copy counted above
+                    by_format[HOT.name] += 1
+        # Slots allocated in destination blocks but holding nothing (not yet filled, or vacated by
+        # a recompression): memory the packing has taken and does not use.
+        fragmentation = sum(
+            (d.fmt.pack_ratio - d.live) / d.fmt.pack_ratio for st in m.px_reqs.values() for d in st.dests.values()
+        )
+        pressure = min(1.0, max(0.0, 1.0 - (free - pending_blocks) / total)) if total else 0.0
+        return BackendStats(
+            pressure=pressure,
+            total_blocks=total,
+            free_blocks=free,
+            owned_blocks=total - free,  # the manager's accounting invariant: free + owned == total
+            blocks_by_format=dict(by_format),
+            block_bytes=self.block_bytes,
+            fragmentation_blocks=fragmentation,
+            step=m.px_stats.steps,
+            applied_policy_version=applied_policy_version,
+        )
+
+
+class LiveControl:
+    """The controller and HTTP server of one engine, and the per-step hooks the connector calls.
+
+    Per engine step, on the engine thread:
+    `before_plan()` (adopt a changed policy and the fallback level) -> `manager.build_plan` ->
+    `after_plan()` (publish stats) -> worker runs -> `commit(report)` (apply the report, tell the
+    controller what the step did). A step whose worker reported nothing is told to the controller
+    at the start of the next step, so every step is reported exactly once.
+    """
+
+    def __init__(
+        self,
+        manager: ProximaKVCacheManager,
+        policy: Policy,
+        host: str,
+        port: int,
+        source: str = "initial",
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.manager = manager
+        self.host, self.port = host, port
+        self.backend = ManagerBackend(manager)
+        self.controller = Controller(PolicyStore(policy, source=source), self.backend, metrics)
+        self.applied_version = self.controller.store.current.version  # the manager already holds it
+        self._pending_blocks = 0
+        self._step_unreported = False
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_env(cls, manager: ProximaKVCacheManager, policy: Policy, source: str) -> LiveControl | None:
+        """A started LiveControl when the API is enabled, else None (nothing of this module runs)."""
+        address = api_address(policy)
+        if address is None:
+            return None
+        live = cls(manager, policy, *address, source=source)
+        live.start()
+        return live
+
+    # -- server ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        from proxima.api.app import create_app
+        from proxima.api.auth import TokenSource
+        from proxima.api.server import serve_in_thread
+
+        tokens = TokenSource.from_settings(self.controller.store.policy.api)
+        self._server, self._thread = serve_in_thread(create_app(self.controller, tokens), self.host, self.port)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self._server.started:
+            # uvicorn reports a failed bind by exiting its thread; the operator asked for the API,
+            # so an engine silently running without it would be worse than failing here.
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"proxima: the runtime API could not start on {self.host}:{self.port} (in use?)")
+            time.sleep(0.02)
+        auth = "" if tokens.read() else f"; no token in {tokens.describe()}: every change is refused"
+        logger.warning("proxima: runtime API on http://%s:%d (pid %d)%s", self.host, self.port, os.getpid(), auth)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(5.0)
+        self.controller.stop()
+
+    # -- engine hooks (engine thread) --------------------------------------------------------------
+    def before_plan(self) -> None:
+        """Start of a step's planning: the previous step's late report, then this step's policy."""
+        if self._step_unreported:
+            self._report(StepReport())
+        version, level = self.controller.policy_for_step()
+        m = self.manager
+        if version.version != self.applied_version:
+            # Planned in this very step; blocks already compressed keep their format.
+            m.px_set_policy(version.policy)
+            self.applied_version = version.version
+        if m.px_state.fallback_level != level:
+            m.px_state = replace(m.px_state, fallback_level=level)
+        # build_plan consumes (resets) the waiting demand; it is part of the pressure we report.
+        self._pending_blocks = m.px_waiting_need
+
+    def after_plan(self) -> None:
+        self._step_unreported = True
+        self.backend.publish(self._pending_blocks, self.applied_version)
+
+    def commit(self, report: ProximaReport) -> None:
+        """Apply the worker's report to the manager and tell the controller what the step did."""
+        pending = self.manager.px_pending
+        committed = Counter(pending[aid].fmt for aid in report.ok if aid in pending)  # before apply pops them
+        self.manager.apply_report(report)
+        errors = {"kernel": len(report.failed)} if report.failed else {}
+        self._report(StepReport(decisions_by_format=dict(committed), errors_by_reason=errors))
+        self.backend.publish(self._pending_blocks, self.applied_version)
+
+    def _report(self, report: StepReport) -> None:
+        self._step_unreported = False
+        self.controller.on_step(report)
+
+
+__all__ = ["API_HOST_ENV", "API_PORT_ENV", "LiveControl", "ManagerBackend", "api_address"]

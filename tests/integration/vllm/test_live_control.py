@@ -1,0 +1,144 @@
+"""The runtime API over a real vLLM `KVCacheManager` turned into Proxima's (no engine: no model, no workers).
+
+The test plays the engine thread itself: it calls the connector's per-step hooks in the order
+vLLM does (`before_plan`, `build_plan`, `after_plan`, `commit`) and talks to the API over HTTP.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV, LiveControl, api_address  # noqa: E402
+from proxima.integration.vllm.manager import ProximaKVCacheManager, install  # noqa: E402
+from proxima.integration.vllm.plan import ProximaReport  # noqa: E402
+from proxima.policy.loader import load_policy  # noqa: E402
+from proxima.policy.schema import Policy  # noqa: E402
+
+HERE = Path(__file__).parent
+B = 32  # tokens per block (the KIVI group of the int4 side table needs a multiple of 32)
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _manager(policy: Policy, blocks: int = 16) -> ProximaKVCacheManager:
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    cfg = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+    m = install(
+        KVCacheManager(cfg, max_model_len=512, scheduler_block_size=B, hash_block_size=B, enable_caching=False), policy
+    )
+    assert m is not None
+    return m
+
+
+def _prefilled(m: ProximaKVCacheManager, rid: str, tokens: int) -> Request:
+    req = Request(rid, list(range(1, tokens + 1)), SamplingParams(max_tokens=8), None)
+    assert m.allocate_slots(req, tokens) is not None
+    req.num_computed_tokens = tokens  # as if the forward pass of the prefill ran
+    assert m.allocate_slots(req, 1) is not None  # the first decode step's token opens one more block
+    return req
+
+
+def _step(live: LiveControl, m: ProximaKVCacheManager, rids: list[str], ok: bool = True) -> int:
+    """One engine step as the connector drives it; returns the actions planned."""
+    live.before_plan()
+    plan = m.build_plan(rids)
+    live.after_plan()
+    ids = [a.action_id for a in plan.actions]
+    live.commit(ProximaReport(ok=ids) if ok else ProximaReport(failed=ids, errors=["RuntimeError: test"]))
+    return len(ids)
+
+
+def test_api_address_from_policy_and_environment() -> None:
+    off = Policy(enabled=False)
+    assert api_address(off, {}) is None
+    assert api_address(off, {API_PORT_ENV: "9100"}) == ("127.0.0.1", 9100)
+    assert api_address(off, {API_PORT_ENV: "9100", API_HOST_ENV: "0.0.0.0"}) == ("0.0.0.0", 9100)
+    on = off.model_copy(update={"api": off.api.model_copy(update={"enabled": True, "port": 9200})})
+    assert api_address(on, {}) == ("127.0.0.1", 9200)
+    with pytest.raises(ValueError, match=API_PORT_ENV):
+        api_address(off, {API_PORT_ENV: "http"})
+
+
+def test_live_control_swaps_policy_reports_steps_and_publishes_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    live = LiveControl(m, m.px_policy, "127.0.0.1", _free_port())
+    live.start()
+    api = httpx.Client(base_url=f"http://{live.host}:{live.port}", timeout=10)
+    try:
+        _prefilled(m, "a", 6 * B)  # 6 full blocks and the hot tail block (never compressed): 7 logical
+        s0 = api.get("/v1/stats").json()
+        assert s0["blocks_by_format"] == {}, "stats are what the engine published, not a read of live state"
+
+        planned = _step(live, m, ["a"])
+        s1 = api.get("/v1/stats").json()
+        assert planned > 0 and s1["step"] == 1 and s1["applied_policy_version"] == 1
+        assert s1["blocks_by_format"].get("int4") == planned and s1["blocks_by_format"]["bf16"] == 7 - planned
+        # int4 packs 4 slots per block: the destinations hold `planned` slots, the rest is fragmentation.
+        dests = -(-planned // 4)
+        assert s1["owned_blocks"] == 7 - planned + dests and s1["free_blocks"] + s1["owned_blocks"] == 15
+        assert s1["fragmentation_blocks"] == pytest.approx(dests - planned / 4)
+        assert s1["saved_bytes"] == (7 - s1["owned_blocks"]) * s1["block_bytes"]
+
+        # Disable compression through the API: the very next step plans under it.
+        assert api.patch("/v1/policy", json={"enabled": False}).status_code == 401
+        r = api.patch("/v1/policy", json={"enabled": False}, headers=AUTH)
+        assert r.status_code == 200 and r.json()["version"] == 2
+        assert m.px_policy.enabled, "the engine thread adopts a change, not the API thread"
+        _prefilled(m, "b", 6 * B)
+        assert _step(live, m, ["a", "b"]) == 0 and not m.px_policy.enabled
+        s2 = api.get("/v1/stats").json()
+        assert s2["applied_policy_version"] == 2 and s2["policy_version"] == 2
+        assert s2["blocks_by_format"]["bf16"] == 14 - planned
+
+        # Roll back: compression resumes; a failing worker batch is counted as an error.
+        assert api.post("/v1/policy/rollback", json={"version": 1}, headers=AUTH).json()["version"] == 3
+        failed = _step(live, m, ["a", "b"], ok=False)
+        assert failed > 0 and m.px_stats.failed == failed
+
+        # The operator's fallback pin reaches the engine state at the next step.
+        levels = len(m.px_policy.fallback.levels)
+        r = api.post("/v1/fallback", json={"level": levels - 1}, headers=AUTH)
+        assert r.status_code == 200
+        assert levels > 1
+        committed = planned + _step(live, m, ["a", "b"])
+        assert m.px_state.fallback_level == levels - 1
+
+        metrics = api.get("/metrics").text
+        assert "proxima_engine_steps_total 4.0" in metrics
+        assert f'proxima_engine_decisions_total{{action="compress",format="int4"}} {float(committed)}' in metrics
+        assert f'proxima_engine_compression_errors_total{{reason="kernel"}} {float(failed)}' in metrics
+        assert "proxima_policy_version 3.0" in metrics
+        m.check_accounting()
+    finally:
+        api.close()
+        live.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn's SystemExit
+def test_busy_port_fails_loudly() -> None:
+    m = _manager(Policy(enabled=False))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        live = LiveControl(m, m.px_policy, "127.0.0.1", taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match="could not start"):
+            live.start()

@@ -30,15 +30,31 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         model: Annotated[str, typer.Option(help="Model folder or name, as for `vllm serve`.")],
         policy: Annotated[str, typer.Option(help="Policy YAML file or shipped name.")] = "balanced",
+        api_port: Annotated[
+            int | None,
+            typer.Option(min=1, max=65535, help="Serve Proxima's runtime tuning API on this port (in the engine)."),
+        ] = None,
+        api_host: Annotated[
+            str | None, typer.Option(help="Bind address of the runtime API (default: the policy's, 127.0.0.1).")
+        ] = None,
     ) -> None:
         """Start vLLM's OpenAI-compatible server with Proxima (extra arguments go to `vllm serve`)."""
+        from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV
         from proxima.policy.loader import load_policy
 
         path = _policy_path(policy)
         load_policy(path)  # fail here, with file:line, rather than inside vLLM's processes
-        env = dict(os.environ, PROXIMA_POLICY=str(path))
+        # vLLM's processes read the environment when they start: that is how the settings reach the
+        # EngineCore process, where the API runs next to the KV manager.
+        extra = {"PROXIMA_POLICY": str(path)}
+        if api_port is not None:
+            extra[API_PORT_ENV] = str(api_port)
+        if api_host is not None:
+            extra[API_HOST_ENV] = api_host
+        env = dict(os.environ, **extra)
         argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *ctx.args]
-        typer.echo(f"proxima: PROXIMA_POLICY={path} {' '.join(argv[3:])}", err=True)
+        shown = " ".join(f"{k}={v}" for k, v in extra.items())
+        typer.echo(f"proxima: {shown} {' '.join(argv[3:])}", err=True)
         os.execvpe(argv[0], argv, env)
 
     @app.command()

@@ -140,6 +140,8 @@ class LiveControl:
         self.applied_version = self.controller.store.current.version  # the manager already holds it
         self._pending_blocks = 0
         self._step_unreported = False
+        self._committed: Counter[str] = Counter()  # since the last report, by format
+        self._failed = 0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -182,7 +184,7 @@ class LiveControl:
     def before_plan(self) -> None:
         """Start of a step's planning: the previous step's late report, then this step's policy."""
         if self._step_unreported:
-            self._report(StepReport())
+            self._report()
         version, level = self.controller.policy_for_step()
         m = self.manager
         if version.version != self.applied_version:
@@ -201,15 +203,21 @@ class LiveControl:
     def commit(self, report: ProximaReport) -> None:
         """Apply the worker's report to the manager and tell the controller what the step did."""
         pending = self.manager.px_pending
-        committed = Counter(pending[aid].fmt for aid in report.ok if aid in pending)  # before apply pops them
+        self._committed.update(pending[aid].fmt for aid in report.ok if aid in pending)  # before apply pops them
+        self._failed += len(report.failed)
         self.manager.apply_report(report)
-        errors = {"kernel": len(report.failed)} if report.failed else {}
-        self._report(StepReport(decisions_by_format=dict(committed), errors_by_reason=errors))
+        # Only an open step is reported: with vLLM's async scheduling a report can arrive after the
+        # next step was planned (and reported); its numbers then ride along with the next report.
+        if self._step_unreported:
+            self._report()
         self.backend.publish(self._pending_blocks, self.applied_version)
 
-    def _report(self, report: StepReport) -> None:
+    def _report(self) -> None:
         self._step_unreported = False
-        self.controller.on_step(report)
+        errors = {"kernel": self._failed} if self._failed else {}
+        self.controller.on_step(StepReport(decisions_by_format=dict(self._committed), errors_by_reason=errors))
+        self._committed = Counter()
+        self._failed = 0
 
 
 __all__ = ["API_HOST_ENV", "API_PORT_ENV", "LiveControl", "ManagerBackend", "api_address"]

@@ -142,3 +142,28 @@ def test_busy_port_fails_loudly() -> None:
         live = LiveControl(m, m.px_policy, "127.0.0.1", taken.getsockname()[1])
         with pytest.raises(RuntimeError, match="could not start"):
             live.start()
+
+
+def test_every_step_is_reported_once_even_when_reports_arrive_late() -> None:
+    # vLLM's async scheduling may plan step N+1 before step N's worker report arrives.
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    live = LiveControl(m, m.px_policy, "127.0.0.1", 0)  # not started: the hooks need no server
+    _prefilled(m, "a", 6 * B)
+    steps = live.controller.metrics.steps
+    live.before_plan()
+    ids = [a.action_id for a in m.build_plan(["a"]).actions]
+    live.after_plan()
+    live.before_plan()  # step 2 planned before step 1's report: step 1 is reported (empty)
+    m.build_plan(["a"])
+    live.after_plan()
+    assert steps._value.get() == 1
+    live.commit(ProximaReport(ok=ids))  # step 1's report closes step 2
+    live.commit(ProximaReport())  # a report with no open step: carried, not a step of its own
+    assert steps._value.get() == 2
+    decisions = live.controller.metrics.decisions.labels(action="compress", format="int4")
+    assert ids and decisions._value.get() == len(ids)
+    live.before_plan()
+    m.build_plan(["a"])
+    live.after_plan()
+    live.before_plan()  # the step with no worker report is reported at the next step's start
+    assert steps._value.get() == 3

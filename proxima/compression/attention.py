@@ -138,6 +138,8 @@ def _segment_logits(q: torch.Tensor, seg: KVSegment, scale: float) -> tuple[torc
     tok = torch.arange(c, device=q.device)
     valid = (tok.view(1, 1, c) < seg.slot_tokens.unsqueeze(-1)).reshape(s, 1, e * c)
     logits = logits.masked_fill(~valid, float("-inf"))
+    # padding reads slot 0, which may hold anything (NaN bytes in fp8): 0 * NaN would leak
+    vf = vf.masked_fill(~valid.reshape(s, e * c, 1, 1), 0.0)
     return logits, vf.permute(0, 2, 1, 3)
 
 

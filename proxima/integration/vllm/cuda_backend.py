@@ -1,0 +1,237 @@
+"""Attention over compressed blocks on CUDA: a subclass of vLLM's TRITON_ATTN backend.
+
+Why TRITON_ATTN and not FLASH_ATTN:
+
+* its kernel reads the cache through strides, in any physical layout, so the backend can pin the
+  block-contiguous LBHNC layout that the worker's slot views assume (a compressed slot is a byte
+  range of one physical block, `worker.py`); FlashAttention wants NHD pages;
+* its module imports on every platform (Triton only, no compiled CUDA op at import), so the
+  class wiring is tested on the CPU CI;
+* neither vLLM kernel gives what the compressed rows need: FLASH_ATTN can return a log-sum-exp
+  but reads only vLLM's bf16 pages; TRITON_ATTN's `unified_attention` returns no log-sum-exp at
+  all. So compressed rows do not use vLLM's kernel for their hot part either: they run
+  Proxima's own split-K Triton kernels (`proxima.compression.paged`) over one hot segment read in
+  place from vLLM's cache plus one segment per compressed format read from its slot pool, each
+  yielding partial (output, log-sum-exp), merged in one launch. The same log-sum-exps give the
+  attention mass of every block for free (`BLOCK_MASS`).
+
+Per step the metadata builder finds the rows of requests with compressed blocks (their key
+block, as the CPU backend does) and plans their tables. `forward` first runs the parent on the
+whole batch, unchanged, then overwrites the compressed rows' outputs. Running the parent on every
+row wastes its work on the compressed rows (their table holds vLLM's null block where a block was
+compressed, so their parent output is garbage, never kept), but it keeps every other row
+bit-identical to vanilla vLLM in the same batch: a sub-batch would change the parent's kernel
+choice (2D or 3D split by batch size) and so its summation order. When no row is compressed,
+`build` returns the parent's metadata object and `forward` is the parent's.
+
+Limits: no full CUDA graphs (the row split is host work per step: `_cudagraph_support = NEVER`,
+vLLM falls back to piecewise graphs, where attention runs eagerly); compressed rows support
+neither ALiBi, sliding windows, soft-capping, sinks nor an fp8 KV cache (they raise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+    TritonAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from proxima.compression.blocks import Backend, CompressedBlocks
+from proxima.compression.layout import KVLayout, hot_store
+from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
+from proxima.formats import Format
+from proxima.integration.vllm.worker import STORE, WorkerStore
+
+BACKEND_PATH = "proxima.integration.vllm.cuda_backend.ProximaTritonAttentionBackend"
+
+
+@dataclass
+class BlockMassLog:
+    """Attention mass of the compressed requests' blocks, as the kernels measured it this step.
+
+    Off by default (a few small launches per layer). When on, `forward` adds each layer's
+    [R, NB, Hq] mass (per query head, mean over the request's query tokens) on the device; the
+    worker calls `take()` after the forward pass (one device-to-host copy).
+    """
+
+    enabled: bool = False
+    layer: str | None = None
+    """Observe one layer only (None: every layer, averaged)."""
+    request_ids: list[str] = field(default_factory=list)
+    mass: torch.Tensor | None = None
+    layers: int = 0
+
+    def start(self, request_ids: list[str]) -> None:
+        self.request_ids, self.mass, self.layers = list(request_ids), None, 0
+
+    def add(self, layer: str, mass: torch.Tensor) -> None:
+        if self.layer is not None and layer != self.layer:
+            return
+        if self.mass is not None and self.mass.shape != mass.shape:
+            return  # another KV-cache group (other head count): not comparable, keep the first
+        self.mass = mass if self.mass is None else self.mass + mass
+        self.layers += 1
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """Request -> float32 [NB, Hq] on the CPU (mean over observed layers); empties the log."""
+        if self.mass is None or not self.layers:
+            return {}
+        mass = (self.mass / self.layers).cpu()
+        out = {rid: mass[i] for i, rid in enumerate(self.request_ids)}
+        self.start([])
+        return out
+
+
+BLOCK_MASS = BlockMassLog()
+
+
+def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.device) -> CompressedBlocks:
+    """Every slot of `fmt` in `layer`, as the worker wrote them, for Proxima's kernels (no copy)."""
+    p = store.pool(layer, fmt)
+    kdt, vdt = store.dtypes[fmt]
+    for name, t in p.meta.items():
+        if t.device != device:
+            # Moving the side table every layer and step would cost more than the attention.
+            raise RuntimeError(
+                f"proxima: the {fmt} side table ({name}) of {layer} is on {t.device}, the KV cache on {device}; "
+                "the worker must allocate it on the cache's device"
+            )
+    spec = p.spec
+    return CompressedBlocks(
+        fmt, p.k.view(kdt), p.v.view(vdt), head_dim=spec.head_dim, dtype=store.kv_caches[layer].dtype,
+        group_size=spec.group_size, source_tokens=spec.block_size, **p.meta,
+    )  # fmt: skip
+
+
+@dataclass
+class ProximaTritonMetadata(TritonAttentionMetadata):
+    px_tokens: torch.Tensor | None = None
+    """long [Sq] (device): the batch's query tokens that belong to compressed requests, plan order."""
+    px_plan: PagedPlan | None = None
+    px_request_ids: list[str] = field(default_factory=list)
+
+
+def compressed_rows(
+    store: WorkerStore, first_slots: list[int], block_size: int
+) -> tuple[list[int], list[str], list[dict[int, tuple[Format, int, int]]]]:
+    """Batch rows whose request has compressed blocks: (rows, request ids, their remaps).
+
+    A row's request is found through the physical block receiving its first query token (the
+    scheduler's key block: exclusively owned, so unambiguous without request ids)."""
+    rows: list[int] = []
+    rids: list[str] = []
+    remaps = []
+    for r, slot in enumerate(first_slots):
+        rid = store.key_blocks.get(slot // block_size)
+        remap = store.remap.get(rid) if rid is not None else None
+        if rid is not None and remap:
+            rows.append(r)
+            rids.append(rid)
+            remaps.append(remap)
+    return rows, rids, remaps
+
+
+class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
+    # The row split reads the worker's maps on the host every step: not capturable.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # type: ignore[no-untyped-def]
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not STORE.key_blocks or common_attn_metadata.causal is False:
+            return meta
+        cm = common_attn_metadata
+        n = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[: n + 1].tolist()
+        # one device-to-host copy: the slot of every row's first query token
+        first_slots = cm.slot_mapping[torch.tensor(qsl[:n], device=cm.slot_mapping.device)].tolist()
+        rows, rids, remaps = compressed_rows(STORE, first_slots, self.block_size)
+        if not rows:
+            return meta
+        idx = torch.tensor(rows, device=cm.seq_lens.device)
+        seq_lens = cm.seq_lens.index_select(0, idx).tolist()
+        tables = cm.block_table_tensor.index_select(0, idx).tolist()
+        paged = [PagedRow(tables[i], seq_lens[i], qsl[r + 1] - qsl[r], remaps[i]) for i, r in enumerate(rows)]
+        plan = plan_rows(paged, self.block_size).to(self.device)
+        tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows]).to(self.device)
+        px = ProximaTritonMetadata(**{f.name: getattr(meta, f.name) for f in fields(TritonAttentionMetadata)})
+        px.px_tokens, px.px_plan, px.px_request_ids = tokens, plan, rids
+        if BLOCK_MASS.enabled:
+            BLOCK_MASS.start(rids)
+        return px
+
+
+class ProximaTritonAttentionImpl(TritonAttentionImpl):
+    kernel_backend: Backend = "auto"
+    """Proxima's kernels: Triton on CUDA tensors; tests on CPU force "triton" (the interpreter)."""
+
+    def _check_compressed_rows_supported(self) -> None:
+        unsupported = {
+            "ALiBi": self.alibi_slopes is not None,
+            "sliding window": tuple(self.sliding_window) != (-1, -1),
+            "logit soft-capping": bool(self.logits_soft_cap),
+            "attention sinks": self.sinks is not None,
+            f"KV cache dtype {self.kv_cache_dtype}": self.kv_cache_dtype not in ("auto", "bfloat16", "float16"),
+            f"attention type {self.attn_type}": self.attn_type != AttentionType.DECODER,
+        }
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise NotImplementedError(f"proxima: compressed blocks cannot be read with {', '.join(bad)}")
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[no-untyped-def]
+                output_scale=None, output_block_scale=None):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                              output_scale, output_block_scale)
+        m = attn_metadata
+        if not isinstance(m, ProximaTritonMetadata) or m.px_plan is None or m.px_tokens is None:
+            return out
+        self._check_compressed_rows_supported()
+        if output_scale is not None:
+            raise NotImplementedError("proxima: fused output quantization with compressed blocks")
+        q = query.view(query.shape[0], self.num_heads, self.head_size).index_select(0, m.px_tokens)
+        hot = hot_store(kv_cache, KVLayout.FLASH_ATTN, num_kv_heads=self.num_kv_heads, head_dim=self.head_size)
+        pools = {
+            s.fmt: slot_pool_of(STORE, layer.layer_name, s.fmt, kv_cache.device)
+            for s in m.px_plan.segments
+            if not s.fmt.is_hot
+        }
+        res = paged_attention(q, m.px_plan, hot, pools, sm_scale=self.scale, backend=self.kernel_backend)
+        flat = output.view(output.shape[0], -1)
+        flat.index_copy_(0, m.px_tokens, res.out.reshape(res.out.shape[0], -1).to(output.dtype))
+        if BLOCK_MASS.enabled:
+            BLOCK_MASS.add(layer.layer_name, res.block_mass)
+        return output
+
+
+class ProximaTritonAttentionBackend(TritonAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # the registry member it is registered under
+
+    @staticmethod
+    def get_impl_cls() -> type[ProximaTritonAttentionImpl]:
+        return ProximaTritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[ProximaTritonMetadataBuilder]:
+        return ProximaTritonMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # The worker reinterprets a physical block's bytes as slots of a contiguous
+        # [num_blocks, H, B, 2D] tensor: only the identity layout makes that view valid.
+        return (KVCacheLayout.LBHNC,)
+
+
+def register_cuda_backend() -> None:
+    """Make `--attention-backend CUSTOM` (or `attention_config={"backend": "CUSTOM"}`) Proxima's."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)

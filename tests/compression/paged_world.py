@@ -55,8 +55,12 @@ def build_world(
     nblk = [-(-n // b) for n in seq_lens]
     fmts = sorted({Format.parse(f) for c in compressed for f in c.values()}, key=str)
     # physical blocks: 0 = vLLM's null block, then every request's blocks, then one destination
-    # block per format per request (packing per request, as the manager does)
-    dst_needed = sum(len({f for f in c.values()}) for c in compressed)
+    # block per pack_ratio blocks of a format, per request (packing per request, as the manager does)
+    def blocks_for(c: dict[int, str]) -> int:
+        per_fmt = [list(c.values()).count(f) for f in set(c.values())]
+        return sum(-(-n // Format.parse(f).pack_ratio) for n, f in zip(per_fmt, set(c.values()), strict=True))
+
+    dst_needed = sum(blocks_for(c) for c in compressed)
     total = 1 + sum(nblk) + dst_needed
     k, v = realistic_kv(total, b, h, d, seed=seed)
     kv = torch.cat([k, v], -1).transpose(1, 2).contiguous().to(device)  # [NB, H, B, 2D]
@@ -76,12 +80,10 @@ def build_world(
             kj, vj = blk[..., :d], blk[..., d:]
             if j in comp:
                 f = Format.parse(comp[j])
-                if f not in dst_of:
+                if f not in dst_of or dst_of[f][1] == f.pack_ratio:  # open a fresh destination block
                     dst_of[f] = (next_dst, 0)
                     next_dst += 1
                 dst, used = dst_of[f]
-                if used == f.pack_ratio:
-                    raise ValueError("test world: one destination block per format and request")
                 dst_of[f] = (dst, used + 1)
                 cb = compress_blocks(f, kj.unsqueeze(0).cpu(), vj.unsqueeze(0).cpu(), backend="torch")
                 placements[j] = (f, dst, used)

@@ -99,6 +99,6 @@ def test_plan_errors():
 def test_compiled_on_gpu_larger_batch():
     """The compiled kernels (not the interpreter): 8 requests, GQA 4, D 128, mixed formats."""
     seq = [300, 129, 520, 64, 1000, 77, 256, 33]
-    comp = [{j: ("int8", "int4", "fp8", "int2")[j % 4] for j in range(0, (n - 1) // B, 2)} for n in seq]
+    comp = [{j: ("int8", "int4", "fp8", "int2")[j // 2 % 4] for j in range(0, (n - 1) // B, 2)} for n in seq]
     world = build_world(seq, [1, 1, 4, 1, 1, 2, 1, 1], comp, h=2, d=128, device="cuda")
     _check(world, 8, num_splits=None)

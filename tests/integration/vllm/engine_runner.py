@@ -6,7 +6,9 @@ Started as a subprocess by `test_vllm_e2e.py` because vLLM reads the plugin envi
 1. pressure: distinct prompts against a pool of a few requests (compression, preemption, resume);
 2. prefix: requests sharing a long prompt prefix (prefix caching on);
 3. abort: requests aborted mid-decode through the engine API;
-4. churn: many short requests (accounting after hundreds of requests).
+4. api (only with PROXIMA_API_PORT): compression disabled through the runtime API while requests
+   run, then restored by a rollback;
+5. churn: many short requests (accounting after hundreds of requests).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -56,17 +59,80 @@ def main() -> None:
             engine.abort_request([f"abort-{i}" for i in range(0, 6, 2)])
     out["abort_finished"] = finished
 
+    stats = os.environ.get("PROXIMA_STATS_FILE")
+    if os.environ.get("PROXIMA_API_PORT") and stats:
+        out["api"] = api_scenario(engine, toks, Path(stats))
+
     if churn:
         sp_short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         res = llm.generate([TokensPrompt(prompt_token_ids=toks(1000 + s, 40)) for s in range(churn)], sp_short,
                            use_tqdm=False)
         out["churn_lengths"] = [len(r.outputs[0].token_ids) for r in res]
     out["wall_s"] = time.perf_counter() - t0
-    stats = os.environ.get("PROXIMA_STATS_FILE")
     del llm
     time.sleep(1)
     out["proxima"] = json.loads(Path(stats).read_text()) if stats and Path(stats).exists() else None
     print(json.dumps(out))
+
+
+def api_scenario(engine: Any, toks: Any, stats_file: Path) -> dict[str, Any]:
+    """PATCH `enabled: false` through the runtime API (served inside the EngineCore process) while
+    requests decode; measure when the scheduler adopts it and that it stops planning compressions."""
+    import httpx
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    api = httpx.Client(base_url=f"http://127.0.0.1:{os.environ['PROXIMA_API_PORT']}", timeout=30)
+    auth = {"Authorization": f"Bearer {os.environ['PROXIMA_API_TOKEN']}"}
+    res: dict[str, Any] = {"version_before": api.get("/v1/policy").json()["version"]}
+    finished: dict[str, int] = {}
+
+    def planned() -> int:
+        return int(json.loads(stats_file.read_text())["planned"])
+
+    def step() -> None:
+        for r in engine.step():
+            if r.finished:
+                finished[r.request_id] = len(r.outputs[0].token_ids)
+
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"api-{i}", TokensPrompt(prompt_token_ids=toks(300 + i, 150)), sp)
+    p0 = planned()
+    while planned() == p0 and engine.has_unfinished_requests():  # until the live policy compresses
+        step()
+    res["planned_before_patch"] = planned() - p0
+    res["stats_before"] = api.get("/v1/stats").json()
+
+    patch = {"enabled": False}
+    res["status_no_token"] = api.patch("/v1/policy", json=patch).status_code
+    res["status_bad_token"] = api.patch("/v1/policy", json=patch, headers={"Authorization": "Bearer nope"}).status_code
+    r = api.patch("/v1/policy", json=patch, headers=auth, params={"comment": "e2e: stop compressing"})
+    res["patch_status"], res["patch_version"] = r.status_code, r.json()["version"]
+    res["running_at_patch"] = engine.has_unfinished_requests()
+    at_patch = api.get("/v1/stats").json()
+    engine_steps = 0
+    while True:
+        now = api.get("/v1/stats").json()
+        if now["applied_policy_version"] == res["patch_version"] or not engine.has_unfinished_requests():
+            break
+        step()
+        engine_steps += 1
+    res["engine_steps_until_applied"] = engine_steps
+    res["scheduler_steps_until_applied"] = now["step"] - at_patch["step"]
+    res["applied_version"], res["live_version"] = now["applied_policy_version"], now["policy_version"]
+    planned_at_apply = planned()
+    while engine.has_unfinished_requests():
+        step()
+    res["planned_after_apply"] = planned() - planned_at_apply
+    res["finished"] = finished
+    res["stats_after"] = api.get("/v1/stats").json()
+    res["metrics"] = [ln for ln in api.get("/metrics").text.splitlines() if ln.startswith("proxima_")]
+    # Later scenarios need compression again: a rollback re-installs version 1 as a new version.
+    res["rollback_version"] = api.post("/v1/policy/rollback", json={"version": 1}, headers=auth).json()["version"]
+    res["planned_at_rollback"] = planned()
+    api.close()
+    return res
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@
 * off: PROXIMA_POLICY=configs/off.yaml: greedy outputs must be identical to vanilla's;
 * int4: a policy that compresses every eligible block to int4, a pool of 24 blocks of 32 tokens
   (memory pressure, preemptions), the accounting invariant asserted at every step inside the
-  engine (PROXIMA_CHECK_ACCOUNTING=1) and a failure injected into every third compression batch.
+  engine (PROXIMA_CHECK_ACCOUNTING=1) and a failure injected into every third compression batch;
+  it also serves the runtime API (PROXIMA_API_PORT), through which one scenario changes the policy.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,14 @@ pytest.importorskip("vllm")
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
 CHURN = 200
+API_TOKEN = "e2e-token"
 pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _model() -> str:
@@ -59,6 +68,8 @@ def runs() -> dict[str, dict]:
             "PROXIMA_POLICY": str(HERE / "force-int4.yaml"),
             "PROXIMA_CHECK_ACCOUNTING": "1",
             "PROXIMA_FAULT_INJECT": "compress@3",
+            "PROXIMA_API_PORT": str(_free_port()),
+            "PROXIMA_API_TOKEN": API_TOKEN,
         }, churn=CHURN),
     }
 
@@ -106,3 +117,26 @@ def test_injected_executor_failure_keeps_blocks_hot(runs: dict[str, dict]) -> No
     px = runs["int4"]["proxima"]
     assert px["failed"] > 0 and any("InjectedFault" in e for e in px["errors"])
     assert px["committed"] > 0  # the batches that did not fail still compressed
+
+
+def test_runtime_api_changes_the_live_policy_within_a_step(runs: dict[str, dict]) -> None:
+    api = runs["int4"]["api"]
+    # Compression was running under version 1 when the operator disabled it mid-flight.
+    assert api["version_before"] == 1 and api["planned_before_patch"] > 0 and api["running_at_patch"]
+    assert api["status_no_token"] == 401 and api["status_bad_token"] == 403
+    assert api["patch_status"] == 200 and api["patch_version"] == 2
+    # The scheduler planned with version 2 from its next step on (or the one after, if a step was
+    # already past its policy read when the PATCH landed).
+    assert api["applied_version"] == 2 and api["live_version"] == 2
+    assert api["scheduler_steps_until_applied"] <= 2
+    # Disabled means disabled: not one compression planned afterwards, and no request suffered.
+    assert api["planned_after_apply"] == 0
+    assert api["finished"] == {f"api-{i}": 40 for i in range(6)}
+    assert api["stats_after"]["step"] > api["stats_before"]["step"]
+    assert api["stats_before"]["total_blocks"] == 23 and 0.0 <= api["stats_before"]["pressure"] <= 1.0
+    metrics = "\n".join(api["metrics"])
+    assert "proxima_policy_version 2.0" in metrics and "proxima_engine_steps_total" in metrics
+    assert 'proxima_engine_decisions_total{action="compress",format="int4"}' in metrics
+    # The rollback re-enabled compression for the churn scenario that followed.
+    assert api["rollback_version"] == 3
+    assert runs["int4"]["proxima"]["planned"] > api["planned_at_rollback"]

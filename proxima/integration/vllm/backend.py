@@ -5,16 +5,20 @@ Rows (requests) of the batch split in two once per step, in the metadata builder
 * rows without compressed blocks: vLLM's kernel on vLLM's cache, exactly as vanilla (and when no
   row has compressed blocks the parent's path runs untouched);
 * rows with compressed blocks (found by their *key block*, see `plan.ProximaPlan`): per layer, a
-  transient bf16 scratch cache holds their blocks (hot ones copied with one `index_select`,
-  compressed ones decompressed in one batched call per format) and vLLM's own kernel reads it
-  through a scratch block table. The scratch is allocated once per step and reused by every
-  layer, so it costs one layer's worth of those rows' KV, not a copy of the cache.
+  transient bf16 scratch cache holds their tokens (`scratch.py`: hot blocks copied, compressed
+  ones decompressed in one batched call per format, sparse blocks' kept tokens packed, cluster
+  centroids repeated by count) and vLLM's own kernel reads it through a scratch block table.
+
+Importance: in one layer (`STORE.observe_layer`), the scheduled rows' observation-window queries
+(the last `observation_window` prompt tokens of a prefill chunk, the new token of a decode row)
+are scored against their hot keys with torch; the attention mass per token feeds the worker's
+token importance (sparse and cluster use it) and, per block, the scheduler's policy engine.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from vllm import _custom_ops as ops
@@ -26,7 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from proxima.formats import Format
+from proxima.integration.vllm.scratch import ScratchPlan, ScratchRow, fill_scratch, plan_scratch
 from proxima.integration.vllm.worker import STORE
 
 DEBUG_ENV = "PROXIMA_DEBUG"
@@ -48,26 +52,39 @@ class _Subset:
 
 
 @dataclass
+class _Observation:
+    """Which queries to score against which keys in the observed layer (importance)."""
+
+    decode_rids: list[str]
+    decode_q: torch.Tensor  # long [Rd]: query token of each decode row
+    decode_table: torch.Tensor  # long [Rd, W]: physical blocks (compressed ones point at block 0)
+    decode_visible: torch.Tensor  # bool [Rd, W * B]: token exists and is hot
+    decode_lens: list[int]
+    prefill: list[tuple[str, torch.Tensor, torch.Tensor, int]]
+    """Per prefill row: (request, its observation-window query tokens, its blocks, seq_len)."""
+
+
+@dataclass
 class ProximaCPUMetadata(CPUAttentionMetadata):
     px_rest: _Subset | None = None
     px_comp: _Subset | None = None
-    px_scratch_blocks: int = 0
-    px_hot_src: torch.Tensor | None = None  # long [Nh]: physical blocks to copy
-    px_hot_dst: torch.Tensor | None = None  # long [Nh]: their scratch blocks
-    px_groups: list[tuple[Format, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """Per format: (scratch blocks, destination blocks, slots), long tensors of equal length."""
+    px_plan: ScratchPlan | None = None
     px_scratch: torch.Tensor | None = None
+    px_obs: _Observation | None = None
+    px_builder: ProximaCPUAttentionMetadataBuilder | None = None
+    """Set until the step's first layer resolves the split (then None)."""
 
 
 class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def _subset_meta(self, rows: list[int], qsl: list[int], seq_lens: torch.Tensor,
                      block_table: torch.Tensor, causal: bool) -> _Subset:
+        """Kernel metadata for `rows` of the batch; `seq_lens` and `block_table` are the subset's own."""
         lens = [qsl[r + 1] - qsl[r] for r in rows]
         sub_qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
         sub_qsl[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
         empty = torch.zeros(0, dtype=torch.long)
         tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows]) if rows else empty
-        sl = seq_lens[rows].contiguous()
+        sl = seq_lens.to(torch.int32).contiguous()
         sched = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(rows), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, seq_lens=sl, dtype=self.dtype,  # type: ignore[arg-type]  # vLLM's own value
@@ -79,63 +96,105 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # type: ignore[no-untyped-def]
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if not STORE.key_blocks or self.is_cross_attention or self.is_encoder_only_attention:
+        if not STORE.active or self.is_cross_attention or self.is_encoder_only_attention:
             return meta
+        # vLLM builds attention metadata *before* it binds this step's connector metadata (the
+        # plan that tells which rows have compressed blocks), so the split waits for the first
+        # layer's forward (`resolve`), when STORE holds this step's plan.
+        px = ProximaCPUMetadata(**{f: getattr(meta, f) for f in CPUAttentionMetadata.__dataclass_fields__})
+        px.px_builder = self
+        return px
+
+    def resolve(self, m: ProximaCPUMetadata) -> None:
+        """Split the batch for this step's plan (once per step, at the first layer)."""
+        m.px_builder = None
+        if not STORE.key_blocks:
+            return
         b = self.block_size
-        n = common_attn_metadata.num_reqs
-        qsl = meta.query_start_loc[: n + 1].tolist()
-        first_slots = meta.slot_mapping[torch.tensor(qsl[:n], dtype=torch.long)].tolist()
-        comp_rows: list[int] = []
-        comp_maps: list[dict[int, tuple[Format, int, int]]] = []
-        debug_hot = os.environ.get(DEBUG_ENV) == "read-sources"
-        for r in range(n):
-            rid = STORE.key_blocks.get(first_slots[r] // b)
-            remap = STORE.remap.get(rid) if rid is not None else None
-            if remap:
-                comp_rows.append(r)
-                comp_maps.append(remap)
-                if debug_hot:  # the worker's block table still holds the sources (append-only)
-                    comp_maps[-1] = {}
+        n = int(m.query_start_loc.numel()) - 1
+        qsl = m.query_start_loc[: n + 1].tolist()
+        first_slots = m.slot_mapping[torch.tensor(qsl[:n], dtype=torch.long)].tolist()
+        rids = [STORE.key_blocks.get(first_slots[r] // b) for r in range(n)]
+        seq_lens = m.seq_lens[:n].tolist()
+        bt = m.block_table
+        nblk = [-(-sl // b) for sl in seq_lens]
+        remaps = [STORE.remap.get(rid) or {} if rid is not None else {} for rid in rids]
+        m.px_obs = _observation(rids, remaps, qsl, seq_lens, nblk, bt, b, STORE.observation_window)
+        comp_rows = [r for r in range(n) if remaps[r]]
         if not comp_rows:
-            return meta
-        seq_lens = meta.seq_lens
+            return
+        for r in comp_rows:
+            if qsl[r + 1] - qsl[r] != 1:  # reordering tokens in the scratch is only valid for one query
+                raise AssertionError(f"request {rids[r]} has compressed blocks but {qsl[r + 1] - qsl[r]} "
+                                     "query tokens: this indicates a bug in Proxima's eligibility")
+        debug_hot = os.environ.get(DEBUG_ENV) == "read-sources"
+        rows = [ScratchRow(bt[r, : nblk[r]].tolist(), seq_lens[r], {} if debug_hot else remaps[r])
+                for r in comp_rows]
+        plan = plan_scratch(rows, b)
+        causal = bool(m.causal)
+        m.px_plan = plan
+        m.px_comp = self._subset_meta(comp_rows, qsl, plan.seq_lens, plan.block_table.to(bt.dtype), causal)
         comp_set = set(comp_rows)
         rest_rows = [r for r in range(n) if r not in comp_set]
-        bt = meta.block_table
-        hot_src: list[int] = []
-        hot_dst: list[int] = []
-        groups: dict[Format, tuple[list[int], list[int], list[int]]] = {}
-        nblk = [-(-int(seq_lens[r]) // b) for r in comp_rows]
-        width = max(nblk)
-        table = torch.zeros(len(comp_rows), width, dtype=bt.dtype)
-        bt_rows = bt[comp_rows, :width].tolist()
-        base = 0
-        for i, (remap, nb) in enumerate(zip(comp_maps, nblk, strict=True)):
-            table[i, :nb] = torch.arange(base, base + nb, dtype=bt.dtype)
-            row = bt_rows[i]
-            for j in range(nb):
-                hit = remap.get(j)
-                if hit is None:
-                    hot_src.append(row[j])
-                    hot_dst.append(base + j)
-                else:
-                    g = groups.setdefault(hit[0], ([], [], []))
-                    g[0].append(base + j)
-                    g[1].append(hit[1])
-                    g[2].append(hit[2])
-            base += nb
-        causal = bool(meta.causal)
-        px = ProximaCPUMetadata(**{f: getattr(meta, f) for f in CPUAttentionMetadata.__dataclass_fields__})
-        px.px_comp = self._subset_meta(comp_rows, qsl, seq_lens, table, causal)
         if rest_rows:
-            px.px_rest = self._subset_meta(rest_rows, qsl, seq_lens, bt[rest_rows], causal)
-        px.px_scratch_blocks = base
-        L = torch.long
-        px.px_hot_src = torch.tensor(hot_src, dtype=L)
-        px.px_hot_dst = torch.tensor(hot_dst, dtype=L)
-        px.px_groups = [(f, torch.tensor(a, dtype=L), torch.tensor(d, dtype=L), torch.tensor(s, dtype=L))
-                        for f, (a, d, s) in groups.items()]
-        return px
+            m.px_rest = self._subset_meta(rest_rows, qsl, m.seq_lens[rest_rows], bt[rest_rows], causal)
+
+
+def _observation(rids: list[str | None], remaps: list[dict], qsl: list[int], seq_lens: list[int],  # type: ignore[type-arg]
+                 nblk: list[int], bt: torch.Tensor, b: int, window: int) -> _Observation | None:
+    dec = [r for r, rid in enumerate(rids) if rid is not None and qsl[r + 1] - qsl[r] == 1]
+    pre = [r for r, rid in enumerate(rids) if rid is not None and qsl[r + 1] - qsl[r] > 1]
+    if not dec and not pre:
+        return None
+    width = max((nblk[r] for r in dec), default=1)
+    table = torch.zeros(len(dec), width, dtype=torch.long)
+    visible = torch.zeros(len(dec), width * b, dtype=torch.bool)
+    for i, r in enumerate(dec):
+        table[i, : nblk[r]] = bt[r, : nblk[r]].long()
+        visible[i, : seq_lens[r]] = True
+        for j in remaps[r]:  # compressed: the table's entry is a freed source, never read
+            table[i, j] = 0
+            visible[i, j * b: (j + 1) * b] = False
+    prefill = []
+    for r in pre:
+        w = min(window, qsl[r + 1] - qsl[r])
+        prefill.append((rids[r], torch.arange(qsl[r + 1] - w, qsl[r + 1]), bt[r, : nblk[r]].long(), seq_lens[r]))
+    return _Observation([rids[r] for r in dec], torch.tensor([qsl[r] for r in dec], dtype=torch.long),  # type: ignore[misc]
+                        table, visible, [seq_lens[r] for r in dec], prefill)  # type: ignore[arg-type]
+
+
+def observe(layer_kv: torch.Tensor, query: torch.Tensor, obs: _Observation, scale: float, aggregate: str) -> None:
+    """Attention mass of the observed queries over each row's hot tokens, folded into `STORE`.
+
+    Computed in float32 with torch, beside vLLM's kernel (which returns no probabilities), in
+    one layer only: about 1/L of the attention's cost.
+    """
+    nb, h, b, d2 = layer_kv.shape
+    d = d2 // 2
+    keys = layer_kv.view(nb, h, 2, b, d)[:, :, 0]  # [nb, H, B, D]
+    g = query.shape[1] // h
+
+    def fold(p: torch.Tensor) -> torch.Tensor:  # [..., G, T] probabilities -> [..., T] per KV head
+        return p.amax(-2) if aggregate == "max" else p.mean(-2)
+
+    if obs.decode_rids:
+        rd, w = obs.decode_table.shape
+        k = keys[obs.decode_table].permute(0, 2, 1, 3, 4).reshape(rd, h, w * b, d).float()
+        q = query[obs.decode_q].view(rd, h, g, d).float()
+        s = torch.einsum("rhgd,rhtd->rhgt", q, k) * scale
+        s = s.masked_fill(~obs.decode_visible[:, None, None, :], float("-inf"))
+        mass = fold(torch.softmax(s, -1))  # [Rd, H, T]
+        mass = mass.masked_fill(~obs.decode_visible[:, None, :], float("nan"))
+        for i, (rid, n) in enumerate(zip(obs.decode_rids, obs.decode_lens, strict=True)):
+            STORE.observe(rid, mass[i, :, :n].transpose(0, 1).contiguous(), reset=False)
+    for rid, qt, blocks, seq_len in obs.prefill:
+        k = keys[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len].float()  # [H, L, D]
+        q = query[qt].view(len(qt), h, g, d).permute(1, 2, 0, 3).float()  # [H, G, W, D]
+        s = torch.einsum("hgwd,hld->hgwl", q, k) * scale
+        qpos = torch.arange(seq_len - len(qt), seq_len).view(-1, 1)
+        s = s.masked_fill(torch.arange(seq_len).view(1, -1) > qpos, float("-inf"))
+        mass = fold(torch.softmax(s, -1).mean(2).transpose(1, 2)).transpose(0, 1)  # [H, L] -> [L, H]
+        STORE.observe(rid, mass.contiguous(), reset=True)
 
 
 class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
@@ -155,28 +214,32 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[no-untyped-def]
                 output_scale=None, output_block_scale=None):
-        if not isinstance(attn_metadata, ProximaCPUMetadata) or attn_metadata.px_comp is None:
+        if not isinstance(attn_metadata, ProximaCPUMetadata):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         m = attn_metadata
+        if m.px_builder is not None:
+            m.px_builder.resolve(m)
+        if m.px_obs is not None and layer.layer_name == STORE.observe_layer:
+            try:
+                observe(kv_cache, query, m.px_obs, self.scale, STORE.aggregate)
+            except Exception as e:  # importance is advisory: never fail a request over it
+                STORE.report.errors.append(f"importance: {type(e).__name__}: {e}")
+        if m.px_comp is None or m.px_plan is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
         nb, h, b, d2 = kv_cache.shape
         d = d2 // 2
-        kv = kv_cache.view(nb, h, 2 * b, d)
         causal = bool(m.causal)
         if m.px_rest is not None:
-            kc, vc = kv.chunk(2, dim=2)
+            kc, vc = kv_cache.view(nb, h, 2 * b, d).chunk(2, dim=2)
             self._run(layer, query, kc, vc, output, m.px_rest, causal)
         if m.px_scratch is None:  # first layer of the step: one buffer for every layer
-            m.px_scratch = kv_cache.new_empty((m.px_scratch_blocks, h, 2 * b, d))
-        scratch = m.px_scratch
-        if len(m.px_hot_src):
-            scratch.index_copy_(0, m.px_hot_dst, kv.index_select(0, m.px_hot_src))
-        s5 = scratch.view(-1, h, 2, b, d)
-        for fmt, sidx, dst, slot in m.px_groups:
-            kh, vh = STORE.read(layer.layer_name, fmt, dst, slot)  # [N, B, H, D]
-            s5[sidx, :, 0] = kh.transpose(1, 2)
-            s5[sidx, :, 1] = vh.transpose(1, 2)
-        kc, vc = scratch.chunk(2, dim=2)
+            m.px_scratch = kv_cache.new_empty((m.px_plan.num_blocks, h, 2 * b, d))
+        name = layer.layer_name
+        fill_scratch(m.px_plan, kv_cache, lambda f, dst, slot: STORE.read_with_counts(name, f, dst, slot),
+                     m.px_scratch)
+        kc, vc = m.px_scratch.chunk(2, dim=2)
         self._run(layer, query, kc, vc, output, m.px_comp, causal)
         return output
 

@@ -32,7 +32,7 @@ neither ALiBi, sliding windows, soft-capping, sinks nor an fp8 KV cache (they ra
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
@@ -117,6 +117,10 @@ class ProximaTritonMetadata(TritonAttentionMetadata):
     """long [Sq] (device): the batch's query tokens that belong to compressed requests, plan order."""
     px_plan: PagedPlan | None = None
     px_request_ids: list[str] = field(default_factory=list)
+    px_builder: ProximaTritonMetadataBuilder | None = None
+    """Set until the step's first layer resolves the split (then None)."""
+    px_common: Any = None
+    """vLLM's CommonAttentionMetadata of the step, kept for `resolve`."""
 
 
 def compressed_rows(
@@ -145,27 +149,36 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # type: ignore[no-untyped-def]
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if not STORE.key_blocks or common_attn_metadata.causal is False:
+        if not STORE.active or common_attn_metadata.causal is False:
             return meta
-        cm = common_attn_metadata
+        # vLLM builds attention metadata *before* it binds this step's connector metadata (the
+        # plan saying which rows have compressed blocks): the split waits for the first layer.
+        px = ProximaTritonMetadata(**{f.name: getattr(meta, f.name) for f in fields(TritonAttentionMetadata)})
+        px.px_builder, px.px_common = self, common_attn_metadata
+        return px
+
+    def resolve(self, m: ProximaTritonMetadata) -> None:
+        """Find this step's compressed rows and plan their segments (once per step, first layer)."""
+        cm = m.px_common
+        m.px_builder = m.px_common = None
+        if not STORE.key_blocks or cm is None:
+            return
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: n + 1].tolist()
         # one device-to-host copy: the slot of every row's first query token
         first_slots = cm.slot_mapping[torch.tensor(qsl[:n], device=cm.slot_mapping.device)].tolist()
         rows, rids, remaps = compressed_rows(STORE, first_slots, self.block_size)
         if not rows:
-            return meta
+            return
         idx = torch.tensor(rows, device=cm.seq_lens.device)
         seq_lens = cm.seq_lens.index_select(0, idx).tolist()
         tables = cm.block_table_tensor.index_select(0, idx).tolist()
         paged = [PagedRow(tables[i], seq_lens[i], qsl[r + 1] - qsl[r], remaps[i]) for i, r in enumerate(rows)]
-        plan = plan_rows(paged, self.block_size).to(self.device)
-        tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows]).to(self.device)
-        px = ProximaTritonMetadata(**{f.name: getattr(meta, f.name) for f in fields(TritonAttentionMetadata)})
-        px.px_tokens, px.px_plan, px.px_request_ids = tokens, plan, rids
+        m.px_plan = plan_rows(paged, self.block_size).to(self.device)
+        m.px_tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows]).to(self.device)
+        m.px_request_ids = rids
         if BLOCK_MASS.enabled:
             BLOCK_MASS.start(rids)
-        return px
 
 
 class ProximaTritonAttentionImpl(TritonAttentionImpl):
@@ -187,9 +200,11 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[no-untyped-def]
                 output_scale=None, output_block_scale=None):
+        m = attn_metadata
+        if isinstance(m, ProximaTritonMetadata) and m.px_builder is not None:
+            m.px_builder.resolve(m)
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                               output_scale, output_block_scale)
-        m = attn_metadata
         if not isinstance(m, ProximaTritonMetadata) or m.px_plan is None or m.px_tokens is None:
             return out
         self._check_compressed_rows_supported()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -38,11 +39,31 @@ CHECK_ENV = "PROXIMA_CHECK_ACCOUNTING"
 
 
 def supported_formats(policy: Policy) -> set[Format]:
-    """Formats the vLLM data path can store today: quantizations without token reduction."""
+    """Formats the vLLM data path stores: every format of the ladders (quantized, sparse, cluster)."""
     fmts: set[Format] = set()
     for band in policy.bands:
-        fmts.update(f for f in band.ladder if f.reduction is None)
+        fmts.update(band.ladder)
     return fmts
+
+
+def recompressible(policy: Policy, fmt: Format) -> bool:
+    """A block can be recompressed (e.g. int8 -> int4) only if no layer dropped or merged its tokens."""
+    if fmt.reduction is not None:
+        return False
+    return all(ov.substitute.get(fmt.name, fmt).reduction is None for ov in policy.layer_overrides)
+
+
+UNMEASURED_IMPORTANCE = 1.0
+"""Importance of a block the worker has not observed yet: all of its head's attention mass, so the
+engine compresses measured blocks first (measured masses are fractions of 1)."""
+
+
+def _importance(measured: list[float], n: int) -> list[float]:
+    out = [UNMEASURED_IMPORTANCE] * n
+    for i, x in enumerate(measured[:n]):
+        if not math.isnan(x):
+            out[i] = x
+    return out
 
 
 @dataclass
@@ -64,6 +85,8 @@ class _ReqState:
     in_flight: dict[int, CompressAction] = field(default_factory=dict)
     dests: dict[int, _Dest] = field(default_factory=dict)
     open: dict[Format, _Dest] = field(default_factory=dict)
+    importance: list[float] = field(default_factory=list)
+    """Attention mass of each logical block, as the worker last observed it (NaN: never)."""
 
 
 @dataclass
@@ -231,7 +254,7 @@ class ProximaKVCacheManager(KVCacheManager):
             reqs.append(
                 RequestBlocks(
                     request_id=rid,
-                    importance=[1.0] * n,
+                    importance=_importance(st.importance, n),
                     formats=formats,
                     tokens=tokens,
                     shared=shared,
@@ -266,7 +289,8 @@ class ProximaKVCacheManager(KVCacheManager):
             prev = st.compressed.get(act.block_index)
             if prev is None and (src.is_null or src.ref_cnt != 1):
                 continue
-            if prev is not None and prev[0].pack_ratio >= fmt.pack_ratio:
+            if prev is not None and (
+                    prev[0].pack_ratio >= fmt.pack_ratio or not recompressible(self.px_policy, prev[0])):
                 continue
             if self.px_check:
                 self._check_protected(st, act.block_index)
@@ -325,7 +349,7 @@ class ProximaKVCacheManager(KVCacheManager):
         blocks_of = self._stm.req_to_blocks
         for rid in scheduled_req_ids:
             st = self.px_reqs.get(rid)
-            if st is None or not (st.compressed or st.in_flight):
+            if st is None or self.px_policy.is_off:
                 continue
             blocks = blocks_of[rid]
             key = blocks[st.request.num_computed_tokens // b]
@@ -333,7 +357,14 @@ class ProximaKVCacheManager(KVCacheManager):
         return plan
 
     def apply_report(self, report: ProximaReport) -> None:
-        """Second phase: commit successful compressions (free sources), undo failed ones."""
+        """Second phase: commit successful compressions (free sources), undo failed ones; and
+        take the worker's observed block importance."""
+        for rid, imp in report.importance.items():
+            st = self.px_reqs.get(rid)
+            if st is not None:
+                # A block the worker could not see this step (compressed) keeps its last value.
+                old = st.importance
+                st.importance = [old[i] if math.isnan(x) and i < len(old) else x for i, x in enumerate(imp)]
         blocks_of = self._stm.req_to_blocks
         null = self.block_pool.null_block
         to_free: list[KVCacheBlock] = []

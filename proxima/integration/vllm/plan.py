@@ -35,8 +35,9 @@ class ProximaPlan(KVConnectorMetadata):
     dropped: list[str] = field(default_factory=list)
     """Requests whose blocks were freed (finished, aborted, preempted): forget their remap."""
     key_blocks: dict[int, str] = field(default_factory=dict)
-    """Physical block receiving this step's first token -> request, for scheduled requests that
-    have compressed blocks (this is how attention finds their rows)."""
+    """Physical block receiving this step's first token -> request, for every scheduled request
+    (exclusively owned, so it identifies the batch row without request ids in attention
+    metadata): attention finds the rows with compressed blocks, and the rows to observe."""
 
 
 @dataclass
@@ -44,10 +45,18 @@ class ProximaReport(KVConnectorWorkerMetadata):
     ok: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    importance: dict[str, list[float]] = field(default_factory=dict)
+    """Request -> attention mass of each of its logical blocks (observed this step; blocks the
+    worker could not observe, e.g. compressed ones, are NaN)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ProximaReport), f"cannot aggregate ProximaReport with {type(other)}"
         # With several workers (tensor parallel) an action succeeded only if it did everywhere.
         failed = set(self.failed) | set(other.failed)
         ok = (set(self.ok) | set(other.ok)) - failed
-        return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors)
+        # Every worker holds all layers' heads of its shard; the scheduler wants one number per block.
+        importance = dict(self.importance)
+        for rid, imp in other.importance.items():
+            mine = importance.get(rid)
+            importance[rid] = imp if mine is None else [max(a, b) for a, b in zip(mine, imp, strict=False)]
+        return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors, importance)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -22,11 +23,27 @@ from proxima.compression.blocks import CompressedBlocks, compress_blocks, decomp
 from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
 from proxima.formats import Format
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
+from proxima.policy.schema import Policy
 
 logger = logging.getLogger("proxima.vllm")
 FAULT_ENV = "PROXIMA_FAULT_INJECT"
 
 _META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def _startup_policy() -> Policy | None:
+    """The policy this process was started with (PROXIMA_POLICY)."""
+    from proxima.integration.vllm.plugin import POLICY_ENV
+    from proxima.policy.loader import load_policy
+
+    path = os.environ.get(POLICY_ENV)
+    return load_policy(path) if path else None
+
+
+def layer_index(name: str, position: int) -> int:
+    """vLLM names attention layers like `model.layers.12.self_attn.attn`; else the dict order."""
+    m = re.search(r"\.(\d+)\.", name)
+    return int(m[1]) if m else position
 
 
 class InjectedFault(RuntimeError):
@@ -59,13 +76,40 @@ class WorkerStore:
         self.meta_bytes = 0
         self.batches = 0
         self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
+        self.policy: Policy | None = None
+        """Its `layer_overrides` decide the format each layer stores (same pack ratio, same slot)."""
+        self.layer_numbers: dict[str, int] = {}
+        self.token_importance: dict[str, torch.Tensor] = {}
+        """request -> float32 [tokens, H_kv]: EMA of the attention mass each token received."""
+        self.ema_decay = 0.9
+        self.aggregate = "max"
+        self.observation_window = 32
+        self.observe_layer: str | None = None
+        """The layer whose attention is observed (the middle one: early layers attend broadly, late
+        ones sharply; one layer keeps the cost at ~1/L of attention)."""
+
+    @property
+    def active(self) -> bool:
+        """Proxima runs in this process (a policy was configured at startup, even `off`: the API
+        may turn compression on later). Without it, attention is vLLM's, untouched."""
+        return self.policy is not None
 
     # --- geometry ---------------------------------------------------------------------------
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], policy: Policy | None = None) -> None:
         self.kv_caches = dict(kv_caches)
+        names = list(kv_caches)
+        self.observe_layer = names[len(names) // 2] if names else None
+        policy = policy if policy is not None else _startup_policy()
+        if policy is not None:
+            imp = policy.importance
+            self.ema_decay, self.aggregate = imp.ema_decay, imp.aggregate
+            self.observation_window = imp.observation_window
+            self.policy = policy
+        self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
         shapes = {tuple(t.shape) for t in kv_caches.values()}
-        logger.info("proxima worker: %d KV layers, shapes %s", len(kv_caches), shapes)
+        logger.info("proxima worker: %d KV layers, shapes %s, importance observed in %s",
+                    len(kv_caches), shapes, self.observe_layer)
 
     def geometry(self, layer: str) -> tuple[int, int, int, int]:
         """(num_blocks, H_kv, block_size, head_dim) of a layer's `[N, H, B, 2D]` tensor."""
@@ -94,6 +138,19 @@ class WorkerStore:
         self.pools[key] = p
         return p
 
+    def layer_format(self, layer: str, fmt: Format) -> Format:
+        """The format `layer` stores when the scheduler chose `fmt` (policy `layer_overrides`).
+
+        A substitution that changes the number of stored tokens between a sparse format and any
+        other would change the scratch layout per layer; the vLLM path keeps the chosen format.
+        """
+        if self.policy is None or fmt.is_hot:
+            return fmt
+        sub = self.policy.layer_format(fmt, self.layer_numbers.get(layer, -1))
+        if (sub.reduction == "sparse") != (fmt.reduction == "sparse"):
+            return fmt
+        return sub
+
     # --- executor ---------------------------------------------------------------------------
 
     def apply(self, plan: ProximaPlan) -> None:
@@ -101,6 +158,7 @@ class WorkerStore:
         for rid in plan.dropped:
             self.remap.pop(rid, None)
             self.sources.pop(rid, None)
+            self.token_importance.pop(rid, None)
         self.key_blocks = dict(plan.key_blocks)
         by_fmt: dict[tuple[str, str], list[CompressAction]] = {}
         for a in plan.actions:
@@ -137,10 +195,14 @@ class WorkerStore:
                 blocks = kv.view(n, h, 2, b, d).index_select(0, src)  # [N, H, 2, B, D]
                 k = blocks[:, :, 0].transpose(1, 2).contiguous()  # [N, B, H, D]
                 v = blocks[:, :, 1].transpose(1, 2).contiguous()
+            elif self.layer_format(layer, from_fmt).reduction is not None:
+                raise ValueError(f"cannot recompress {from_fmt}: its dropped or merged tokens are gone")
             else:  # recompression: from the current slot (its loss is kept, not undone)
                 k, v = self.read(layer, from_fmt, from_dst, from_slot)
-            cb = compress_blocks(fmt, k, v, group_size=self.group_size, backend="torch")
-            staged.append((self.pool(layer, fmt), cb))
+            fmt_l = self.layer_format(layer, fmt)
+            imp = self._importance_of(acts, b, h) if fmt_l.reduction is not None else None
+            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_size, backend="torch")
+            staged.append((self.pool(layer, fmt_l), cb))
         # Writes happen only after every layer compressed: a failure above leaves no partial slot.
         for p, cb in staged:
             self.dtypes[p.spec.fmt] = (cb.k_data.dtype, cb.v_data.dtype)
@@ -152,12 +214,69 @@ class WorkerStore:
 
     def take_report(self) -> ProximaReport | None:
         rep, self.report = self.report, ProximaReport()
-        return rep if (rep.ok or rep.failed) else None
+        return rep if (rep.ok or rep.failed or rep.importance) else None
+
+    # --- importance -------------------------------------------------------------------------
+
+    def observe(self, req_id: str, mass: torch.Tensor, *, reset: bool) -> None:
+        """Fold one observation into a request's token importance.
+
+        mass: float32 [tokens, H_kv], the attention mass each token got from the observed queries
+        (NaN where the token could not be seen: compressed blocks keep their last value).
+        `reset` (a prefill chunk's observation window) replaces the history; decode steps update
+        the moving average, and a token seen for the first time starts at its first mass.
+        """
+        old = self.token_importance.get(req_id)
+        n = mass.shape[0]
+        seen = ~torch.isnan(mass)
+        if old is None or reset:
+            new = torch.where(seen, mass, torch.zeros_like(mass))
+        else:
+            new = torch.zeros_like(mass)
+            m = min(n, old.shape[0])
+            new[:m] = old[:m]
+            upd = torch.full_like(mass, float("nan"))
+            upd[:m] = self.ema_decay * old[:m] + (1 - self.ema_decay) * mass[:m]
+            upd[m:] = mass[m:]
+            new = torch.where(seen, upd, new)
+        self.token_importance[req_id] = new
+        # One number per block for the scheduler: the block's mass (summed over its tokens), the
+        # hottest head; blocks with no visible token this step are NaN (the scheduler keeps theirs).
+        b = next(iter(self.kv_caches.values())).shape[2]
+        nb = -(-n // b)
+        pad = torch.zeros(nb * b, new.shape[1])
+        pad[:n] = new
+        per_block = pad.view(nb, b, -1).sum(1).amax(1)
+        vis = torch.zeros(nb * b, dtype=torch.bool)
+        vis[:n] = seen.any(1)
+        per_block[~vis.view(nb, b).any(1)] = float("nan")
+        self.report.importance[req_id] = per_block.tolist()
+
+    def _importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor:
+        """[N, B, H] token importance of the actions' blocks (1 where never observed)."""
+        out = torch.ones(len(acts), b, h)
+        for i, a in enumerate(acts):
+            imp = self.token_importance.get(a.req_id)
+            if imp is None:
+                continue
+            seg = imp[a.index * b: (a.index + 1) * b]
+            out[i, : seg.shape[0]] = seg
+        # Weights must stay positive for clustering; ties among unseen tokens break by position.
+        return out.clamp_min(1e-6)
 
     # --- reader -----------------------------------------------------------------------------
 
     def read(self, layer: str, fmt: Format, dst: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decompress slots (dst, slot) of a layer: k_hat, v_hat [N, C, H, D] in the cache dtype."""
+        kh, vh, _ = self.read_with_counts(layer, fmt, dst, slot)
+        return kh, vh
+
+    def read_with_counts(self, layer: str, fmt: Format, dst: torch.Tensor, slot: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like `read`, plus log(count) [N, C, H] of each token (cluster centroids; 0 otherwise).
+
+        `fmt` is the format the scheduler chose; this layer's substitute (if any) is read."""
+        fmt = self.layer_format(layer, fmt)
         p = self.pool(layer, fmt)
         idx = dst * fmt.pack_ratio + slot
         spec = p.spec
@@ -167,8 +286,7 @@ class WorkerStore:
             dtype=self.kv_caches[layer].dtype, group_size=spec.group_size, source_tokens=spec.block_size,
             **{name: t.index_select(0, idx) for name, t in p.meta.items()},
         )
-        kh, vh, _ = decompress_blocks(cb, backend="torch")
-        return kh, vh
+        return decompress_blocks(cb, backend="torch")
 
 
 STORE = WorkerStore()

@@ -34,6 +34,7 @@ from proxima.formats import Format  # noqa: E402
 from proxima.integration.vllm import cuda_backend as cb  # noqa: E402
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan  # noqa: E402
 from proxima.integration.vllm.worker import WorkerStore  # noqa: E402
+from proxima.policy.schema import Policy  # noqa: E402
 
 NB, H, HQ, B, D = 16, 2, 4, 16, 32
 LAYER = "layer.0"
@@ -95,6 +96,7 @@ def _world(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerStore, torch.Tensor, 
         key_blocks[blocks[(n - ql) // B]] = rid
     kv[0] = 1e4  # vLLM's null block
     store.key_blocks = key_blocks
+    store.policy = Policy(enabled=False)  # Proxima is configured in this worker (any policy)
     monkeypatch.setattr(cb, "STORE", store)
     cm = CommonAttentionMetadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
@@ -158,11 +160,11 @@ def test_compressed_rows_read_slots_and_other_rows_stay_the_parents(
     monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
     monkeypatch.setattr(cb, "BLOCK_MASS", cb.BlockMassLog(enabled=True))
     meta = _builder().build(0, cm)
-    assert isinstance(meta, cb.ProximaTritonMetadata)
-    assert meta.px_request_ids == ["a", "c"] and meta.px_tokens.tolist() == [0, 2, 3]  # type: ignore[union-attr]
+    assert isinstance(meta, cb.ProximaTritonMetadata) and meta.px_plan is None  # resolved at the first layer
     q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
     out = torch.empty(cm.num_actual_tokens, HQ, D, dtype=torch.bfloat16)
     _impl(kernels).forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, out)
+    assert meta.px_request_ids == ["a", "c"] and meta.px_tokens.tolist() == [0, 2, 3]  # type: ignore[union-attr]
     assert torch.all(out[1] == SENTINEL)  # request b: the parent's output, untouched
     for rid, rows in (("a", [0]), ("c", [2, 3])):
         want = _reference(store, kv, q[rows], rid)
@@ -175,12 +177,29 @@ def test_compressed_rows_read_slots_and_other_rows_stay_the_parents(
 
 
 def test_no_compressed_row_is_the_parent_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    store, _, cm = _world(monkeypatch)
+    store, kv, cm = _world(monkeypatch)
+    monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
     store.remap.clear()
     meta = _builder().build(0, cm)
-    assert type(meta) is TritonAttentionMetadata  # the parent's own object
-    store.key_blocks = {}
+    q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
+    out = torch.empty_like(q)
+    _impl().forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, out)
+    assert meta.px_plan is None and torch.all(out == SENTINEL)  # every row: the parent's output
+    store.policy = None  # Proxima not configured in this process: the parent's own metadata object
     assert type(_builder().build(0, cm)) is TritonAttentionMetadata
+
+
+def test_the_split_uses_the_plan_bound_after_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM binds the step's connector metadata after building attention metadata: the rows with
+    compressed blocks must be found from the maps as they are at the forward, not at build."""
+    store, kv, cm = _world(monkeypatch)
+    monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
+    keys, store.key_blocks = store.key_blocks, {}  # the previous step's plan: nothing compressed
+    meta = _builder().build(0, cm)
+    store.key_blocks = keys  # this step's plan, bound before the forward
+    q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
+    _impl().forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, torch.empty_like(q))
+    assert meta.px_request_ids == ["a", "c"]
 
 
 def test_unsupported_features_raise_for_compressed_rows(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,151 @@
+"""The scratch KV that vLLM's kernel reads for rows with compressed blocks (no engine: fast).
+
+Reference: attention of one query over each row's tokens as Proxima's formats define it (hot
+tokens from the cache, compressed blocks decompressed, centroids weighted by their counts).
+The scratch must give the same attention output with plain, unweighted attention, whatever the
+mix of formats (quantized, sparse, cluster) in the row.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from proxima.formats import Format  # noqa: E402
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan  # noqa: E402
+from proxima.integration.vllm.scratch import (  # noqa: E402
+    ScratchRow,
+    expand_centroids,
+    fill_scratch,
+    plan_scratch,
+)
+from proxima.integration.vllm.worker import WorkerStore  # noqa: E402
+
+NB, H, B, D, HQ = 40, 2, 16, 32, 4
+LAYER = "layer.0"
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, logw: torch.Tensor) -> torch.Tensor:
+    """q [HQ, D]; k, v [T, H, D]; logw [T, H] -> [HQ, D], grouped-query attention in float32."""
+    g = HQ // H
+    kq = k.float().repeat_interleave(g, 1)  # [T, HQ, D]
+    vq = v.float().repeat_interleave(g, 1)
+    s = torch.einsum("hd,thd->th", q.float(), kq) / D**0.5 + logw.repeat_interleave(g, 1)
+    p = torch.softmax(s, 0)
+    return torch.einsum("th,thd->hd", p, vq)
+
+
+def _scenario(formats: list[list[str | None]], seed: int = 0):  # type: ignore[no-untyped-def]
+    """Rows of logical blocks (None = hot); returns store, cache, rows with the real compression."""
+    torch.manual_seed(seed)
+    kv = torch.randn(NB, H, B, 2 * D).to(torch.bfloat16)
+    st = WorkerStore()
+    st.register({LAYER: kv})
+    rows: list[tuple[str, list[int], int]] = []
+    acts: list[CompressAction] = []
+    nxt = 1
+    dst_of: dict[tuple[str, str], list[int]] = {}  # (request, format) -> [dst block, next slot]
+    for r, fmts in enumerate(formats):
+        rid = f"r{r}"
+        blocks = list(range(nxt, nxt + len(fmts)))
+        nxt += len(fmts)
+        for j, f in enumerate(fmts):
+            if f is None:
+                continue
+            fmt = Format.parse(f)
+            cur = dst_of.get((rid, f))
+            if cur is None or cur[1] == fmt.pack_ratio:
+                cur = dst_of[(rid, f)] = [NB - 1 - len(dst_of), 0]
+            acts.append(CompressAction(len(acts), rid, j, blocks[j], cur[0], cur[1], f))
+            cur[1] += 1
+        seq_len = (len(fmts) - 1) * B + 5 + r  # a partial last block
+        rows.append((rid, blocks, seq_len))
+    # Some token importance so that sparse keeps a non-trivial subset.
+    for rid, _blocks, seq_len in rows:
+        st.observe(rid, torch.rand(seq_len, H), reset=True)
+    st.apply(ProximaPlan(actions=acts))
+    rep = st.take_report()
+    assert rep is not None and not rep.failed, rep
+    return st, kv, rows
+
+
+def _reference(st: WorkerStore, kv: torch.Tensor, rid: str, blocks: list[int], seq_len: int, q: torch.Tensor):  # type: ignore[no-untyped-def]
+    kv5 = kv.view(NB, H, 2, B, D)
+    ks, vs, ws = [], [], []
+    nb = -(-seq_len // B)
+    for j in range(nb):
+        hit = st.remap.get(rid, {}).get(j)
+        if hit is None:
+            n = min(B, seq_len - j * B)
+            ks.append(kv5[blocks[j], :, 0, :n].transpose(0, 1))
+            vs.append(kv5[blocks[j], :, 1, :n].transpose(0, 1))
+            ws.append(torch.zeros(n, H))
+        else:
+            fmt, dst, slot = hit
+            kh, vh, lc = st.read_with_counts(LAYER, fmt, torch.tensor([dst]), torch.tensor([slot]))
+            ks.append(kh[0])
+            vs.append(vh[0])
+            ws.append(lc[0].float())
+    return _attend(q, torch.cat(ks), torch.cat(vs), torch.cat(ws))
+
+
+@pytest.mark.parametrize("formats", [
+    [["int4", "int8", None, None]],
+    [["cluster(2)+int4", None, "int4", None], [None, "cluster(4)", None]],
+    [["sparse(4)+int4", "sparse(2)", None, "int2", None], ["int8", "sparse(4)", "cluster(2)+int4", None, None]],
+])
+def test_scratch_attention_equals_the_formats_attention(formats: list[list[str | None]]) -> None:
+    st, kv, rows = _scenario(formats)
+    plan = plan_scratch([ScratchRow(blocks, seq_len, st.remap.get(rid, {})) for rid, blocks, seq_len in rows], B)
+    scratch = torch.full((plan.num_blocks, H, 2 * B, D), float("nan"), dtype=kv.dtype)
+    fill_scratch(plan, kv, lambda f, d, s: st.read_with_counts(LAYER, f, d, s), scratch)
+    s5 = scratch.view(-1, H, 2, B, D)
+    for i, (rid, blocks, seq_len) in enumerate(rows):
+        n = int(plan.seq_lens[i])
+        assert n <= seq_len
+        tb = plan.block_table[i, : -(-n // B)].long()
+        k = s5[tb, :, 0].transpose(1, 2).reshape(-1, H, D)[:n]  # [n, H, D] in scratch order
+        v = s5[tb, :, 1].transpose(1, 2).reshape(-1, H, D)[:n]
+        assert not torch.isnan(k.float()).any(), "the kernel would read an unfilled scratch position"
+        q = torch.randn(HQ, D)
+        got = _attend(q, k, v, torch.zeros(n, H))
+        want = _reference(st, kv, rid, blocks, seq_len, q)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_expand_centroids_repeats_by_count() -> None:
+    k = torch.arange(3).float().view(1, 3, 1, 1).expand(1, 3, 1, 2)
+    lc = torch.tensor([2.0, 0.0, 3.0]).log().view(1, 3, 1)  # counts 2, 0, 3
+    ke, _ = expand_centroids(k, k, lc, 5)
+    assert ke[0, :, 0, 0].tolist() == [0.0, 0.0, 2.0, 2.0, 2.0]
+
+
+def test_a_compressed_last_block_is_refused() -> None:
+    row = ScratchRow([1, 2], 2 * B, {1: (Format.parse("int4"), 9, 0)})
+    with pytest.raises(ValueError, match="last block"):
+        plan_scratch([row], B)
+
+
+def test_observe_keeps_compressed_blocks_importance_and_reports_per_block() -> None:
+    st = WorkerStore()
+    st.register({LAYER: torch.zeros(4, H, B, 2 * D, dtype=torch.bfloat16)})
+    st.ema_decay = 0.5
+    first = torch.zeros(2 * B, H)
+    first[3, 1] = 1.0  # all of head 1's mass on token 3 (block 0)
+    st.observe("r", first, reset=True)
+    rep = st.take_report()
+    assert rep is not None and rep.importance["r"] == [1.0, 0.0]
+    nxt = torch.zeros(2 * B + 1, H)
+    nxt[:B] = float("nan")  # block 0 compressed: not visible this step
+    nxt[B + 2, 0] = 1.0
+    st.observe("r", nxt, reset=False)
+    imp = st.token_importance["r"]
+    assert imp[3, 1] == 1.0  # unseen: kept
+    assert imp[B + 2, 0] == 0.5  # EMA: 0.5 * 0 + 0.5 * 1
+    assert imp.shape[0] == 2 * B + 1
+    rep = st.take_report()
+    assert rep is not None
+    got = rep.importance["r"]
+    assert got[0] != got[0] and got[1] == 0.5 and got[2] == 0.0  # NaN, EMA mass, new token's first mass

@@ -149,6 +149,7 @@ def tabulate(results: dict[str, dict]) -> dict[str, dict]:
             ),
             "kv_blocks": r["kv_blocks"],
             "compressed_blocks": px.get("committed", 0),
+            "compressed_by_format": px.get("committed_by_format", {}),
             "compression_failures": px.get("failed", 0),
             # Scales and zero points live outside vLLM's pool; in KV-block equivalents:
             "side_table_peak_blocks": round(px.get("side_table_peak_bytes", 0) / px["block_bytes"], 2)
@@ -159,14 +160,16 @@ def tabulate(results: dict[str, dict]) -> dict[str, dict]:
 
 def table_markdown(table: dict[str, dict]) -> str:
     rows = ["| config | peak running | mean running | preemptions | tokens/s | wall s | greedy prefix (tokens) "
-            "| side table (blocks) |", "|---|---|---|---|---|---|---|---|"]
+            "| side table (blocks) | compressions by format |", "|---|---|---|---|---|---|---|---|---|"]
     for cfg, t in table.items():
         if "error" in t:
-            rows.append(f"| {cfg} | error: {t['error']} | | | | | | |")
+            rows.append(f"| {cfg} | error: {t['error']} | | | | | | | |")
             continue
         rows.append(f"| {cfg} | {t['peak_running']} | {t['mean_running']} | {t['preemptions']} | "
                     f"{t['tokens_per_s']} | {t['wall_s']} | {t['greedy_prefix_tokens']} | "
-                    f"{t['side_table_peak_blocks']} |")
+                    f"{t['side_table_peak_blocks']} | "
+                    + (", ".join(f"{k} {v}" for k, v in sorted(t.get("compressed_by_format", {}).items())) or "-")
+                    + " |")
     return "\n".join(rows)
 
 

@@ -142,6 +142,7 @@ class LiveControl:
         self._step_unreported = False
         self._committed: Counter[str] = Counter()  # since the last report, by format
         self._failed = 0
+        self._kernel_seconds = 0.0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -205,6 +206,7 @@ class LiveControl:
         pending = self.manager.px_pending
         self._committed.update(pending[aid].fmt for aid in report.ok if aid in pending)  # before apply pops them
         self._failed += len(report.failed)
+        self._kernel_seconds += report.kernel_seconds
         self.manager.apply_report(report)
         # Only an open step is reported: with vLLM's async scheduling a report can arrive after the
         # next step was planned (and reported); its numbers then ride along with the next report.
@@ -215,9 +217,12 @@ class LiveControl:
     def _report(self) -> None:
         self._step_unreported = False
         errors = {"kernel": self._failed} if self._failed else {}
-        self.controller.on_step(StepReport(decisions_by_format=dict(self._committed), errors_by_reason=errors))
+        kernel = self._kernel_seconds if self._kernel_seconds > 0 else None
+        self.controller.on_step(StepReport(decisions_by_format=dict(self._committed), errors_by_reason=errors,
+                                           kernel_seconds=kernel))
         self._committed = Counter()
         self._failed = 0
+        self._kernel_seconds = 0.0
 
 
 __all__ = ["API_HOST_ENV", "API_PORT_ENV", "LiveControl", "ManagerBackend", "api_address"]

@@ -101,6 +101,9 @@ class ProximaStats:
     side_bytes_peak: int = 0
     preemptions: int = 0
     freed_blocks: int = 0
+    importance_updates: int = 0
+    committed_by_format: dict[str, int] = field(default_factory=dict)
+    """Requests whose block importance the worker reported (summed over steps)."""
     errors: list[str] = field(default_factory=list)
 
 
@@ -362,6 +365,7 @@ class ProximaKVCacheManager(KVCacheManager):
         for rid, imp in report.importance.items():
             st = self.px_reqs.get(rid)
             if st is not None:
+                self.px_stats.importance_updates += 1
                 # A block the worker could not see this step (compressed) keeps its last value.
                 old = st.importance
                 st.importance = [old[i] if math.isnan(x) and i < len(old) else x for i, x in enumerate(imp)]
@@ -377,6 +381,7 @@ class ProximaKVCacheManager(KVCacheManager):
             st.in_flight.pop(ca.index, None)
             st.compressed[ca.index] = (Format.parse(ca.fmt), ca.dst, ca.slot)
             self.px_stats.committed += 1
+            self.px_stats.committed_by_format[ca.fmt] = self.px_stats.committed_by_format.get(ca.fmt, 0) + 1
             if ca.from_fmt != HOT.name:  # recompression: release the old slot
                 self._unreserve(st, ca.from_dst)
                 continue
@@ -456,7 +461,9 @@ class ProximaKVCacheManager(KVCacheManager):
         ndest = sum(len(st.dests) for st in self.px_reqs.values())
         return {
             "steps": s.steps, "planned": s.planned, "committed": s.committed, "failed": s.failed,
-            "emergencies": s.emergencies, "freed_blocks": s.freed_blocks, "peak_resident": s.peak_running,
+            "emergencies": s.emergencies, "freed_blocks": s.freed_blocks,
+            "importance_updates": s.importance_updates, "committed_by_format": dict(s.committed_by_format),
+            "peak_resident": s.peak_running,
             "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
             "resident_now": len(self.px_reqs),
             "side_table_peak_bytes": s.side_bytes_peak,

@@ -45,6 +45,8 @@ class ProximaReport(KVConnectorWorkerMetadata):
     ok: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    kernel_seconds: float = 0.0
+    """Wall time of this step's compressions (all formats and layers)."""
     importance: dict[str, list[float]] = field(default_factory=dict)
     """Request -> attention mass of each of its logical blocks (observed this step; blocks the
     worker could not observe, e.g. compressed ones, are NaN)."""
@@ -59,4 +61,5 @@ class ProximaReport(KVConnectorWorkerMetadata):
         for rid, imp in other.importance.items():
             mine = importance.get(rid)
             importance[rid] = imp if mine is None else [max(a, b) for a, b in zip(mine, imp, strict=False)]
-        return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors, importance)
+        return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors,
+                             max(self.kernel_seconds, other.kernel_seconds), importance)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -44,6 +46,11 @@ def layer_index(name: str, position: int) -> int:
     """vLLM names attention layers like `model.layers.12.self_attn.attn`; else the dict order."""
     m = re.search(r"\.(\d+)\.", name)
     return int(m[1]) if m else position
+
+
+def _kernels(t: torch.Tensor) -> Literal["torch", "auto"]:
+    """Proxima's Triton kernels on a GPU; on CPU the torch reference (Triton there is the interpreter)."""
+    return "auto" if t.is_cuda else "torch"
 
 
 class InjectedFault(RuntimeError):
@@ -132,7 +139,7 @@ class WorkerStore:
         for f in spec.meta_fields():
             # MetaField shapes exclude the slot and head axes; CompressedBlocks puts heads second.
             shape = (n * r, f.shape[0], h, *f.shape[1:])
-            meta[f.name] = torch.empty(shape, dtype=_META_DTYPES[f.dtype])
+            meta[f.name] = torch.empty(shape, dtype=_META_DTYPES[f.dtype], device=kv.device)
             self.meta_bytes += meta[f.name].numel() * meta[f.name].element_size()
         p = _LayerPool(spec, raw[:, 0], raw[:, 1], meta)
         self.pools[key] = p
@@ -164,15 +171,18 @@ class WorkerStore:
         for a in plan.actions:
             by_fmt.setdefault((a.fmt, a.from_fmt), []).append(a)
         for (name, from_name), acts in by_fmt.items():
+            t0 = time.perf_counter()
             try:
                 self._compress(Format.parse(name), Format.parse(from_name), acts)
             except Exception as e:  # a failure must never fail a request: keep the blocks hot
+                self.report.kernel_seconds += time.perf_counter() - t0
                 self.report.failed.extend(a.action_id for a in acts)
                 self.report.errors.append(f"{type(e).__name__}: {e}")
                 continue
             for a in acts:
                 self.remap.setdefault(a.req_id, {})[a.index] = (Format.parse(a.fmt), a.dst, a.slot)
                 self.sources.setdefault(a.req_id, {})[a.index] = a.src
+            self.report.kernel_seconds += time.perf_counter() - t0
             self.report.ok.extend(a.action_id for a in acts)
 
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
@@ -183,12 +193,13 @@ class WorkerStore:
             every = int(fault.partition("@")[2] or 1)
             if self.batches % every == 0:
                 raise InjectedFault(f"{FAULT_ENV}={fault}")
-        src = torch.tensor([a.src for a in acts], dtype=torch.long)
+        dev = next(iter(self.kv_caches.values())).device
+        src = torch.tensor([a.src for a in acts], dtype=torch.long, device=dev)
         r = fmt.pack_ratio
-        slots = torch.tensor([a.dst * r + a.slot for a in acts], dtype=torch.long)
+        slots = torch.tensor([a.dst * r + a.slot for a in acts], dtype=torch.long, device=dev)
         staged: list[tuple[_LayerPool, CompressedBlocks]] = []
-        from_dst = torch.tensor([a.from_dst for a in acts], dtype=torch.long)
-        from_slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long)
+        from_dst = torch.tensor([a.from_dst for a in acts], dtype=torch.long, device=dev)
+        from_slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long, device=dev)
         for layer, kv in self.kv_caches.items():
             n, h, b, d = self.geometry(layer)
             if from_fmt.is_hot:
@@ -200,8 +211,8 @@ class WorkerStore:
             else:  # recompression: from the current slot (its loss is kept, not undone)
                 k, v = self.read(layer, from_fmt, from_dst, from_slot)
             fmt_l = self.layer_format(layer, fmt)
-            imp = self._importance_of(acts, b, h) if fmt_l.reduction is not None else None
-            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_size, backend="torch")
+            imp = self._importance_of(acts, b, h).to(kv.device) if fmt_l.reduction is not None else None
+            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_size, backend=_kernels(kv))
             staged.append((self.pool(layer, fmt_l), cb))
         # Writes happen only after every layer compressed: a failure above leaves no partial slot.
         for p, cb in staged:
@@ -278,7 +289,7 @@ class WorkerStore:
         `fmt` is the format the scheduler chose; this layer's substitute (if any) is read."""
         fmt = self.layer_format(layer, fmt)
         p = self.pool(layer, fmt)
-        idx = dst * fmt.pack_ratio + slot
+        idx = (dst * fmt.pack_ratio + slot).to(p.k.device)
         spec = p.spec
         kdt, vdt = self.dtypes[fmt]
         cb = CompressedBlocks(
@@ -286,7 +297,7 @@ class WorkerStore:
             dtype=self.kv_caches[layer].dtype, group_size=spec.group_size, source_tokens=spec.block_size,
             **{name: t.index_select(0, idx) for name, t in p.meta.items()},
         )
-        return decompress_blocks(cb, backend="torch")
+        return decompress_blocks(cb, backend=_kernels(p.k))
 
 
 STORE = WorkerStore()

@@ -30,7 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from proxima.integration.vllm.scratch import ScratchPlan, ScratchRow, fill_scratch, plan_scratch
+from proxima.integration.vllm.scratch import ScratchPlan, ScratchRow, fill_scratch, plan_scratch, store_reader
 from proxima.integration.vllm.worker import STORE
 
 DEBUG_ENV = "PROXIMA_DEBUG"
@@ -238,7 +238,7 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             m.px_scratch = kv_cache.new_empty((m.px_plan.num_blocks, h, 2 * b, d))
         name = layer.layer_name
         fill_scratch(m.px_plan, kv_cache, lambda f, dst, slot: STORE.read_with_counts(name, f, dst, slot),
-                     m.px_scratch)
+                     m.px_scratch, raw=store_reader(STORE, name))
         kc, vc = m.px_scratch.chunk(2, dim=2)
         self._run(layer, query, kc, vc, output, m.px_comp, causal)
         return output

@@ -16,19 +16,58 @@ matter. That freedom gives a simple layout per row:
    then the tokens of the row's last block (partial; it receives the new token).
 
 Only part 2 is copied token by token: at most one block per row plus the sparse blocks' tokens.
+
+Compressed slots are decompressed by fused numba kernels (`cpu_dequant.py`) that write bf16
+straight into the scratch, when the caller gives a raw slot reader (`store_reader`), the scratch
+is a CPU bf16 tensor and numba imports; otherwise by the torch reference (`Reader`) and copies.
+Both give the same bits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from proxima.compression.spec import KIVI_KEYS
 from proxima.formats import Format
+
+if TYPE_CHECKING:
+    from proxima.integration.vllm.worker import WorkerStore
 
 Reader = Callable[[Format, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """(format, destination blocks, slots) -> (k_hat, v_hat [N, C, H, D], log_count [N, C, H])."""
+
+
+@dataclass(frozen=True)
+class RawSlots:
+    """Compressed slots as stored: pool views and side table of the format the layer stores."""
+
+    fmt: Format
+    k: torch.Tensor  # uint8 [S, C, H, bytes per token and head]: every slot of the pool (a view)
+    v: torch.Tensor
+    meta: dict[str, torch.Tensor]  # name -> [S, ...] side table
+    rows: torch.Tensor  # long [N]: pool rows (dst * pack ratio + slot) of the slots to read
+    group_size: int
+
+
+RawReader = Callable[[Format, torch.Tensor, torch.Tensor], RawSlots]
+"""(format the scheduler chose, destination blocks, slots) -> the stored slots, undecoded."""
+
+
+def store_reader(store: WorkerStore, layer: str) -> RawReader:
+    """A `RawReader` over one layer of a worker store (reads its pools, copies nothing)."""
+
+    def read(fmt: Format, dst: torch.Tensor, slot: torch.Tensor) -> RawSlots:
+        fmt = store.layer_format(layer, fmt)  # this layer's substitute, as `read_with_counts` does
+        p = store.pool(layer, fmt)
+        rows = (dst * fmt.pack_ratio + slot).to(p.k.device)
+        return RawSlots(fmt, p.k, p.v, p.meta, rows, p.spec.group_size)
+
+    return read
 
 
 @dataclass(frozen=True)
@@ -148,8 +187,23 @@ def expand_centroids(k: torch.Tensor, v: torch.Tensor, log_count: torch.Tensor, 
     return k.gather(1, gidx), v.gather(1, gidx)
 
 
-def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: torch.Tensor) -> None:
-    """Fill `scratch` [num_blocks, H, 2B, D] from one layer's cache `kv` [N, H, B, 2D] (vLLM CPU)."""
+def _fast_kernels(scratch: torch.Tensor, raw: RawReader | None) -> Any:
+    """The numba kernels module when they apply (CPU bf16 scratch, a raw reader), else None."""
+    if raw is None or scratch.dtype != torch.bfloat16 or scratch.device.type != "cpu":
+        return None
+    try:
+        from proxima.integration.vllm import cpu_dequant
+    except ImportError:  # numba missing: the torch reference still works
+        return None
+    return cpu_dequant
+
+
+def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: torch.Tensor,
+                 raw: RawReader | None = None) -> None:
+    """Fill `scratch` [num_blocks, H, 2B, D] from one layer's cache `kv` [N, H, B, 2D] (vLLM CPU).
+
+    With `raw` (and a CPU bf16 scratch, and numba) compressed slots go through the fused kernels;
+    `read` (the torch reference) serves every other case."""
     nb, h, b, d2 = kv.shape
     d = d2 // 2
     kv5 = kv.view(nb, h, 2, b, d)
@@ -159,6 +213,13 @@ def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: tor
     if len(plan.tok_src):
         # Advanced indices on dims 0 and 3 (separated by slices) put the token axis first: [T, H, 2, D].
         s5[plan.tok_dst // b, :, :, plan.tok_dst % b] = kv5[plan.tok_src // b, :, :, plan.tok_src % b]
+    kernels = _fast_kernels(scratch, raw)
+    if kernels is not None:
+        assert raw is not None
+        out = s5.view(torch.int16).numpy().view(np.uint16)  # numba has no bf16: write the bit patterns
+        for g in plan.groups:
+            _fill_group_fast(kernels, g, raw(g.fmt, g.dst, g.slot), b, out)
+        return
     for g in plan.groups:
         kh, vh, log_count = read(g.fmt, g.dst, g.slot)  # [N, C, H, D]
         if g.fmt.reduction == "sparse":
@@ -170,3 +231,56 @@ def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: tor
             kh, vh = expand_centroids(kh, vh, log_count, b)
         s5[g.target, :, 0] = kh.transpose(1, 2)
         s5[g.target, :, 1] = vh.transpose(1, 2)
+
+
+# --- fused CPU path ----------------------------------------------------------------------------
+
+_LUTS: dict[str, np.ndarray] = {}
+
+
+def _byte_lut(dtype: torch.dtype) -> np.ndarray:
+    """float32 [256]: the exact value of each byte read as `dtype` (float8_e4m3fn or int8)."""
+    key = str(dtype)
+    if key not in _LUTS:
+        _LUTS[key] = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
+    return _LUTS[key]
+
+
+def _token_map(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src [N, T, H]: the slot token written at output token t, empty for the identity;
+    dst [N, T]: the flat scratch position of output token t)."""
+    n = len(g.dst)
+    none = np.zeros((0, 0, 0), np.int64)
+    if slots.fmt.reduction == "sparse":  # kept token t -> its packed position
+        return none, g.target.reshape(n, -1).numpy()
+    dst = (g.target.view(n, 1) * b + torch.arange(b)).numpy()
+    if slots.fmt.reduction == "cluster":  # position t -> the centroid its cumulative count reaches
+        return kernels.centroid_of_position(slots.meta["log_count"].numpy(), slots.rows.numpy(), b), dst
+    return none, dst
+
+
+def _fill_group_fast(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int, out: np.ndarray) -> None:
+    """Decompress one format group's slots into `out` (the scratch's uint16 view [B', H, 2, b, D])."""
+    src, dst = _token_map(kernels, g, slots, b)
+    rows = slots.rows.numpy()
+    q, gs = slots.fmt.quant, slots.group_size
+    k, v = slots.k.numpy(), slots.v.numpy()
+    f16 = kernels.HALF_TO_FLOAT
+
+    def meta(name: str) -> np.ndarray:  # the whole side table; float16 ones as their bit patterns
+        t = slots.meta[name]
+        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.float16 else t.numpy()
+
+    if q == "bf16":
+        kernels.copy_bf16(k.view(np.uint16), rows, src, dst, 0, out)
+        kernels.copy_bf16(v.view(np.uint16), rows, src, dst, 1, out)
+        return
+    if q == "fp8":
+        kernels.dequant_per_token(k, rows, _byte_lut(torch.float8_e4m3fn), meta("k_scale"), src, dst, 0, out)
+    else:  # int8 / int4 / int2 keys: KIVI, per channel over token groups
+        kernels.dequant_kivi(k, rows, meta("k_scale"), meta("k_zero"), f16, KIVI_KEYS[q], gs, True, src, dst, 0, out)
+    if q in ("fp8", "int8"):  # per-token values
+        lut = _byte_lut(torch.float8_e4m3fn if q == "fp8" else torch.int8)
+        kernels.dequant_per_token(v, rows, lut, meta("v_scale"), src, dst, 1, out)
+    else:
+        kernels.dequant_kivi(v, rows, meta("v_scale"), meta("v_zero"), f16, KIVI_KEYS[q], gs, False, src, dst, 1, out)

@@ -20,6 +20,7 @@ from proxima.integration.vllm.scratch import (  # noqa: E402
     expand_centroids,
     fill_scratch,
     plan_scratch,
+    store_reader,
 )
 from proxima.integration.vllm.worker import WorkerStore  # noqa: E402
 
@@ -113,6 +114,27 @@ def test_scratch_attention_equals_the_formats_attention(formats: list[list[str |
         got = _attend(q, k, v, torch.zeros(n, H))
         want = _reference(st, kv, rid, blocks, seq_len, q)
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+ALL_FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)+int4", "sparse(2)", "cluster(2)+int4", "cluster(4)"]
+
+
+def test_fused_fill_equals_the_torch_fill_bit_for_bit() -> None:
+    """The numba kernels (`cpu_dequant.py`) round the reference's float32 results to the same bf16."""
+    pytest.importorskip("numba")
+    # Every format in two rows, mixed with hot blocks, so groups span rows and targets interleave.
+    formats: list[list[str | None]] = [[*ALL_FORMATS, None, None], [None, *reversed(ALL_FORMATS), None]]
+    st, kv, rows = _scenario(formats, seed=1)
+    plan = plan_scratch([ScratchRow(blocks, seq_len, st.remap.get(rid, {})) for rid, blocks, seq_len in rows], B)
+    assert {str(g.fmt) for g in plan.groups} == set(ALL_FORMATS)
+    want = torch.full((plan.num_blocks, H, 2 * B, D), float("nan"), dtype=kv.dtype)
+    got = want.clone()
+    read = lambda f, d, s: st.read_with_counts(LAYER, f, d, s)  # noqa: E731
+    fill_scratch(plan, kv, read, want)
+    fill_scratch(plan, kv, read, got, raw=store_reader(st, LAYER))
+    # Bit patterns, so NaN (positions neither path fills) compares equal too.
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert int(torch.isnan(got.float()).sum()) < got.numel() // 4  # the groups were really written
 
 
 def test_expand_centroids_repeats_by_count() -> None:

@@ -73,6 +73,7 @@ class ProximaCPUMetadata(CPUAttentionMetadata):
     px_obs: _Observation | None = None
     px_builder: ProximaCPUAttentionMetadataBuilder | None = None
     """Set until the step's first layer resolves the split (then None)."""
+    px_num_reqs: int = 0
 
 
 class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -103,6 +104,7 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         # layer's forward (`resolve`), when STORE holds this step's plan.
         px = ProximaCPUMetadata(**{f: getattr(meta, f) for f in CPUAttentionMetadata.__dataclass_fields__})
         px.px_builder = self
+        px.px_num_reqs = common_attn_metadata.num_reqs
         return px
 
     def resolve(self, m: ProximaCPUMetadata) -> None:
@@ -111,7 +113,7 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if not STORE.key_blocks:
             return
         b = self.block_size
-        n = int(m.query_start_loc.numel()) - 1
+        n = m.px_num_reqs  # vLLM's tensors may be padded past the batch's requests
         qsl = m.query_start_loc[: n + 1].tolist()
         first_slots = m.slot_mapping[torch.tensor(qsl[:n], dtype=torch.long)].tolist()
         rids = [STORE.key_blocks.get(first_slots[r] // b) for r in range(n)]
@@ -169,9 +171,9 @@ def observe(layer_kv: torch.Tensor, query: torch.Tensor, obs: _Observation, scal
     Computed in float32 with torch, beside vLLM's kernel (which returns no probabilities), in
     one layer only: about 1/L of the attention's cost.
     """
-    nb, h, b, d2 = layer_kv.shape
+    _nb, h, b, d2 = layer_kv.shape
     d = d2 // 2
-    keys = layer_kv.view(nb, h, 2, b, d)[:, :, 0]  # [nb, H, B, D]
+    layout = STORE.page_layout(layer_kv)
     g = query.shape[1] // h
 
     def fold(p: torch.Tensor) -> torch.Tensor:  # [..., G, T] probabilities -> [..., T] per KV head
@@ -179,7 +181,7 @@ def observe(layer_kv: torch.Tensor, query: torch.Tensor, obs: _Observation, scal
 
     if obs.decode_rids:
         rd, w = obs.decode_table.shape
-        k = keys[obs.decode_table].permute(0, 2, 1, 3, 4).reshape(rd, h, w * b, d).float()
+        k = layout.read_keys(layer_kv, obs.decode_table).permute(0, 2, 1, 3, 4).reshape(rd, h, w * b, d).float()
         q = query[obs.decode_q].view(rd, h, g, d).float()
         s = torch.einsum("rhgd,rhtd->rhgt", q, k) * scale
         s = s.masked_fill(~obs.decode_visible[:, None, None, :], float("-inf"))
@@ -188,7 +190,7 @@ def observe(layer_kv: torch.Tensor, query: torch.Tensor, obs: _Observation, scal
         for i, (rid, n) in enumerate(zip(obs.decode_rids, obs.decode_lens, strict=True)):
             STORE.observe(rid, mass[i, :, :n].transpose(0, 1).contiguous(), reset=False)
     for rid, qt, blocks, seq_len in obs.prefill:
-        k = keys[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len].float()  # [H, L, D]
+        k = layout.read_keys(layer_kv, blocks).permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len].float()  # [H, L, D]
         q = query[qt].view(len(qt), h, g, d).permute(1, 2, 0, 3).float()  # [H, G, W, D]
         s = torch.einsum("hgwd,hld->hgwl", q, k) * scale
         qpos = torch.arange(seq_len - len(qt), seq_len).view(-1, 1)
@@ -238,7 +240,7 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             m.px_scratch = kv_cache.new_empty((m.px_plan.num_blocks, h, 2 * b, d))
         name = layer.layer_name
         fill_scratch(m.px_plan, kv_cache, lambda f, dst, slot: STORE.read_with_counts(name, f, dst, slot),
-                     m.px_scratch, raw=store_reader(STORE, name))
+                     m.px_scratch, raw=store_reader(STORE, name), layout=STORE.page_layout(kv_cache))
         kc, vc = m.px_scratch.chunk(2, dim=2)
         self._run(layer, query, kc, vc, output, m.px_comp, causal)
         return output

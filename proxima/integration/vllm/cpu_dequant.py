@@ -24,8 +24,14 @@ every extra multi-threaded torch op (a gather, a float cast) costs a scheduling 
 
 from __future__ import annotations
 
+import numba  # type: ignore[import-untyped]
 import numpy as np
 from numba import njit, prange  # type: ignore[import-untyped]
+
+# vLLM's CPU attention kernel checks that it runs with the OpenMP thread count its scheduler
+# metadata was built for; numba's OpenMP layer changes that count. The workqueue layer leaves
+# OpenMP alone (the worker calls these kernels from one thread, which is all workqueue needs).
+numba.config.THREADING_LAYER = "workqueue"
 
 HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 """float32 value of every float16 bit pattern (the exact widening torch's `.float()` does)."""

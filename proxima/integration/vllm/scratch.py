@@ -34,6 +34,7 @@ import torch
 
 from proxima.compression.spec import KIVI_KEYS
 from proxima.formats import Format
+from proxima.integration.vllm.cpu_layout import PageLayout, canonical_layout
 
 if TYPE_CHECKING:
     from proxima.integration.vllm.worker import WorkerStore
@@ -103,6 +104,9 @@ class ScratchPlan:
     tok_src: torch.Tensor  # long [Nt]: flat cache positions (block * B + offset) copied token by token
     tok_dst: torch.Tensor  # long [Nt]: flat scratch positions
     groups: list[ScratchGroup] = field(default_factory=list)
+    canonical: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    """long: scratch blocks written in canonical order (all but the hot block copies), which the
+    kernel's page layout must be applied to (`PageLayout.to_kernel`)."""
 
 
 def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
@@ -166,6 +170,9 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
         tok_src=torch.cat(tok_src) if tok_src else torch.zeros(0, dtype=L),
         tok_dst=torch.cat(tok_dst) if tok_dst else torch.zeros(0, dtype=L),
     )
+    hot = torch.zeros(base, dtype=torch.bool)
+    hot[out.hot_dst] = True
+    out.canonical = (~hot).nonzero().flatten()
     for fmt, (dsts, slots, target) in groups.items():
         tgt = torch.stack(target) if fmt.reduction == "sparse" else torch.tensor(target, dtype=L)  # type: ignore[arg-type]
         out.groups.append(ScratchGroup(fmt, torch.tensor(dsts, dtype=L), torch.tensor(slots, dtype=L), tgt))
@@ -199,7 +206,7 @@ def _fast_kernels(scratch: torch.Tensor, raw: RawReader | None) -> Any:
 
 
 def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: torch.Tensor,
-                 raw: RawReader | None = None) -> None:
+                 raw: RawReader | None = None, layout: PageLayout | None = None) -> None:
     """Fill `scratch` [num_blocks, H, 2B, D] from one layer's cache `kv` [N, H, B, 2D] (vLLM CPU).
 
     With `raw` (and a CPU bf16 scratch, and numba) compressed slots go through the fused kernels;
@@ -210,9 +217,17 @@ def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: tor
     s5 = scratch.view(-1, h, 2, b, d)
     if len(plan.hot_src):
         s5.index_copy_(0, plan.hot_dst, kv5.index_select(0, plan.hot_src))
+    layout = layout or canonical_layout(b, d)
     if len(plan.tok_src):
         # Advanced indices on dims 0 and 3 (separated by slices) put the token axis first: [T, H, 2, D].
-        s5[plan.tok_dst // b, :, :, plan.tok_dst % b] = kv5[plan.tok_src // b, :, :, plan.tok_src % b]
+        s5[plan.tok_dst // b, :, :, plan.tok_dst % b] = layout.read_tokens(kv, plan.tok_src)
+    _fill_groups(plan, read, raw, s5, scratch, b, h, d)
+    # Everything but the whole-block copies was written in canonical order; the kernel reads its own.
+    layout.to_kernel(scratch, plan.canonical)
+
+
+def _fill_groups(plan: ScratchPlan, read: Reader, raw: RawReader | None, s5: torch.Tensor, scratch: torch.Tensor,
+                 b: int, h: int, d: int) -> None:
     kernels = _fast_kernels(scratch, raw)
     if kernels is not None:
         assert raw is not None

@@ -24,6 +24,7 @@ import torch
 from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
 from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
 from proxima.formats import Format
+from proxima.integration.vllm.cpu_layout import PageLayout, canonical_layout, probe_layout
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
 from proxima.policy.schema import Policy
 
@@ -40,6 +41,14 @@ def _startup_policy() -> Policy | None:
 
     path = os.environ.get(POLICY_ENV)
     return load_policy(path) if path else None
+
+
+def _page_layout(kv: torch.Tensor) -> PageLayout:
+    """vLLM's CPU kernel has its own order inside a page (probed); CUDA caches are canonical here."""
+    _, _, b, d2 = kv.shape
+    if kv.device.type == "cpu":
+        return probe_layout(b, d2 // 2, kv.dtype)
+    return canonical_layout(b, d2 // 2)
 
 
 def layer_index(name: str, position: int) -> int:
@@ -86,6 +95,8 @@ class WorkerStore:
         self.policy: Policy | None = None
         """Its `layer_overrides` decide the format each layer stores (same pack ratio, same slot)."""
         self.layer_numbers: dict[str, int] = {}
+        self.layout: PageLayout | None = None
+        """The attention kernel's order of keys and values inside a block's page (see cpu_layout)."""
         self.token_importance: dict[str, torch.Tensor] = {}
         """request -> float32 [tokens, H_kv]: EMA of the attention mass each token received."""
         self.ema_decay = 0.9
@@ -114,6 +125,7 @@ class WorkerStore:
             self.observation_window = imp.observation_window
             self.policy = policy
         self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
+        self.layout = _page_layout(next(iter(kv_caches.values()))) if kv_caches else None
         shapes = {tuple(t.shape) for t in kv_caches.values()}
         logger.info("proxima worker: %d KV layers, shapes %s, importance observed in %s",
                     len(kv_caches), shapes, self.observe_layer)
@@ -158,6 +170,11 @@ class WorkerStore:
             return fmt
         return sub
 
+    def page_layout(self, kv: torch.Tensor) -> PageLayout:
+        if self.layout is None:
+            self.layout = _page_layout(kv)
+        return self.layout
+
     # --- executor ---------------------------------------------------------------------------
 
     def apply(self, plan: ProximaPlan) -> None:
@@ -201,11 +218,10 @@ class WorkerStore:
         from_dst = torch.tensor([a.from_dst for a in acts], dtype=torch.long, device=dev)
         from_slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long, device=dev)
         for layer, kv in self.kv_caches.items():
-            n, h, b, d = self.geometry(layer)
+            _n, h, b, _d = self.geometry(layer)
             if from_fmt.is_hot:
-                blocks = kv.view(n, h, 2, b, d).index_select(0, src)  # [N, H, 2, B, D]
-                k = blocks[:, :, 0].transpose(1, 2).contiguous()  # [N, B, H, D]
-                v = blocks[:, :, 1].transpose(1, 2).contiguous()
+                k, v = self.page_layout(kv).read_blocks(kv, src)  # [N, B, H, D]
+                k, v = k.contiguous(), v.contiguous()
             elif self.layer_format(layer, from_fmt).reduction is not None:
                 raise ValueError(f"cannot recompress {from_fmt}: its dropped or merged tokens are gone")
             else:  # recompression: from the current slot (its loss is kept, not undone)

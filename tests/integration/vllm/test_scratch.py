@@ -73,15 +73,16 @@ def _scenario(formats: list[list[str | None]], seed: int = 0):  # type: ignore[n
 
 
 def _reference(st: WorkerStore, kv: torch.Tensor, rid: str, blocks: list[int], seq_len: int, q: torch.Tensor):  # type: ignore[no-untyped-def]
-    kv5 = kv.view(NB, H, 2, B, D)
+    assert st.layout is not None
     ks, vs, ws = [], [], []
     nb = -(-seq_len // B)
     for j in range(nb):
         hit = st.remap.get(rid, {}).get(j)
         if hit is None:
             n = min(B, seq_len - j * B)
-            ks.append(kv5[blocks[j], :, 0, :n].transpose(0, 1))
-            vs.append(kv5[blocks[j], :, 1, :n].transpose(0, 1))
+            k, v = st.layout.read_blocks(kv, torch.tensor([blocks[j]]))  # the kernel's page order -> [1, B, H, D]
+            ks.append(k[0, :n])
+            vs.append(v[0, :n])
             ws.append(torch.zeros(n, H))
         else:
             fmt, dst, slot = hit
@@ -101,14 +102,15 @@ def test_scratch_attention_equals_the_formats_attention(formats: list[list[str |
     st, kv, rows = _scenario(formats)
     plan = plan_scratch([ScratchRow(blocks, seq_len, st.remap.get(rid, {})) for rid, blocks, seq_len in rows], B)
     scratch = torch.full((plan.num_blocks, H, 2 * B, D), float("nan"), dtype=kv.dtype)
-    fill_scratch(plan, kv, lambda f, d, s: st.read_with_counts(LAYER, f, d, s), scratch)
-    s5 = scratch.view(-1, H, 2, B, D)
+    assert st.layout is not None
+    fill_scratch(plan, kv, lambda f, d, s: st.read_with_counts(LAYER, f, d, s), scratch, layout=st.layout)
     for i, (rid, blocks, seq_len) in enumerate(rows):
         n = int(plan.seq_lens[i])
         assert n <= seq_len
         tb = plan.block_table[i, : -(-n // B)].long()
-        k = s5[tb, :, 0].transpose(1, 2).reshape(-1, H, D)[:n]  # [n, H, D] in scratch order
-        v = s5[tb, :, 1].transpose(1, 2).reshape(-1, H, D)[:n]
+        ks, vs = st.layout.read_blocks(scratch, tb)  # [nb, B, H, D], read in the kernel's page order
+        k = ks.reshape(-1, H, D)[:n]  # [n, H, D] in scratch order
+        v = vs.reshape(-1, H, D)[:n]
         assert not torch.isnan(k.float()).any(), "the kernel would read an unfilled scratch position"
         q = torch.randn(HQ, D)
         got = _attend(q, k, v, torch.zeros(n, H))
@@ -130,8 +132,8 @@ def test_fused_fill_equals_the_torch_fill_bit_for_bit() -> None:
     want = torch.full((plan.num_blocks, H, 2 * B, D), float("nan"), dtype=kv.dtype)
     got = want.clone()
     read = lambda f, d, s: st.read_with_counts(LAYER, f, d, s)  # noqa: E731
-    fill_scratch(plan, kv, read, want)
-    fill_scratch(plan, kv, read, got, raw=store_reader(st, LAYER))
+    fill_scratch(plan, kv, read, want, layout=st.layout)
+    fill_scratch(plan, kv, read, got, raw=store_reader(st, LAYER), layout=st.layout)
     # Bit patterns, so NaN (positions neither path fills) compares equal too.
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert int(torch.isnan(got.float()).sum()) < got.numel() // 4  # the groups were really written
@@ -171,3 +173,36 @@ def test_observe_keeps_compressed_blocks_importance_and_reports_per_block() -> N
     assert rep is not None
     got = rep.importance["r"]
     assert got[0] != got[0] and got[1] == 0.5 and got[2] == 0.0  # NaN, EMA mass, new token's first mass
+
+
+def test_vllm_kernel_over_the_scratch_equals_the_formats_attention() -> None:
+    """vLLM's own CPU kernel reading the scratch (its page layout, ISA-specific: keys channel-major
+    on x86 without AMX) must compute the formats' attention: this catches any layout mismatch."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    st, kv, rows = _scenario([["int4", "sparse(4)+int4", None, "cluster(2)+int4", None], [None, "int8", None]])
+    plan = plan_scratch([ScratchRow(blocks, seq_len, st.remap.get(rid, {})) for rid, blocks, seq_len in rows], B)
+    scratch = torch.zeros((plan.num_blocks, H, 2 * B, D), dtype=kv.dtype)
+    fill_scratch(plan, kv, lambda f, d, s: st.read_with_counts(LAYER, f, d, s), scratch,
+                 raw=store_reader(st, LAYER), layout=st.layout)
+    q = torch.randn(len(rows), HQ, D).to(torch.bfloat16)
+    qsl = torch.arange(len(rows) + 1, dtype=torch.int32)
+    isa = _get_attn_isa(torch.bfloat16, B, D)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(rows), num_heads=HQ, num_kv_heads=H, head_dim=D, seq_lens=plan.seq_lens, dtype=torch.bfloat16,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+        kv_cache_dtype="auto",
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    kc, vc = scratch.chunk(2, dim=2)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=plan.seq_lens,
+        scale=D**-0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=plan.block_table,
+        softcap=0.0, scheduler_metadata=sched, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
+        kv_cache_dtype="auto",
+    )  # fmt: skip
+    for i, (rid, blocks, seq_len) in enumerate(rows):
+        want = _reference(st, kv, rid, blocks, seq_len, q[i].float())
+        err = (out[i].float() - want).norm() / want.norm()
+        assert err < 1e-2, (rid, float(err))

@@ -36,10 +36,10 @@ def test_roundtrip_into_packed_slots(fmt: str) -> None:
     slot = torch.tensor([a.slot for a in acts])
     for layer, kv in before.items():
         kh, vh = st.read(layer, f, dst, slot)  # [N, B, H, D]
-        view = kv.view(NB, H, 2, B, D)
+        assert st.layout is not None
         for i, a in enumerate(acts):
-            k = view[a.src, :, 0].transpose(0, 1).float()
-            v = view[a.src, :, 1].transpose(0, 1).float()
+            k, v = st.layout.read_blocks(kv, torch.tensor([a.src]))  # the kernel's page order -> [1, B, H, D]
+            k, v = k[0].float(), v[0].float()
             rel_k = (kh[i].float() - k).norm() / k.norm()
             rel_v = (vh[i].float() - v).norm() / v.norm()
             assert rel_k < TOL[fmt] and rel_v < TOL[fmt], (fmt, rel_k, rel_v)
@@ -76,5 +76,6 @@ def test_recompression_reads_the_current_slot() -> None:
                                                  from_fmt="int8", from_dst=10, from_slot=0)]))
     assert st.remap["r"][0] == (Format.parse("int4"), 11, 0)
     kh, _ = st.read("layer.0", Format.parse("int4"), torch.tensor([11]), torch.tensor([0]))
-    k = orig.view(NB, H, 2, B, D)[1, :, 0].transpose(0, 1).float()
+    assert st.layout is not None
+    k = st.layout.read_blocks(orig, torch.tensor([1]))[0][0].float()
     assert (kh[0].float() - k).norm() / k.norm() < TOL["int4"]

@@ -85,7 +85,18 @@ def _child(wl: Workload, config: str) -> dict:
             "kv_blocks": blocks, "outputs": [list(o.outputs[0].token_ids) for o in outs], "proxima": stats}
 
 
+def fp8_kv_unsupported() -> str | None:
+    """Why vLLM's CPU fp8 KV cache cannot run on this host (None if it can): it needs AVX-512 or AMX."""
+    import torch
+
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return "not measurable here: vLLM's CPU fp8 KV cache needs AVX-512 or AMX, this CPU has neither"
+
+
 def run_config(wl: Workload, config: str, timeout_s: float = 1800.0) -> dict:
+    if config == "vanilla_fp8" and (why := fp8_kv_unsupported()):
+        return {"error": why}
     env = dict(os.environ)
     policy = "off" if config.startswith("vanilla") else config
     env["PROXIMA_POLICY"] = str(CONFIGS_DIR / f"{policy}.yaml") if not Path(config).exists() else config

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -30,8 +31,9 @@ class PageLayout:
     """long [B * D]: page position (in [0, 2BD)) of key element (t, c), listed at t * D + c."""
     value_pos: torch.Tensor
 
-    @property
+    @cached_property
     def is_canonical(self) -> bool:
+        """Computed once: `to_kernel` asks at every layer of every step."""
         n = self.block_size * self.head_dim
         return bool(torch.equal(self.key_pos, torch.arange(n)) and torch.equal(self.value_pos, torch.arange(n, 2 * n)))
 

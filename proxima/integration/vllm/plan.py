@@ -6,6 +6,7 @@ They ride vLLM's KV-connector channel: `ProximaPlan` is the scheduler's per-step
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -60,6 +61,11 @@ class ProximaReport(KVConnectorWorkerMetadata):
         importance = dict(self.importance)
         for rid, imp in other.importance.items():
             mine = importance.get(rid)
-            importance[rid] = imp if mine is None else [max(a, b) for a, b in zip(mine, imp, strict=False)]
+            importance[rid] = imp if mine is None else [_nanmax(a, b) for a, b in zip(mine, imp, strict=False)]
         return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors,
                              max(self.kernel_seconds, other.kernel_seconds), importance)
+
+
+def _nanmax(a: float, b: float) -> float:
+    """The larger of two masses, a NaN (not observed) losing to any number (Python's max is order-dependent)."""
+    return b if math.isnan(a) else a if math.isnan(b) else max(a, b)

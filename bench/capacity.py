@@ -23,7 +23,7 @@ from pathlib import Path
 
 from proxima.integration.vllm.capacity import Workload, compare, table_markdown
 
-CONFIGS = ("vanilla", "vanilla_fp8", "conservative", "balanced", "aggressive")
+CONFIGS = ("vanilla", "vanilla_fp8", "conservative", "balanced", "aggressive", "vanilla_unlimited")
 
 
 def main() -> None:
@@ -35,11 +35,12 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--pool-requests", type=int, default=4, help="KV pool size, in full requests")
+    ap.add_argument("--chunk-tokens", type=int, default=256, help="vLLM's max_num_batched_tokens (chunked prefill)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     wl = Workload(args.model, args.requests, args.prompt_tokens, args.output_tokens, args.block_size,
-                  args.pool_requests)
+                  args.pool_requests, args.chunk_tokens)
     t0 = time.time()
 
     def write(table: dict[str, dict]) -> None:

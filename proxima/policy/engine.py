@@ -138,13 +138,15 @@ def eligible_mask(snap: Snapshot, policy: Policy) -> np.ndarray:
 
     Per request the eligible positions form one range [lo, hi): `lo` skips the attention sinks
     (a block starting before `sink_tokens`), `hi` stops before the recent window and the hot tail
-    block; a request still in prefill has an empty range. The range is computed per request and
+    block (both counted in computed tokens); a request still in prefill has an empty range unless
+    `protect.prefilling` is off (chunked prefill: its finished chunks are eligible). The range is computed per request and
     gathered per block, which is cheaper than testing every block's token span.
     """
     b = snap.block_size
     lo = -(-policy.protect.sink_tokens // b)  # first block that starts at or after the sinks
     hi = np.minimum(snap.request_blocks - 1, (snap.request_tokens - policy.protect.recent_tokens) // b)
-    hi = np.where(snap.request_prefill, 0, hi)  # a prompt still being written is never touched
+    if policy.protect.prefilling:
+        hi = np.where(snap.request_prefill, 0, hi)  # a prompt still being written is not touched
     idx = snap.block_index
     return (
         (idx >= lo)

@@ -102,6 +102,11 @@ class Protect(_Model):
     """The first N tokens of every request (attention sinks) stay uncompressed."""
     recent_tokens: int = Field(default=256, ge=0, le=1 << 20)
     """The last N tokens of every request stay uncompressed (the hot tail block always does)."""
+    prefilling: bool = True
+    """Every block of a request stays uncompressed until its whole prompt is prefilled. False:
+    with chunked prefill, the finished chunks of a long prompt are compressible while the rest
+    is prefilled (admission then needs one chunk's blocks, not the whole prompt; the rest of the
+    prompt attends to the compressed chunks, which costs some quality)."""
 
 
 class Budget(_Model):

@@ -66,7 +66,7 @@ def _protected(snap: Snapshot, row: int, policy: Policy) -> bool:
     i = int(snap.block_index[row])
     start, end = i * B, i * B + int(snap.block_tokens[row])
     return (
-        bool(snap.request_prefill[r])
+        (bool(snap.request_prefill[r]) and policy.protect.prefilling)
         or bool(snap.block_shared[row])
         or i == int(snap.request_blocks[r]) - 1
         or start < policy.protect.sink_tokens
@@ -75,11 +75,12 @@ def _protected(snap: Snapshot, row: int, policy: Policy) -> bool:
 
 
 @settings(max_examples=150, deadline=None)
-@given(snap=snapshots(), band=st.sampled_from([None, 0, 1]), level=st.integers(0, 3))
-def test_engine_invariants(snap: Snapshot, band: int | None, level: int) -> None:
+@given(snap=snapshots(), band=st.sampled_from([None, 0, 1]), level=st.integers(0, 3), prefilling=st.booleans())
+def test_engine_invariants(snap: Snapshot, band: int | None, level: int, prefilling: bool) -> None:
     state = EngineState(active_band=band, fallback_level=level)
-    d = decide(snap, POLICY, state)
-    again = decide(snap, POLICY, state)
+    policy = _policy(**{"protect.prefilling": prefilling})
+    d = decide(snap, policy, state)
+    again = decide(snap, policy, state)
     # Deterministic.
     assert np.array_equal(d.rows, again.rows) and d.targets == again.targets and d.state == again.state
     # Budget.
@@ -88,8 +89,8 @@ def test_engine_invariants(snap: Snapshot, band: int | None, level: int) -> None
     lvl = POLICY.fallback.levels[level]
     ladder = POLICY.bands[d.state.active_band].ladder if d.state.active_band is not None else []
     for row, fmt in zip(d.rows, d.targets, strict=True):
-        # Never a protected, tail, shared or prefill block.
-        assert not _protected(snap, int(row), POLICY)
+        # Never a protected, tail, shared or (unless allowed) prefill block.
+        assert not _protected(snap, int(row), policy)
         # Only allowed formats, and each action shrinks the block.
         assert fmt in ladder and lvl.permits(fmt)
         assert fmt.pack_ratio > snap.formats[int(snap.block_format[row])].pack_ratio
@@ -131,6 +132,15 @@ def test_least_important_blocks_compressed_first() -> None:
     chosen = sorted(a.block_index for a in d.actions)
     assert chosen == [2, 3, 4, 6]  # the four least important eligible blocks (0 is a sink; 10, 11 recent)
     assert {a.to_format.name for a in d.actions} == {"int8"}
+
+
+def test_a_prefilling_request_is_compressible_only_when_the_policy_allows() -> None:
+    # 12 blocks computed of a longer prompt (chunked prefill), pressure 0.75 -> band low.
+    kw = {"free": 4, "total": 16, "in_prefill": True}
+    assert len(decide(_simple(12, [0.1] * 12, **kw), POLICY, EngineState())) == 0  # type: ignore[arg-type]
+    d = decide(_simple(12, [0.1] * 12, **kw), _policy(**{"protect.prefilling": False}), EngineState())  # type: ignore[arg-type]
+    chosen = sorted(a.block_index for a in d.actions)
+    assert chosen and min(chosen) >= 1 and max(chosen) <= 9  # not the sink (0), nor the recent 32 tokens (10, 11)
 
 
 def test_budget_forces_upgrade_to_harsher_format() -> None:

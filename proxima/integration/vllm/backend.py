@@ -4,7 +4,8 @@ Rows (requests) of the batch split in two once per step, in the metadata builder
 
 * rows without compressed blocks: vLLM's kernel on vLLM's cache, exactly as vanilla (and when no
   row has compressed blocks the parent's path runs untouched);
-* rows with compressed blocks (found by their *key block*, see `plan.ProximaPlan`): per layer, a
+* rows with compressed blocks (found by their *key block*, see `plan.ProximaPlan`; decode rows,
+  or prefill chunks of a long prompt whose earlier chunks were compressed): per layer, a
   transient bf16 scratch cache holds their tokens (`scratch.py`: hot blocks copied, compressed
   ones decompressed in one batched call per format, sparse blocks' kept tokens packed, cluster
   centroids repeated by count) and vLLM's own kernel reads it through a scratch block table.
@@ -60,8 +61,9 @@ class _Observation:
     decode_table: torch.Tensor  # long [Rd, W]: physical blocks (compressed ones point at block 0)
     decode_visible: torch.Tensor  # bool [Rd, W * B]: token exists and is hot
     decode_lens: list[int]
-    prefill: list[tuple[str, torch.Tensor, torch.Tensor, int]]
-    """Per prefill row: (request, its observation-window query tokens, its blocks, seq_len)."""
+    prefill: list[tuple[str, torch.Tensor, torch.Tensor, int, list[int]]]
+    """Per prefill row: (request, its observation-window query tokens, its blocks, seq_len, its
+    compressed blocks: their table entries are freed sources, never read)."""
 
 
 @dataclass
@@ -125,13 +127,9 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         comp_rows = [r for r in range(n) if remaps[r]]
         if not comp_rows:
             return
-        for r in comp_rows:
-            if qsl[r + 1] - qsl[r] != 1:  # reordering tokens in the scratch is only valid for one query
-                raise AssertionError(f"request {rids[r]} has compressed blocks but {qsl[r + 1] - qsl[r]} "
-                                     "query tokens: this indicates a bug in Proxima's eligibility")
         debug_hot = os.environ.get(DEBUG_ENV) == "read-sources"
-        rows = [ScratchRow(bt[r, : nblk[r]].tolist(), seq_lens[r], {} if debug_hot else remaps[r])
-                for r in comp_rows]
+        rows = [ScratchRow(bt[r, : nblk[r]].tolist(), seq_lens[r], {} if debug_hot else remaps[r],
+                           qsl[r + 1] - qsl[r]) for r in comp_rows]
         plan = plan_scratch(rows, b)
         causal = bool(m.causal)
         m.px_plan = plan
@@ -160,7 +158,9 @@ def _observation(rids: list[str | None], remaps: list[dict], qsl: list[int], seq
     prefill = []
     for r in pre:
         w = min(window, qsl[r + 1] - qsl[r])
-        prefill.append((rids[r], torch.arange(qsl[r + 1] - w, qsl[r + 1]), bt[r, : nblk[r]].long(), seq_lens[r]))
+        blocks = bt[r, : nblk[r]].long().clone()
+        blocks[list(remaps[r])] = 0
+        prefill.append((rids[r], torch.arange(qsl[r + 1] - w, qsl[r + 1]), blocks, seq_lens[r], sorted(remaps[r])))
     return _Observation([rids[r] for r in dec], torch.tensor([qsl[r] for r in dec], dtype=torch.long),  # type: ignore[misc]
                         table, visible, [seq_lens[r] for r in dec], prefill)  # type: ignore[arg-type]
 
@@ -189,13 +189,17 @@ def observe(layer_kv: torch.Tensor, query: torch.Tensor, obs: _Observation, scal
         mass = mass.masked_fill(~obs.decode_visible[:, None, :], float("nan"))
         for i, (rid, n) in enumerate(zip(obs.decode_rids, obs.decode_lens, strict=True)):
             STORE.observe(rid, mass[i, :, :n].transpose(0, 1).contiguous(), reset=False)
-    for rid, qt, blocks, seq_len in obs.prefill:
+    for rid, qt, blocks, seq_len, compressed in obs.prefill:
         k = layout.read_keys(layer_kv, blocks).permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len].float()  # [H, L, D]
         q = query[qt].view(len(qt), h, g, d).permute(1, 2, 0, 3).float()  # [H, G, W, D]
         s = torch.einsum("hgwd,hld->hgwl", q, k) * scale
         qpos = torch.arange(seq_len - len(qt), seq_len).view(-1, 1)
-        s = s.masked_fill(torch.arange(seq_len).view(1, -1) > qpos, float("-inf"))
+        hidden = torch.zeros(seq_len, dtype=torch.bool)  # compressed earlier chunks: not seen here
+        for j in compressed:
+            hidden[j * b: (j + 1) * b] = True
+        s = s.masked_fill((torch.arange(seq_len).view(1, -1) > qpos) | hidden, float("-inf"))
         mass = fold(torch.softmax(s, -1).mean(2).transpose(1, 2)).transpose(0, 1)  # [H, L] -> [L, H]
+        mass[hidden] = float("nan")
         STORE.observe(rid, mass.contiguous(), reset=True)
 
 

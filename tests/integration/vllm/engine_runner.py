@@ -27,8 +27,11 @@ def main() -> None:
 
     model, churn = sys.argv[1], int(sys.argv[2])  # churn 0: skip scenario 4
     b = 32
+    # Chunked prefill with 64-token chunks: prompts of 120-170 tokens take 2-3 steps, so policies
+    # with `protect.prefilling: false` compress a prompt's first chunks while the rest is prefilled.
     llm = LLM(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True, block_size=b,
-              num_gpu_blocks_override=24, seed=0, max_num_seqs=32, enable_prefix_caching=True)
+              num_gpu_blocks_override=24, seed=0, max_num_seqs=32, enable_prefix_caching=True,
+              max_num_batched_tokens=64)
     vocab = 49000
 
     def toks(seed: int, n: int) -> list[int]:

@@ -148,7 +148,7 @@ def test_expand_centroids_repeats_by_count() -> None:
 
 def test_a_compressed_last_block_is_refused() -> None:
     row = ScratchRow([1, 2], 2 * B, {1: (Format.parse("int4"), 9, 0)})
-    with pytest.raises(ValueError, match="last block"):
+    with pytest.raises(ValueError, match="query tokens"):
         plan_scratch([row], B)
 
 
@@ -175,19 +175,27 @@ def test_observe_keeps_compressed_blocks_importance_and_reports_per_block() -> N
     assert got[0] != got[0] and got[1] == 0.5 and got[2] == 0.0  # NaN, EMA mass, new token's first mass
 
 
-def test_vllm_kernel_over_the_scratch_equals_the_formats_attention() -> None:
+@pytest.mark.parametrize(("formats", "query_lens"), [
+    ([["int4", "sparse(4)+int4", None, "cluster(2)+int4", None], [None, "int8", None]], [1, 1]),
+    # A prefill chunk (2 blocks and 5 tokens) over compressed earlier chunks, beside a decode row.
+    ([["int4", "sparse(4)+int4", "cluster(2)+int4", None, None, None], [None, "int8", None]], [2 * B + 5, 1]),
+])
+def test_vllm_kernel_over_the_scratch_equals_the_formats_attention(formats: list[list[str | None]],
+                                                                   query_lens: list[int]) -> None:
     """vLLM's own CPU kernel reading the scratch (its page layout, ISA-specific: keys channel-major
-    on x86 without AMX) must compute the formats' attention: this catches any layout mismatch."""
+    on x86 without AMX) must compute the formats' attention: this catches any layout mismatch.
+    A chunk's queries are causal: query i sees the compressed blocks and the tail up to itself."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    st, kv, rows = _scenario([["int4", "sparse(4)+int4", None, "cluster(2)+int4", None], [None, "int8", None]])
-    plan = plan_scratch([ScratchRow(blocks, seq_len, st.remap.get(rid, {})) for rid, blocks, seq_len in rows], B)
+    st, kv, rows = _scenario(formats)
+    plan = plan_scratch([ScratchRow(blocks, seq_len, st.remap.get(rid, {}), ql)
+                         for (rid, blocks, seq_len), ql in zip(rows, query_lens, strict=True)], B)
     scratch = torch.zeros((plan.num_blocks, H, 2 * B, D), dtype=kv.dtype)
     fill_scratch(plan, kv, lambda f, d, s: st.read_with_counts(LAYER, f, d, s), scratch,
                  raw=store_reader(st, LAYER), layout=st.layout)
-    q = torch.randn(len(rows), HQ, D).to(torch.bfloat16)
-    qsl = torch.arange(len(rows) + 1, dtype=torch.int32)
+    q = torch.randn(sum(query_lens), HQ, D).to(torch.bfloat16)
+    qsl = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
     isa = _get_attn_isa(torch.bfloat16, B, D)
     sched = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(rows), num_heads=HQ, num_kv_heads=H, head_dim=D, seq_lens=plan.seq_lens, dtype=torch.bfloat16,
@@ -202,7 +210,10 @@ def test_vllm_kernel_over_the_scratch_equals_the_formats_attention() -> None:
         softcap=0.0, scheduler_metadata=sched, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
         kv_cache_dtype="auto",
     )  # fmt: skip
-    for i, (rid, blocks, seq_len) in enumerate(rows):
-        want = _reference(st, kv, rid, blocks, seq_len, q[i].float())
-        err = (out[i].float() - want).norm() / want.norm()
-        assert err < 1e-2, (rid, float(err))
+    for r, ((rid, blocks, seq_len), ql) in enumerate(zip(rows, query_lens, strict=True)):
+        for i in range(ql):
+            t = int(qsl[r]) + i
+            visible = seq_len - ql + 1 + i  # causal: the query at position visible - 1 sees tokens < visible
+            want = _reference(st, kv, rid, blocks, visible, q[t].float())
+            err = (out[t].float() - want).norm() / want.norm()
+            assert err < 1e-2, (rid, i, float(err))

@@ -151,3 +151,10 @@ def test_token_reducing_formats_and_importance_run_live(runs: dict[str, dict]) -
     # Sparse and cluster blocks were stored and read back by attention, and no request failed
     # (every request above ran to its full length with them).
     assert any(f.startswith("sparse") for f in used) or any(f.startswith("cluster") for f in used), used
+
+
+def test_prompt_chunks_are_compressed_during_chunked_prefill(runs: dict[str, dict]) -> None:
+    # force-mixed allows it (`protect.prefilling: false`); prompts span 2-3 chunks of 64 tokens.
+    # The later chunks' attention then reads the compressed ones (vLLM's kernel over the scratch,
+    # multi-token rows), and every request above still ran to its full length.
+    assert runs["mixed"]["proxima"]["planned_in_prefill"] > 0

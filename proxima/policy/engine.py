@@ -139,8 +139,8 @@ def eligible_mask(snap: Snapshot, policy: Policy) -> np.ndarray:
     Per request the eligible positions form one range [lo, hi): `lo` skips the attention sinks
     (a block starting before `sink_tokens`), `hi` stops before the recent window and the hot tail
     block (both counted in computed tokens); a request still in prefill has an empty range unless
-    `protect.prefilling` is off (chunked prefill: its finished chunks are eligible). The range is computed per request and
-    gathered per block, which is cheaper than testing every block's token span.
+    `protect.prefilling` is off (chunked prefill: its finished chunks are eligible). The range is
+    computed per request and gathered per block, cheaper than testing every block's token span.
     """
     b = snap.block_size
     lo = -(-policy.protect.sink_tokens // b)  # first block that starts at or after the sinks

@@ -185,7 +185,8 @@ def table_markdown(table: dict[str, dict]) -> str:
         if "error" in t:
             rows.append(f"| {cfg} | error: {t['error']} | | | | | | | | |")
             continue
-        rows.append(f"| {cfg} | {t['kv_blocks'] - 1} | {t['peak_running']} | {t['mean_running']} | {t['preemptions']} | "
+        rows.append(f"| {cfg} | {t['kv_blocks'] - 1} | {t['peak_running']} | {t['mean_running']} | "
+                    f"{t['preemptions']} | "
                     f"{t['tokens_per_s']} | {t['wall_s']} | {t['greedy_prefix_tokens']} | "
                     f"{t['side_table_peak_blocks']} | "
                     + (", ".join(f"{k} {v}" for k, v in sorted(t.get("compressed_by_format", {}).items())) or "-")

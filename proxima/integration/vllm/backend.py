@@ -198,7 +198,7 @@ def observe(layer_kv: torch.Tensor, query: torch.Tensor, obs: _Observation, scal
         for j in compressed:
             hidden[j * b: (j + 1) * b] = True
         s = s.masked_fill((torch.arange(seq_len).view(1, -1) > qpos) | hidden, float("-inf"))
-        mass = fold(torch.softmax(s, -1).mean(2).transpose(1, 2)).transpose(0, 1)  # [H, L] -> [L, H]
+        mass = fold(torch.softmax(s, -1).mean(2)).transpose(0, 1)  # [H, G, L] -> [H, L] -> [L, H]
         mass[hidden] = float("nan")
         STORE.observe(rid, mass.contiguous(), reset=True)
 

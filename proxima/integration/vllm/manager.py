@@ -150,6 +150,15 @@ class ProximaKVCacheManager(KVCacheManager):
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs) -> KVCacheBlocks | None:  # type: ignore[override]
         if request.request_id not in self.px_reqs and not self.px_policy.is_off:
+            if kwargs.get("full_sequence_must_fit") and not self.px_policy.protect.prefilling:
+                # vLLM admits a request only if its whole prompt fits uncompressed. When the policy
+                # compresses finished chunks during prefill, the prompt never needs that: admit it
+                # if its *compressed* footprint fits (and let the first chunk's allocation decide).
+                kwargs["full_sequence_must_fit"] = False
+                full = self.compressed_footprint(min(request.num_tokens, self.max_model_len))
+                if self.px_reqs and self.block_pool.get_num_free_blocks() - full < DEST_RESERVE_BLOCKS:
+                    self.px_waiting_need = max(self.px_waiting_need, full + DEST_RESERVE_BLOCKS)
+                    return None
             if self.px_emergency and self.px_pending:
                 # Blocks an emergency compression frees belong to the running requests that
                 # needed them: admitting new requests meanwhile would starve those.
@@ -192,6 +201,17 @@ class ProximaKVCacheManager(KVCacheManager):
         return super().pop_blocks_for_free(request) + dests
 
     # --- Proxima ------------------------------------------------------------------------------
+
+    def compressed_footprint(self, tokens: int) -> int:
+        """Blocks a request of `tokens` tokens holds once the policy compressed it under pressure:
+        its protected blocks (sinks, recent window, hot tail) stay hot, the others take the first
+        format of the highest band's ladder (what the engine picks first when memory is tightest)."""
+        b, prot = self.block_size, self.px_policy.protect
+        n = -(-tokens // b)
+        hot = min(n, -(-prot.sink_tokens // b) + -(-prot.recent_tokens // b) + 1)
+        ladder = self.px_effective.bands[-1].ladder if self.px_effective.bands else []
+        ratio = ladder[0].pack_ratio if ladder else 1
+        return hot + -(-(n - hot) // ratio)
 
     @property
     def block_size(self) -> int:

@@ -37,6 +37,11 @@ class PageLayout:
         n = self.block_size * self.head_dim
         return bool(torch.equal(self.key_pos, torch.arange(n)) and torch.equal(self.value_pos, torch.arange(n, 2 * n)))
 
+    @cached_property
+    def page_pos(self) -> torch.Tensor:
+        """long [2BD]: page position of each canonical element (keys then values)."""
+        return torch.cat([self.key_pos, self.value_pos]).contiguous()
+
     def pages(self, kv: torch.Tensor) -> torch.Tensor:
         """[N, H, 2BD] view of a `[N, H, B, 2D]` cache (or scratch)."""
         return kv.view(kv.shape[0], kv.shape[1], -1)
@@ -71,12 +76,26 @@ class PageLayout:
         if self.is_canonical or not len(blocks):
             return
         p = self.pages(scratch)
+        kernels = numba_kernels() if p.device.type == "cpu" and p.element_size() == 2 and p.is_contiguous() else None
+        if kernels is not None:
+            pages = p.view(torch.int16).numpy().view("uint16")
+            kernels.permute_pages(pages, blocks.numpy(), self.page_pos.numpy())
+            return
         canon = p.index_select(0, blocks)  # [N, H, 2BD] canonical
         n = self.block_size * self.head_dim
         out = torch.empty_like(canon)
         out[:, :, self.key_pos] = canon[:, :, :n]
         out[:, :, self.value_pos] = canon[:, :, n:]
         p.index_copy_(0, blocks, out)
+
+
+def numba_kernels():  # type: ignore[no-untyped-def]
+    """The fused numba kernels module, or None without numba (torch then does the work)."""
+    try:
+        from proxima.integration.vllm import cpu_dequant
+    except ImportError:
+        return None
+    return cpu_dequant
 
 
 def canonical_layout(block_size: int, head_dim: int) -> PageLayout:

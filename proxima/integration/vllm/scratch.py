@@ -40,7 +40,7 @@ import torch
 
 from proxima.compression.spec import KIVI_KEYS
 from proxima.formats import Format
-from proxima.integration.vllm.cpu_layout import PageLayout, canonical_layout
+from proxima.integration.vllm.cpu_layout import PageLayout, canonical_layout, numba_kernels
 
 if TYPE_CHECKING:
     from proxima.integration.vllm.worker import WorkerStore
@@ -209,11 +209,7 @@ def _fast_kernels(scratch: torch.Tensor, raw: RawReader | None) -> Any:
     """The numba kernels module when they apply (CPU bf16 scratch, a raw reader), else None."""
     if raw is None or scratch.dtype != torch.bfloat16 or scratch.device.type != "cpu":
         return None
-    try:
-        from proxima.integration.vllm import cpu_dequant
-    except ImportError:  # numba missing: the torch reference still works
-        return None
-    return cpu_dequant
+    return numba_kernels()  # None without numba: the torch reference still works
 
 
 def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: torch.Tensor,

@@ -204,6 +204,10 @@ def observe(layer_kv: torch.Tensor, query: torch.Tensor, obs: _Observation, scal
 
 
 class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        STORE.readers.add(type(self).__name__)
+
     def _run(self, layer, query, key_cache, value_cache, output, sub: _Subset, causal: bool) -> None:  # type: ignore[no-untyped-def]
         q = query.index_select(0, sub.tokens)
         out = output.new_empty((len(sub.tokens), *output.shape[1:]))

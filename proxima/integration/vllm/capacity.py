@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"
 TEXT = "gensim/test/test_data/lee_background.cor"
@@ -43,6 +44,9 @@ class Workload:
     chunk_tokens: int = 256
     """vLLM's `max_num_batched_tokens`: tokens per engine step, so long prompts are prefilled in
     chunks (every configuration alike). vLLM admits a request once its first chunk fits."""
+    score_prompts: bool = True
+    """Teacher-forced quality: vLLM's `prompt_logprobs` of the second half of every prompt (the
+    tokens that attend to earlier chunks, compressed or not), as mean NLL and top-1 accuracy."""
 
     @property
     def pool_blocks(self) -> int:
@@ -82,15 +86,37 @@ def _child(wl: Workload, config: str) -> dict:
         enforce_eager=True, block_size=wl.block_size, num_gpu_blocks_override=blocks, seed=0,
         max_num_seqs=wl.requests, max_num_batched_tokens=max(wl.chunk_tokens, wl.requests), **kwargs,
     )
-    sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
+                        prompt_logprobs=0 if wl.score_prompts else None)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    scored = [prompt_scores(o.prompt_token_ids, o.prompt_logprobs) for o in outs] if wl.score_prompts else []
     stats_path = os.environ.get("PROXIMA_STATS_FILE")
     stats = json.loads(Path(stats_path).read_text()) if stats_path and Path(stats_path).exists() else {}
     return {"config": config, "wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall,
-            "kv_blocks": blocks, "outputs": [list(o.outputs[0].token_ids) for o in outs], "proxima": stats}
+            "kv_blocks": blocks, "outputs": [list(o.outputs[0].token_ids) for o in outs], "proxima": stats,
+            "prompt_nll": [s[0] for s in scored], "prompt_top1": [s[1] for s in scored]}
+
+
+def prompt_scores(ids: list[int] | None, logprobs: Any) -> tuple[float, float]:
+    """(mean negative log-likelihood, top-1 accuracy) of the second half of a prompt, from
+    vLLM's `prompt_logprobs` (one entry per prompt token, the first None; each maps the actual
+    token to its logprob and vocabulary rank)."""
+    if not ids or logprobs is None:
+        return float("nan"), float("nan")
+    nll, top1 = [], []
+    for i in range(len(ids) // 2, len(ids)):
+        entry = logprobs[i]
+        if entry is None or ids[i] not in entry:
+            continue
+        lp = entry[ids[i]]
+        nll.append(-lp.logprob)
+        top1.append(1.0 if lp.rank == 1 else 0.0)
+    if not nll:
+        return float("nan"), float("nan")
+    return sum(nll) / len(nll), sum(top1) / len(top1)
 
 
 def fp8_kv_unsupported() -> str | None:
@@ -167,6 +193,9 @@ def tabulate(results: dict[str, dict]) -> dict[str, dict]:
                 if ref else None
             ),
             "kv_blocks": r["kv_blocks"],
+            # Teacher-forced, second half of each prompt: mean NLL (nats/token) and top-1 accuracy.
+            "prompt_nll": _mean(r.get("prompt_nll")),
+            "prompt_top1": _mean(r.get("prompt_top1")),
             "compressed_blocks": px.get("committed", 0),
             "compressed_by_format": px.get("committed_by_format", {}),
             "compression_failures": px.get("failed", 0),
@@ -177,17 +206,23 @@ def tabulate(results: dict[str, dict]) -> dict[str, dict]:
     return table
 
 
+def _mean(xs: list[float] | None) -> float | None:
+    xs = [x for x in xs or [] if x == x]  # NaN: a prompt that could not be scored
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
 def table_markdown(table: dict[str, dict]) -> str:
     rows = ["| config | KV pool (blocks) | peak running | mean running | preemptions | tokens/s | wall s "
-            "| greedy prefix (tokens) | side table (blocks) | compressions by format |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| greedy prefix (tokens) | prompt NLL | prompt top-1 | side table (blocks) | compressions by format |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cfg, t in table.items():
         if "error" in t:
-            rows.append(f"| {cfg} | error: {t['error']} | | | | | | | | |")
+            rows.append(f"| {cfg} | error: {t['error']} | | | | | | | | | | |")
             continue
         rows.append(f"| {cfg} | {t['kv_blocks'] - 1} | {t['peak_running']} | {t['mean_running']} | "
                     f"{t['preemptions']} | "
                     f"{t['tokens_per_s']} | {t['wall_s']} | {t['greedy_prefix_tokens']} | "
+                    f"{t.get('prompt_nll')} | {t.get('prompt_top1')} | "
                     f"{t['side_table_peak_blocks']} | "
                     + (", ".join(f"{k} {v}" for k, v in sorted(t.get("compressed_by_format", {}).items())) or "-")
                     + " |")

@@ -127,6 +127,7 @@ class ProximaConnector(KVConnectorBase_V1):
         from proxima.integration.vllm.worker import STORE
 
         STORE.register(kv_caches)
+        STORE.require_reader = True  # a real worker: compress only if a Proxima backend reads it
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls start_load_kv *after* the forward when no sync load is pending, but binds

@@ -10,9 +10,11 @@ What is fused: per output row (slot n, output token t, head h) a kernel reads th
 of the slot's source token `src[n, t, h]` from the pool, the row's scales/zeros, dequantizes in
 float32 with exactly the reference's operations and order (`code * scale + zero`, no FMA: numba
 does not contract without fastmath), rounds to bf16 (round-to-nearest-even, as torch does) and
-writes the 16-bit pattern at scratch position `dst[n, t]`. So the result is bit-identical to
-`decompress_blocks(backend="torch")` followed by the scratch copy. The token mapping covers the
-three layouts: aligned (t -> t in the target block), sparse (kept token t -> its packed
+writes the 16-bit pattern at scratch position `dst[n, t]`, at the page position a table `pos`
+gives: the CPU kernel's own order for whole blocks (keys channel-major on x86 without AMX), so
+they need no reordering pass afterwards, or the canonical order for token-level parts. So the
+result is bit-identical to `decompress_blocks(backend="torch")` followed by the scratch copy.
+The token mapping covers the three layouts: aligned (t -> t in the target block), sparse (kept token t -> its packed
 position), cluster (position t -> the centroid whose cumulative count first exceeds t).
 
 Keys and values are separate calls (they have different quantization schemes); each writes
@@ -38,13 +40,16 @@ HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.f
 
 
 @njit(cache=True, inline="always")
-def _store_bf16(row: np.ndarray, out: np.ndarray, blk: int, h: int, half: int, tok: int) -> None:
-    """float32 bit patterns (uint32 view of a row) -> bf16 bit patterns at out[blk, h, half, tok],
-    rounding to nearest even. Helpers take whole arrays and indices: a sub-array view in the
-    inner loop costs reference counting per row (that doubled the kernel time)."""
+def _store_bf16(row: np.ndarray, out: np.ndarray, pos: np.ndarray, blk: int, h: int, half: int, tok: int) -> None:
+    """float32 bit patterns (uint32 view of a row) -> bf16 bit patterns of token `tok`'s key
+    (half 0) or value (half 1) in page out[blk, h], at the page positions `pos` gives the
+    canonical index (half * B + tok) * D + j (the kernel's layout, or the identity), rounding to
+    nearest even. Helpers take whole arrays and indices: a sub-array view in the inner loop costs
+    reference counting per row (that doubled the kernel time)."""
+    base = (half * (out.shape[2] // (2 * row.shape[0])) + tok) * row.shape[0]
     for j in range(row.shape[0]):
         x = np.int64(row[j])
-        out[blk, h, half, tok, j] = np.uint16((x + 0x7FFF + ((x >> 16) & 1)) >> 16)
+        out[blk, h, pos[base + j]] = np.uint16((x + 0x7FFF + ((x >> 16) & 1)) >> 16)
 
 
 @njit(cache=True, inline="always")
@@ -77,29 +82,33 @@ def centroid_of_position(log_count, rows, b):  # type: ignore[no-untyped-def]
 
 
 @njit(parallel=True, cache=True)
-def copy_bf16(data, rows, src, dst, half, out):  # type: ignore[no-untyped-def]
-    """bf16 slots (unquantized sparse / cluster): data uint16 [S, C, H, D] -> out uint16 [B', H, 2, b, D]."""
+def copy_bf16(data, rows, src, dst, half, out, pos):  # type: ignore[no-untyped-def]
+    """bf16 slots (unquantized sparse / cluster): data uint16 [S, C, H, D] -> pages out uint16
+    [B', H, 2bD] at positions `pos` (see `_store_bf16`)."""
     n_slots, t_out = dst.shape
-    heads, b = data.shape[2], out.shape[3]
+    heads, d = data.shape[2], data.shape[3]
+    b = out.shape[2] // (2 * d)
     for n in prange(n_slots):
         r = rows[n]
         for t in range(t_out):
             blk, tok = dst[n, t] // b, dst[n, t] % b
+            base = (half * b + tok) * d
             for h in range(heads):
                 c = _source(src, n, t, h)
-                for j in range(data.shape[3]):
-                    out[blk, h, half, tok, j] = data[r, c, h, j]
+                for j in range(d):
+                    out[blk, h, pos[base + j]] = data[r, c, h, j]
 
 
 @njit(parallel=True, cache=True)
-def dequant_per_token(codes, rows, lut, scale, src, dst, half, out):  # type: ignore[no-untyped-def]
+def dequant_per_token(codes, rows, lut, scale, src, dst, half, out, pos):  # type: ignore[no-untyped-def]
     """fp8 keys/values and int8 values: `lut[code] * scale[r, c, h]`.
 
     codes uint8 [S, C, H, D] (the pool); lut float32 [256]: the exact float of each byte (fp8 e4m3
     or int8); scale float32 [S, C, H] (the side table).
     """
     n_slots, t_out = dst.shape
-    heads, d, b = codes.shape[2], codes.shape[3], out.shape[3]
+    heads, d = codes.shape[2], codes.shape[3]
+    b = out.shape[2] // (2 * d)
     for n in prange(n_slots):
         buf = np.empty(d, np.float32)
         bits = buf.view(np.uint32)
@@ -111,7 +120,7 @@ def dequant_per_token(codes, rows, lut, scale, src, dst, half, out):  # type: ig
                 s = scale[r, c, h]
                 for j in range(d):
                     buf[j] = lut[codes[r, c, h, j]] * s
-                _store_bf16(bits, out, blk, h, half, tok)
+                _store_bf16(bits, out, pos, blk, h, half, tok)
 
 
 @njit(cache=True, inline="always")
@@ -144,7 +153,8 @@ def _decode_half(table: np.ndarray, r: int, m: int, h: int, half_lut: np.ndarray
 
 
 @njit(parallel=True, cache=True)
-def dequant_kivi(packed, rows, scale, zero, half_lut, bits, group, per_channel, src, dst, half, out):  # type: ignore[no-untyped-def]
+def dequant_kivi(packed, rows, scale, zero, half_lut, bits, group, per_channel, src, dst, half, out,  # type: ignore[no-untyped-def]
+                 pos):
     """KIVI codes (int8/int4/int2): `code * scale + zero` in float32, as the reference.
 
     scale/zero: float16 side tables as uint16, decoded by `half_lut`. per_channel (keys):
@@ -152,8 +162,8 @@ def dequant_kivi(packed, rows, scale, zero, half_lut, bits, group, per_channel, 
     [S, C, H, D / group], channel j uses j // group.
     """
     n_slots, t_out = dst.shape
-    heads, b = packed.shape[2], out.shape[3]
-    d = out.shape[4]
+    heads, d = packed.shape[2], packed.shape[3] * 8 // bits  # bytes per token and head -> channels
+    b = out.shape[2] // (2 * d)
     for n in prange(n_slots):
         buf, sc, ze = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
         word = buf.view(np.uint32)
@@ -172,7 +182,7 @@ def dequant_kivi(packed, rows, scale, zero, half_lut, bits, group, per_channel, 
                 for j in range(d):
                     buf[j] = buf[j] * sc[j] + ze[j]
                 blk, tok = dst[n, t] // b, dst[n, t] % b
-                _store_bf16(word, out, blk, h, half, tok)
+                _store_bf16(word, out, pos, blk, h, half, tok)
 
 
 @njit(parallel=True, cache=True)

@@ -185,6 +185,10 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl):
     kernel_backend: Backend = "auto"
     """Proxima's kernels: Triton on CUDA tensors; tests on CPU force "triton" (the interpreter)."""
 
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        STORE.readers.add(type(self).__name__)
+
     def _check_compressed_rows_supported(self) -> None:
         unsupported = {
             "ALiBi": self.alibi_slopes is not None,

@@ -113,8 +113,11 @@ class ScratchPlan:
     tok_dst: torch.Tensor  # long [Nt]: flat scratch positions
     groups: list[ScratchGroup] = field(default_factory=list)
     canonical: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    """long: scratch blocks written in canonical order (all but the hot block copies), which the
-    kernel's page layout must be applied to (`PageLayout.to_kernel`)."""
+    """long: scratch blocks the torch path writes in canonical order (all but the hot block
+    copies), which the kernel's page layout must be applied to (`PageLayout.to_kernel`)."""
+    token_blocks: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    """long: scratch blocks of the token-level parts (sparse tokens, tails): written in canonical
+    order on every path. The fused kernels write block-aligned formats in the kernel's order."""
 
 
 def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
@@ -127,6 +130,7 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
     groups: dict[Format, tuple[list[int], list[int], list[int] | list[torch.Tensor]]] = {}
     tables: list[list[int]] = []
     seq_lens: list[int] = []
+    token_blocks: list[int] = []
     base = 0  # first scratch block of the current row
     for row in rows:
         nb = -(-row.seq_len // b)
@@ -165,6 +169,7 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
         pos += tail
         used = pos - base * b
         n_blocks = -(-used // b)
+        token_blocks.extend(range(base + aligned, base + n_blocks))
         tables.append(list(range(base, base + n_blocks)))
         seq_lens.append(used)
         base += n_blocks
@@ -184,6 +189,7 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
     hot = torch.zeros(base, dtype=torch.bool)
     hot[out.hot_dst] = True
     out.canonical = (~hot).nonzero().flatten()
+    out.token_blocks = torch.tensor(token_blocks, dtype=L)
     for fmt, (dsts, slots, target) in groups.items():
         tgt = torch.stack(target) if fmt.reduction == "sparse" else torch.tensor(target, dtype=L)  # type: ignore[arg-type]
         out.groups.append(ScratchGroup(fmt, torch.tensor(dsts, dtype=L), torch.tensor(slots, dtype=L), tgt))
@@ -228,20 +234,25 @@ def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: tor
     if len(plan.tok_src):
         # Advanced indices on dims 0 and 3 (separated by slices) put the token axis first: [T, H, 2, D].
         s5[plan.tok_dst // b, :, :, plan.tok_dst % b] = layout.read_tokens(kv, plan.tok_src)
-    _fill_groups(plan, read, raw, s5, scratch, b, h, d)
-    # Everything but the whole-block copies was written in canonical order; the kernel reads its own.
-    layout.to_kernel(scratch, plan.canonical)
+    fused = _fill_groups(plan, read, raw, s5, scratch, b, h, d, layout)
+    # What was written in canonical order (the torch path: all but whole-block copies; the fused
+    # path: the token-level parts) goes into the kernel's order.
+    layout.to_kernel(scratch, plan.token_blocks if fused else plan.canonical)
 
 
 def _fill_groups(plan: ScratchPlan, read: Reader, raw: RawReader | None, s5: torch.Tensor, scratch: torch.Tensor,
-                 b: int, h: int, d: int) -> None:
+                 b: int, h: int, d: int, layout: PageLayout) -> bool:
+    """Decompress every format group into the scratch; True if the fused kernels did it."""
     kernels = _fast_kernels(scratch, raw)
     if kernels is not None:
         assert raw is not None
-        out = s5.view(torch.int16).numpy().view(np.uint16)  # numba has no bf16: write the bit patterns
-        for g in plan.groups:
-            _fill_group_fast(kernels, g, raw(g.fmt, g.dst, g.slot), b, out)
-        return
+        # numba has no bf16: write the bit patterns, into pages [B', H, 2bD]
+        out = scratch.view(scratch.shape[0], h, -1).view(torch.int16).numpy().view(np.uint16)
+        kernel_order, canonical = layout.page_pos.numpy(), _identity(2 * b * d)
+        for g in plan.groups:  # block-aligned formats straight into the kernel's page order
+            pos = canonical if g.fmt.reduction == "sparse" else kernel_order
+            _fill_group_fast(kernels, g, raw(g.fmt, g.dst, g.slot), b, out, pos)
+        return True
     for g in plan.groups:
         kh, vh, log_count = read(g.fmt, g.dst, g.slot)  # [N, C, H, D]
         if g.fmt.reduction == "sparse":
@@ -253,11 +264,20 @@ def _fill_groups(plan: ScratchPlan, read: Reader, raw: RawReader | None, s5: tor
             kh, vh = expand_centroids(kh, vh, log_count, b)
         s5[g.target, :, 0] = kh.transpose(1, 2)
         s5[g.target, :, 1] = vh.transpose(1, 2)
+    return False
 
 
 # --- fused CPU path ----------------------------------------------------------------------------
 
 _LUTS: dict[str, np.ndarray] = {}
+_IDENTITY: dict[int, np.ndarray] = {}
+
+
+def _identity(n: int) -> np.ndarray:
+    """int64 [n]: page positions of the canonical order."""
+    if n not in _IDENTITY:
+        _IDENTITY[n] = np.arange(n, dtype=np.int64)
+    return _IDENTITY[n]
 
 
 def _byte_lut(dtype: torch.dtype) -> np.ndarray:
@@ -281,8 +301,10 @@ def _token_map(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int) -> tuple[
     return none, dst
 
 
-def _fill_group_fast(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int, out: np.ndarray) -> None:
-    """Decompress one format group's slots into `out` (the scratch's uint16 view [B', H, 2, b, D])."""
+def _fill_group_fast(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int, out: np.ndarray,
+                     pos: np.ndarray) -> None:
+    """Decompress one format group's slots into `out` (the scratch's pages, uint16 [B', H, 2bD]),
+    element (half, token, channel) at page position `pos[(half * b + token) * D + channel]`."""
     src, dst = _token_map(kernels, g, slots, b)
     rows = slots.rows.numpy()
     q, gs = slots.fmt.quant, slots.group_size
@@ -294,15 +316,17 @@ def _fill_group_fast(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int, out
         return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.float16 else t.numpy()
 
     if q == "bf16":
-        kernels.copy_bf16(k.view(np.uint16), rows, src, dst, 0, out)
-        kernels.copy_bf16(v.view(np.uint16), rows, src, dst, 1, out)
+        kernels.copy_bf16(k.view(np.uint16), rows, src, dst, 0, out, pos)
+        kernels.copy_bf16(v.view(np.uint16), rows, src, dst, 1, out, pos)
         return
     if q == "fp8":
-        kernels.dequant_per_token(k, rows, _byte_lut(torch.float8_e4m3fn), meta("k_scale"), src, dst, 0, out)
+        kernels.dequant_per_token(k, rows, _byte_lut(torch.float8_e4m3fn), meta("k_scale"), src, dst, 0, out, pos)
     else:  # int8 / int4 / int2 keys: KIVI, per channel over token groups
-        kernels.dequant_kivi(k, rows, meta("k_scale"), meta("k_zero"), f16, KIVI_KEYS[q], gs, True, src, dst, 0, out)
+        kernels.dequant_kivi(k, rows, meta("k_scale"), meta("k_zero"), f16, KIVI_KEYS[q], gs, True, src, dst, 0,
+                             out, pos)
     if q in ("fp8", "int8"):  # per-token values
         lut = _byte_lut(torch.float8_e4m3fn if q == "fp8" else torch.int8)
-        kernels.dequant_per_token(v, rows, lut, meta("v_scale"), src, dst, 1, out)
+        kernels.dequant_per_token(v, rows, lut, meta("v_scale"), src, dst, 1, out, pos)
     else:
-        kernels.dequant_kivi(v, rows, meta("v_scale"), meta("v_zero"), f16, KIVI_KEYS[q], gs, False, src, dst, 1, out)
+        kernels.dequant_kivi(v, rows, meta("v_scale"), meta("v_zero"), f16, KIVI_KEYS[q], gs, False, src, dst, 1,
+                             out, pos)

@@ -76,6 +76,11 @@ class _LayerPool:
     meta: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [num_blocks * r, ...]
 
 
+NO_READER = ("no Proxima attention backend runs in this worker, so compressed blocks could not be read: "
+             "blocks stay uncompressed. On CUDA start vLLM with `--attention-backend CUSTOM` "
+             "(docs/vllm-integration.md); on CPU the plugin installs its backend itself.")
+
+
 class WorkerStore:
     """Everything the worker knows about compressed blocks (one per worker process)."""
 
@@ -102,6 +107,11 @@ class WorkerStore:
         self.ema_decay = 0.9
         self.aggregate = "max"
         self.observation_window = 32
+        self.readers: set[str] = set()
+        """Proxima attention backends constructed in this process (they add themselves): the
+        only readers of compressed blocks. vLLM's own backends would read the freed sources."""
+        self.require_reader = False
+        """Set by the KV connector (a real vLLM worker): refuse to compress without a reader."""
         self.observe_layer: str | None = None
         """The layer whose attention is observed (the middle one: early layers attend broadly, late
         ones sharply; one layer keeps the cost at ~1/L of attention)."""
@@ -184,6 +194,15 @@ class WorkerStore:
             self.sources.pop(rid, None)
             self.token_importance.pop(rid, None)
         self.key_blocks = dict(plan.key_blocks)
+        if plan.actions and self.require_reader and not self.readers:
+            # e.g. CUDA with vLLM's default backend: compressing would make attention read freed
+            # blocks. Every action fails, so every block stays hot and every request stays exact.
+            self.report.failed.extend(a.action_id for a in plan.actions)
+            self.report.errors.append(NO_READER)
+            if not self.batches:
+                logger.error("proxima: %s", NO_READER)
+            self.batches += 1
+            return
         by_fmt: dict[tuple[str, str], list[CompressAction]] = {}
         for a in plan.actions:
             by_fmt.setdefault((a.fmt, a.from_fmt), []).append(a)

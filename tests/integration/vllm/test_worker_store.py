@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 
 from proxima.formats import Format  # noqa: E402
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan  # noqa: E402
-from proxima.integration.vllm.worker import FAULT_ENV, WorkerStore  # noqa: E402
+from proxima.integration.vllm.worker import FAULT_ENV, NO_READER, WorkerStore  # noqa: E402
 
 NB, H, B, D = 12, 3, 128, 64
 TOL = {"int8": 0.02, "fp8": 0.08, "int4": 0.2, "int2": 0.6}
@@ -47,6 +47,23 @@ def test_roundtrip_into_packed_slots(fmt: str) -> None:
         changed = (caches[layer] != kv).flatten(1).any(1).nonzero().flatten().tolist()
         assert changed == [10]
     assert st.remap["r"][0] == (f, 10, 0)
+
+
+def test_no_proxima_backend_means_no_compression() -> None:
+    """In a real worker (the connector sets `require_reader`), compressing while vLLM's own
+    attention backend runs (CUDA without `--attention-backend CUSTOM`) would read freed blocks:
+    every action fails instead, blocks stay hot, and the report says why."""
+    st, caches = _store()
+    before = {k: v.clone() for k, v in caches.items()}
+    st.require_reader = True
+    st.apply(ProximaPlan(actions=[CompressAction(7, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
+    rep = st.take_report()
+    assert rep is not None and rep.failed == [7] and not rep.ok and rep.errors == [NO_READER]
+    assert "r" not in st.remap and all(torch.equal(before[k], caches[k]) for k in caches)
+    st.readers.add("ProximaCPUAttentionBackendImpl")  # what the backend's constructor does
+    st.apply(ProximaPlan(actions=[CompressAction(8, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [8] and not rep.failed
 
 
 def test_injected_fault_keeps_blocks_hot(monkeypatch: pytest.MonkeyPatch) -> None:

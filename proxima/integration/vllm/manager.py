@@ -26,7 +26,7 @@ from vllm.v1.request import Request
 
 from proxima.compression.spec import SlotSpec
 from proxima.formats import HOT, Format
-from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.policy.engine import EngineState, decide
 from proxima.policy.schema import Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
@@ -104,6 +104,8 @@ class ProximaStats:
     importance_updates: int = 0
     planned_in_prefill: int = 0
     """Compressions planned for requests whose prompt was still being prefilled (chunked prefill)."""
+    committed_in_prefill: int = 0
+    """... and of those, committed (the rest of the prompt then attended to them)."""
     committed_by_format: dict[str, int] = field(default_factory=dict)
     """Requests whose block importance the worker reported (summed over steps)."""
     errors: list[str] = field(default_factory=list)
@@ -133,6 +135,10 @@ class ProximaKVCacheManager(KVCacheManager):
     """Called after a request's blocks were freed (the connector dumps its counters)."""
     px_effective: Policy
     """The policy with ladders restricted to the formats this data path stores."""
+    px_disabled: str | None
+    """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
+    px_prefill_actions: set[int]
+    """Action ids planned while their request was in prefill (counted when they commit)."""
 
     def px_set_policy(self, policy: Policy) -> None:
         """Adopt a (validated) policy; takes effect at the next planning step. Blocks already
@@ -149,13 +155,16 @@ class ProximaKVCacheManager(KVCacheManager):
     # --- vLLM hooks -------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs) -> KVCacheBlocks | None:  # type: ignore[override]
-        if request.request_id not in self.px_reqs and not self.px_policy.is_off:
+        if request.request_id not in self.px_reqs and not self.px_policy.is_off and not self.px_disabled:
             if kwargs.get("full_sequence_must_fit") and not self.px_policy.protect.prefilling:
                 # vLLM admits a request only if its whole prompt fits uncompressed. When the policy
                 # compresses finished chunks during prefill, the prompt never needs that: admit it
                 # if its *compressed* footprint fits (and let the first chunk's allocation decide).
+                # Prefix-cache hits hold shared blocks already (never compressed, no new block).
                 kwargs["full_sequence_must_fit"] = False
-                full = self.compressed_footprint(min(request.num_tokens, self.max_model_len))
+                hit = kwargs.get("num_new_computed_tokens", 0) + request.num_computed_tokens
+                full = self.compressed_footprint(max(0, min(request.num_tokens, self.max_model_len) - hit))
+                full += getattr(self, "watermark_blocks", 0)  # vLLM's own headroom (0 by default)
                 if self.px_reqs and self.block_pool.get_num_free_blocks() - full < DEST_RESERVE_BLOCKS:
                     self.px_waiting_need = max(self.px_waiting_need, full + DEST_RESERVE_BLOCKS)
                     return None
@@ -298,7 +307,7 @@ class ProximaKVCacheManager(KVCacheManager):
 
     def _plan(self, pending_blocks: int = 0) -> int:
         """Run the policy engine and reserve destinations for its actions; returns actions planned."""
-        if self.px_policy.is_off:
+        if self.px_policy.is_off or self.px_disabled:
             return 0
         snap, _ = self.snapshot(pending_blocks)
         decision = decide(snap, self.px_effective, self.px_state)
@@ -334,6 +343,7 @@ class ProximaKVCacheManager(KVCacheManager):
             planned += 1
             if st.request.num_computed_tokens < st.request.num_prompt_tokens:
                 self.px_stats.planned_in_prefill += 1
+                self.px_prefill_actions.add(ca.action_id)
         self.px_stats.planned += planned
         return planned
 
@@ -377,8 +387,8 @@ class ProximaKVCacheManager(KVCacheManager):
         blocks_of = self._stm.req_to_blocks
         for rid in scheduled_req_ids:
             st = self.px_reqs.get(rid)
-            if st is None or self.px_policy.is_off:
-                continue
+            if st is None or (self.px_policy.is_off and not st.compressed and not st.in_flight):
+                continue  # (a policy switched off live leaves compressed blocks to read)
             blocks = blocks_of[rid]
             key = blocks[st.request.num_computed_tokens // b]
             plan.key_blocks[key.block_id] = rid
@@ -406,6 +416,8 @@ class ProximaKVCacheManager(KVCacheManager):
             st.in_flight.pop(ca.index, None)
             st.compressed[ca.index] = (Format.parse(ca.fmt), ca.dst, ca.slot)
             self.px_stats.committed += 1
+            if aid in self.px_prefill_actions:
+                self.px_stats.committed_in_prefill += 1
             self.px_stats.committed_by_format[ca.fmt] = self.px_stats.committed_by_format.get(ca.fmt, 0) + 1
             if ca.from_fmt != HOT.name:  # recompression: release the old slot
                 self._unreserve(st, ca.from_dst)
@@ -418,6 +430,8 @@ class ProximaKVCacheManager(KVCacheManager):
             )
             blocks[ca.index] = null
             to_free.append(src)
+        self.px_prefill_actions.difference_update(report.ok)
+        self.px_prefill_actions.difference_update(report.failed)
         failed = [self.px_pending.pop(aid, None) for aid in report.failed]
         self.px_stats.failed += len(report.failed)
         self._px_sent.difference_update(report.failed)
@@ -429,6 +443,9 @@ class ProximaKVCacheManager(KVCacheManager):
             if st.open.get(dest.fmt) is dest and dest.next_slot - 1 == ca.slot:
                 dest.next_slot -= 1
             self._unreserve(st, ca.dst)
+        if NO_READER in report.errors and not self.px_disabled:
+            self.px_disabled = NO_READER
+            logger.error("proxima: %s", NO_READER)
         if report.errors:
             self.px_stats.errors.extend(report.errors[-5:])
             logger.warning("proxima: %d compressions failed and stay uncompressed: %s",
@@ -488,6 +505,7 @@ class ProximaKVCacheManager(KVCacheManager):
             "steps": s.steps, "planned": s.planned, "committed": s.committed, "failed": s.failed,
             "emergencies": s.emergencies, "freed_blocks": s.freed_blocks,
             "importance_updates": s.importance_updates, "planned_in_prefill": s.planned_in_prefill,
+            "committed_in_prefill": s.committed_in_prefill, "disabled": self.px_disabled,
             "committed_by_format": dict(s.committed_by_format),
             "peak_resident": s.peak_running,
             "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
@@ -520,6 +538,8 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     m.px_on_change = None
     m.px_emergency = False
     m.px_waiting_need = 0
+    m.px_disabled = None
+    m.px_prefill_actions = set()
     m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
     m._px_sent = set()
     return m

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+NO_READER = ("no Proxima attention backend runs in this worker, so compressed blocks could not be read: "
+             "compression is off for this engine. On CUDA start vLLM with `--attention-backend CUSTOM` "
+             "(docs/vllm-integration.md); on CPU the plugin installs its backend itself.")
+"""The worker's error when no Proxima backend reads compressed blocks; the scheduler then stops
+planning (otherwise every emergency compression would fail and be planned again, forever)."""
+
 
 @dataclass(frozen=True)
 class CompressAction:

@@ -25,7 +25,7 @@ from proxima.compression.blocks import CompressedBlocks, compress_blocks, decomp
 from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
 from proxima.formats import Format
 from proxima.integration.vllm.cpu_layout import PageLayout, canonical_layout, probe_layout
-from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.policy.schema import Policy
 
 logger = logging.getLogger("proxima.vllm")
@@ -74,11 +74,6 @@ class _LayerPool:
     k: torch.Tensor  # [num_blocks * r, C, H, P] view into vLLM's KV tensor
     v: torch.Tensor
     meta: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [num_blocks * r, ...]
-
-
-NO_READER = ("no Proxima attention backend runs in this worker, so compressed blocks could not be read: "
-             "blocks stay uncompressed. On CUDA start vLLM with `--attention-backend CUSTOM` "
-             "(docs/vllm-integration.md); on CPU the plugin installs its backend itself.")
 
 
 class WorkerStore:
@@ -199,9 +194,6 @@ class WorkerStore:
             # blocks. Every action fails, so every block stays hot and every request stays exact.
             self.report.failed.extend(a.action_id for a in plan.actions)
             self.report.errors.append(NO_READER)
-            if not self.batches:
-                logger.error("proxima: %s", NO_READER)
-            self.batches += 1
             return
         by_fmt: dict[tuple[str, str], list[CompressAction]] = {}
         for a in plan.actions:

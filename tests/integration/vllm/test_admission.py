@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request  # noqa: E402
 
 from proxima.integration.vllm.manager import ProximaKVCacheManager, install  # noqa: E402
+from proxima.integration.vllm.plan import NO_READER, ProximaReport  # noqa: E402
 from proxima.policy.loader import load_policy  # noqa: E402
 from proxima.policy.schema import Policy  # noqa: E402
 
@@ -57,3 +58,35 @@ def test_a_long_prompt_is_admitted_on_its_compressed_footprint(prefilling: bool)
     assert m2.compressed_footprint(64 * B) == 4 + 15
     assert m2.allocate_slots(_request("huge", 64 * B), 8 * B, full_sequence_must_fit=True) is None
     assert m2.px_waiting_need == (19 + 2 if not prefilling else 8 + 1 + 2)  # footprint or chunk, + reserve
+
+
+def _pressured(policy: Policy) -> tuple[ProximaKVCacheManager, Request]:
+    """A resident request that fills most of a small pool, fully prefilled: the engine compresses."""
+    m = _manager(policy, blocks=24)
+    req = _request("a", 18 * B)
+    assert m.allocate_slots(req, 18 * B) is not None
+    req.num_computed_tokens = 18 * B
+    assert m.allocate_slots(req, 1) is not None
+    return m, req
+
+
+def test_a_worker_without_a_reader_turns_compression_off() -> None:
+    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    assert plan.actions  # under pressure: the engine compresses
+    m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions], errors=[NO_READER]))
+    assert m.px_disabled == NO_READER
+    assert not m.build_plan(["a"]).actions and not m.px_pending  # never planned again
+    # ... and admission is vLLM's own again (whole prompt uncompressed).
+    assert m.allocate_slots(_request("long", 20 * B), 8 * B, full_sequence_must_fit=True) is None
+
+
+def test_compressed_blocks_stay_readable_after_the_policy_is_switched_off() -> None:
+    m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    assert m.px_reqs["a"].compressed
+    m.px_set_policy(Policy(enabled=False))  # e.g. PATCH {"enabled": false} through the live API
+    plan = m.build_plan(["a"])
+    # The worker needs the request's key block to route it through the compressed path.
+    assert not plan.actions and list(plan.key_blocks.values()) == ["a"]

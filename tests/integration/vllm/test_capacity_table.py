@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.logprobs import Logprob  # noqa: E402
+from vllm.logprobs import Logprob
 
-from proxima.integration.vllm.capacity import common_prefix, prompt_scores, table_markdown, tabulate  # noqa: E402
+from proxima.integration.vllm.capacity import common_prefix, prompt_scores, table_markdown, tabulate
 
 
 def test_prompt_scores_cover_the_second_half_of_the_prompt() -> None:

@@ -179,6 +179,8 @@ def test_observe_keeps_compressed_blocks_importance_and_reports_per_block() -> N
     ([["int4", "sparse(4)+int4", None, "cluster(2)+int4", None], [None, "int8", None]], [1, 1]),
     # A prefill chunk (2 blocks and 5 tokens) over compressed earlier chunks, beside a decode row.
     ([["int4", "sparse(4)+int4", "cluster(2)+int4", None, None, None], [None, "int8", None]], [2 * B + 5, 1]),
+    # A chunk starting mid-block: block 3 holds B - 5 computed tokens, then the first queries.
+    ([["int4", "cluster(2)+int4", "sparse(4)+int4", None, None, None]], [B + 10]),
 ])
 def test_vllm_kernel_over_the_scratch_equals_the_formats_attention(formats: list[list[str | None]],
                                                                    query_lens: list[int]) -> None:

@@ -82,7 +82,7 @@ def test_a_worker_without_a_reader_turns_compression_off() -> None:
 
 
 def test_compressed_blocks_stay_readable_after_the_policy_is_switched_off() -> None:
-    m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
     assert m.px_reqs["a"].compressed

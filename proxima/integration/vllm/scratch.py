@@ -111,6 +111,10 @@ class ScratchPlan:
     hot_dst: torch.Tensor  # long [Nh]
     tok_src: torch.Tensor  # long [Nt]: flat cache positions (block * B + offset) copied token by token
     tok_dst: torch.Tensor  # long [Nt]: flat scratch positions
+    pad: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    """long: flat scratch positions past each row's tokens in its last block. vLLM's kernel reads
+    whole blocks and masks afterwards, so these must hold finite values (a NaN there poisons the
+    row's softmax; vLLM zeroes fresh cache blocks for the same reason): the fill zeroes them."""
     groups: list[ScratchGroup] = field(default_factory=list)
     canonical: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     """long: scratch blocks the torch path writes in canonical order (all but the hot block
@@ -131,6 +135,7 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
     tables: list[list[int]] = []
     seq_lens: list[int] = []
     token_blocks: list[int] = []
+    pad: list[torch.Tensor] = []
     base = 0  # first scratch block of the current row
     for row in rows:
         nb = -(-row.seq_len // b)
@@ -170,6 +175,7 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
         used = pos - base * b
         n_blocks = -(-used // b)
         token_blocks.extend(range(base + aligned, base + n_blocks))
+        pad.append(torch.arange(pos, (base + n_blocks) * b))
         tables.append(list(range(base, base + n_blocks)))
         seq_lens.append(used)
         base += n_blocks
@@ -190,6 +196,7 @@ def plan_scratch(rows: list[ScratchRow], block_size: int) -> ScratchPlan:
     hot[out.hot_dst] = True
     out.canonical = (~hot).nonzero().flatten()
     out.token_blocks = torch.tensor(token_blocks, dtype=L)
+    out.pad = torch.cat(pad) if pad else torch.zeros(0, dtype=L)
     for fmt, (dsts, slots, target) in groups.items():
         tgt = torch.stack(target) if fmt.reduction == "sparse" else torch.tensor(target, dtype=L)  # type: ignore[arg-type]
         out.groups.append(ScratchGroup(fmt, torch.tensor(dsts, dtype=L), torch.tensor(slots, dtype=L), tgt))
@@ -231,6 +238,8 @@ def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: tor
     if len(plan.hot_src):
         s5.index_copy_(0, plan.hot_dst, kv5.index_select(0, plan.hot_src))
     layout = layout or canonical_layout(b, d)
+    if len(plan.pad):
+        s5[plan.pad // b, :, :, plan.pad % b] = 0
     if len(plan.tok_src):
         # Advanced indices on dims 0 and 3 (separated by slices) put the token axis first: [T, H, 2, D].
         s5[plan.tok_dst // b, :, :, plan.tok_dst % b] = layout.read_tokens(kv, plan.tok_src)

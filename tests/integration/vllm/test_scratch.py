@@ -193,7 +193,9 @@ def test_vllm_kernel_over_the_scratch_equals_the_formats_attention(formats: list
     st, kv, rows = _scenario(formats)
     plan = plan_scratch([ScratchRow(blocks, seq_len, st.remap.get(rid, {}), ql)
                          for (rid, blocks, seq_len), ql in zip(rows, query_lens, strict=True)], B)
-    scratch = torch.zeros((plan.num_blocks, H, 2 * B, D), dtype=kv.dtype)
+    # NaN where nothing is written: the fill must leave no NaN the kernel reads (it reads whole
+    # blocks, past a row's last token too).
+    scratch = torch.full((plan.num_blocks, H, 2 * B, D), float("nan"), dtype=kv.dtype)
     fill_scratch(plan, kv, lambda f, d, s: st.read_with_counts(LAYER, f, d, s), scratch,
                  raw=store_reader(st, LAYER), layout=st.layout)
     q = torch.randn(sum(query_lens), HQ, D).to(torch.bfloat16)

@@ -120,6 +120,9 @@ class ProximaKVCacheManager(KVCacheManager):
     px_reqs: dict[str, _ReqState]
     px_pending: dict[int, CompressAction]
     px_dropped: list[str]
+    px_scrub: list[int]
+    """Destination blocks released since the last plan: they hold packed bytes (NaN as bf16)
+    and go back to vLLM, whose CPU kernel reads whole blocks. The worker zeroes them first."""
     px_stats: ProximaStats
     px_formats: set[Format]
     px_ids: itertools.count
@@ -241,6 +244,7 @@ class ProximaKVCacheManager(KVCacheManager):
             self.px_pending.pop(aid.action_id, None)
         self.px_dropped.append(req_id)
         blocks = [d.block for d in st.dests.values()]
+        self.px_scrub.extend(b.block_id for b in blocks)
         if free_now and blocks:
             self.block_pool.free_blocks(blocks)
         return blocks
@@ -266,6 +270,7 @@ class ProximaKVCacheManager(KVCacheManager):
             del st.dests[dst]
             if st.open.get(dest.fmt) is dest:
                 del st.open[dest.fmt]
+            self.px_scrub.append(dst)
             self.block_pool.free_blocks([dest.block])
 
     def snapshot(self, pending_blocks: int = 0) -> tuple[Snapshot, list[_ReqState]]:
@@ -380,9 +385,11 @@ class ProximaKVCacheManager(KVCacheManager):
         plan = ProximaPlan(
             actions=[a for a in self.px_pending.values() if a.action_id not in self._px_sent],
             dropped=self.px_dropped,
+            scrub=self.px_scrub,
         )
         self._px_sent.update(a.action_id for a in plan.actions)
         self.px_dropped = []
+        self.px_scrub = []
         b = self.block_size
         blocks_of = self._stm.req_to_blocks
         for rid in scheduled_req_ids:
@@ -531,6 +538,7 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     m.px_reqs = {}
     m.px_pending = {}
     m.px_dropped = []
+    m.px_scrub = []
     m.px_stats = ProximaStats()
     m.px_set_policy(policy)
     m.px_ids = itertools.count()

@@ -41,6 +41,11 @@ class ProximaPlan(KVConnectorMetadata):
     actions: list[CompressAction] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     """Requests whose blocks were freed (finished, aborted, preempted): forget their remap."""
+    scrub: list[int] = field(default_factory=list)
+    """Destination blocks released to vLLM since the last plan: zero them (every layer) before
+    this step's forward. Their packed bytes read as bf16 include NaN, and vLLM's CPU kernel reads
+    whole blocks (masking afterwards), so a NaN left in a position a new owner has not written
+    yet would poison its attention rows."""
     key_blocks: dict[int, str] = field(default_factory=dict)
     """Physical block receiving this step's first token -> request, for every scheduled request
     (exclusively owned, so it identifies the batch row without request ids in attention

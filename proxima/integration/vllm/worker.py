@@ -183,7 +183,12 @@ class WorkerStore:
     # --- executor ---------------------------------------------------------------------------
 
     def apply(self, plan: ProximaPlan) -> None:
-        """Drop freed requests, then run this step's compressions (before the forward pass)."""
+        """Drop freed requests, zero released destinations, then run this step's compressions
+        (before the forward pass, so before anything writes into a reused block)."""
+        if plan.scrub:
+            ids = torch.tensor(plan.scrub, dtype=torch.long)
+            for kv in self.kv_caches.values():
+                kv.index_fill_(0, ids.to(kv.device), 0)
         for rid in plan.dropped:
             self.remap.pop(rid, None)
             self.sources.pop(rid, None)

@@ -14,6 +14,7 @@ Started as a subprocess by `test_vllm_e2e.py` because vLLM reads the plugin envi
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -38,14 +39,27 @@ def main() -> None:
         return [100 + (seed * 7919 + i * 104729) % vocab for i in range(n)]
 
     out: dict[str, object] = {}
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    nonfinite = 0
+
+    def count_nonfinite(res: list[Any]) -> None:
+        """Logprobs of prompt and sampled tokens that are not finite: a NaN anywhere in a block
+        vLLM's CPU kernel reads (it reads whole blocks) poisons a row, and greedy decoding would
+        still return the right number of (wrong) tokens."""
+        nonlocal nonfinite
+        for r in res:
+            for lps in (r.prompt_logprobs or [], r.outputs[0].logprobs or []):
+                nonfinite += sum(1 for d in lps if d for lp in d.values() if not math.isfinite(lp.logprob))
+
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     t0 = time.perf_counter()
     res = llm.generate([TokensPrompt(prompt_token_ids=toks(s, 150)) for s in range(8)], sp, use_tqdm=False)
     out["pressure"] = [list(r.outputs[0].token_ids) for r in res]
+    count_nonfinite(res)
 
     prefix = toks(999, 128)
     res = llm.generate([TokensPrompt(prompt_token_ids=prefix + toks(s, 40)) for s in range(4)], sp, use_tqdm=False)
     out["prefix"] = [list(r.outputs[0].token_ids) for r in res]
+    count_nonfinite(res)
 
     engine = llm.llm_engine
     long_sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -67,10 +81,12 @@ def main() -> None:
         out["api"] = api_scenario(engine, toks, Path(stats))
 
     if churn:
-        sp_short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        sp_short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0, prompt_logprobs=0)
         res = llm.generate([TokensPrompt(prompt_token_ids=toks(1000 + s, 40)) for s in range(churn)], sp_short,
                            use_tqdm=False)
         out["churn_lengths"] = [len(r.outputs[0].token_ids) for r in res]
+        count_nonfinite(res)
+    out["nonfinite_logprobs"] = nonfinite
     out["wall_s"] = time.perf_counter() - t0
     del llm
     time.sleep(1)

@@ -90,3 +90,25 @@ def test_compressed_blocks_stay_readable_after_the_policy_is_switched_off() -> N
     plan = m.build_plan(["a"])
     # The worker needs the request's key block to route it through the compressed path.
     assert not plan.actions and list(plan.key_blocks.values()) == ["a"]
+
+
+def test_released_destinations_are_sent_to_be_scrubbed() -> None:
+    """Every destination block the manager gives back to vLLM (request freed, slot released by
+    recompression or failure) is listed once in the next plan, for the worker to zero."""
+    m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    assert plan.actions and not plan.scrub
+    dests = {a.dst for a in plan.actions}
+    # A failed batch releases its destinations at once.
+    m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions]))
+    assert sorted(m.build_plan(["a"]).scrub) == sorted(dests)
+    assert not m.build_plan(["a"]).scrub  # sent once
+    # Committed destinations are released with their request.
+    m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    dests = {d for _, d, _ in m.px_reqs["a"].compressed.values()}
+    assert dests and not m.build_plan(["a"]).scrub
+    dests = set(m.px_reqs["a"].dests)  # with any the last plan reserved
+    m.free(req)
+    assert set(m.build_plan([]).scrub) == dests

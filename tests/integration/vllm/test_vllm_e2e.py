@@ -90,6 +90,14 @@ def test_compression_frees_blocks_and_every_request_completes(runs: dict[str, di
     assert r["churn_lengths"] == [3] * CHURN
 
 
+def test_every_logprob_is_finite(runs: dict[str, dict]) -> None:
+    """Prompt and sampled-token logprobs of the pressure, prefix and churn scenarios: compressed
+    blocks are released and reused hundreds of times in the mixed run (a reused destination once
+    kept packed bytes that read as NaN)."""
+    for name, r in runs.items():
+        assert r["nonfinite_logprobs"] == 0, name
+
+
 def test_preemption_and_resume_under_pressure(runs: dict[str, dict]) -> None:
     # 8 requests of 6 blocks against 24 blocks: vanilla must preempt (the plugin counts it in
     # the off run), and every preempted request resumed and finished.

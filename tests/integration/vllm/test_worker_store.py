@@ -96,3 +96,19 @@ def test_recompression_reads_the_current_slot() -> None:
     assert st.layout is not None
     k = st.layout.read_blocks(orig, torch.tensor([1]))[0][0].float()
     assert (kh[0].float() - k).norm() / k.norm() < TOL["int4"]
+
+
+def test_released_destinations_are_zeroed_before_the_step() -> None:
+    """A destination block's packed bytes read as bf16 include NaN; vLLM's CPU kernel reads whole
+    blocks, so a reused destination must not keep them where its new owner has not written yet."""
+    st, caches = _store()
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
+    assert any(kv[10].isnan().any() for kv in caches.values())  # what makes the scrub necessary
+    others = {k: torch.cat([v[:10], v[11:]]).clone() for k, v in caches.items()}
+    # Released in the same plan that compresses into another block: scrub first, then compress.
+    st.apply(ProximaPlan(dropped=["r"], scrub=[10],
+                         actions=[CompressAction(1, "q", 0, src=2, dst=11, slot=0, fmt="int8")]))
+    for k, kv in caches.items():
+        assert torch.equal(kv[10], torch.zeros_like(kv[10]))
+        assert torch.equal(torch.cat([kv[:10], kv[12:]]), torch.cat([others[k][:10], others[k][11:]]))
+    assert st.remap["q"][0][1] == 11

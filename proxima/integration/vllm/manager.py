@@ -107,6 +107,9 @@ class ProximaStats:
     committed_in_prefill: int = 0
     """... and of those, committed (the rest of the prompt then attended to them)."""
     committed_by_format: dict[str, int] = field(default_factory=dict)
+    pool_at_peak: dict[str, float] = field(default_factory=dict)
+    """Where the pool went at the (first) step of peak residency: hot blocks, destination
+    blocks and their filled fraction, free blocks (what bounds the next resident request)."""
     """Requests whose block importance the worker reported (summed over steps)."""
     errors: list[str] = field(default_factory=list)
 
@@ -374,6 +377,8 @@ class ProximaKVCacheManager(KVCacheManager):
     def build_plan(self, scheduled_req_ids: Iterable[str]) -> ProximaPlan:
         """Called at the end of each `schedule()`: this step's actions for the worker."""
         self.px_stats.steps += 1
+        if len(self.px_reqs) > self.px_stats.peak_running or not self.px_stats.pool_at_peak:
+            self.px_stats.pool_at_peak = self.pool_usage()
         self.px_stats.peak_running = max(self.px_stats.peak_running, len(self.px_reqs))
         self.px_stats.running_sum += len(self.px_reqs)
         self.px_stats.side_bytes_peak = max(self.px_stats.side_bytes_peak, self.side_table_bytes())
@@ -463,6 +468,18 @@ class ProximaKVCacheManager(KVCacheManager):
             self.block_pool.free_blocks(to_free)
             self.px_stats.freed_blocks += len(to_free)
 
+    def pool_usage(self) -> dict[str, float]:
+        """Blocks held hot (shared prefix blocks once), in destinations (and the fraction of their
+        slots holding a live compressed block: the rest is packing headroom), and free."""
+        null = self.block_pool.null_block
+        blocks_of = self._stm.req_to_blocks
+        hot = {b.block_id for rid in self.px_reqs for b in blocks_of.get(rid, ()) if b is not null}
+        dests = [d for st in self.px_reqs.values() for d in st.dests.values()]
+        slots = sum(d.fmt.pack_ratio for d in dests)
+        return {"resident": len(self.px_reqs), "hot": len(hot), "dest": len(dests),
+                "dest_fill": round(sum(d.live for d in dests) / slots, 3) if slots else 0.0,
+                "free": self.block_pool.get_num_free_blocks()}
+
     def side_table_bytes(self) -> int:
         """Metadata bytes (scales, zero points) of the live compressed slots, all layers.
 
@@ -514,7 +531,7 @@ class ProximaKVCacheManager(KVCacheManager):
             "importance_updates": s.importance_updates, "planned_in_prefill": s.planned_in_prefill,
             "committed_in_prefill": s.committed_in_prefill, "disabled": self.px_disabled,
             "committed_by_format": dict(s.committed_by_format),
-            "peak_resident": s.peak_running,
+            "peak_resident": s.peak_running, "pool_at_peak": dict(s.pool_at_peak),
             "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
             "resident_now": len(self.px_reqs),
             "side_table_peak_bytes": s.side_bytes_peak,

@@ -112,3 +112,17 @@ def test_released_destinations_are_sent_to_be_scrubbed() -> None:
     dests = set(m.px_reqs["a"].dests)  # with any the last plan reserved
     m.free(req)
     assert set(m.build_plan([]).scrub) == dests
+
+
+def test_pool_usage_accounts_for_every_block() -> None:
+    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    before = m.pool_usage()
+    assert before == {"resident": 1, "hot": 19, "dest": 0, "dest_fill": 0.0, "free": 23 - 19}
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    u = m.pool_usage()
+    n = len(plan.actions)
+    assert u["hot"] == 19 - n and u["dest"] >= 1 and u["hot"] + u["dest"] + u["free"] == 23
+    slots = sum(d.fmt.pack_ratio for d in m.px_reqs["a"].dests.values())
+    assert u["dest_fill"] == round(n / slots, 3)
+    assert m.summary()["pool_at_peak"]["resident"] == 1

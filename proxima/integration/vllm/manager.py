@@ -219,14 +219,28 @@ class ProximaKVCacheManager(KVCacheManager):
 
     def compressed_footprint(self, tokens: int) -> int:
         """Blocks a request of `tokens` tokens holds once the policy compressed it under pressure:
-        its protected blocks (sinks, recent window, hot tail) stay hot, the others take the first
-        format of the highest band's ladder (what the engine picks first when memory is tightest)."""
+        its protected blocks (sinks, recent window, hot tail) stay hot, the others compress as the
+        resident requests' blocks did (`achieved_pack_ratio`); before any compression, as the
+        first format of the highest band's ladder (what the engine picks first when memory is
+        tightest)."""
         b, prot = self.block_size, self.px_policy.protect
         n = -(-tokens // b)
         hot = min(n, -(-prot.sink_tokens // b) + -(-prot.recent_tokens // b) + 1)
-        ladder = self.px_effective.bands[-1].ladder if self.px_effective.bands else []
-        ratio = ladder[0].pack_ratio if ladder else 1
-        return hot + -(-(n - hot) // ratio)
+        ratio = self.achieved_pack_ratio()
+        if ratio is None:
+            ladder = self.px_effective.bands[-1].ladder if self.px_effective.bands else []
+            ratio = ladder[0].pack_ratio if ladder else 1
+        return hot + math.ceil((n - hot) / ratio - 1e-9)
+
+    def achieved_pack_ratio(self) -> float | None:
+        """Compressed blocks per physical block they take, over the resident requests' committed
+        blocks (None before any): the engine's actual mix of formats under this workload."""
+        count, space = 0, 0.0
+        for st in self.px_reqs.values():
+            for fmt, _, _ in st.compressed.values():
+                count += 1
+                space += 1.0 / fmt.pack_ratio
+        return count / space if count else None
 
     @property
     def block_size(self) -> int:

@@ -19,6 +19,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from proxima.formats import Format  # noqa: E402
 from proxima.integration.vllm.manager import ProximaKVCacheManager, install  # noqa: E402
 from proxima.integration.vllm.plan import NO_READER, ProximaReport  # noqa: E402
 from proxima.policy.loader import load_policy  # noqa: E402
@@ -126,3 +127,19 @@ def test_pool_usage_accounts_for_every_block() -> None:
     slots = sum(d.fmt.pack_ratio for d in m.px_reqs["a"].dests.values())
     assert u["dest_fill"] == round(n / slots, 3)
     assert m.summary()["pool_at_peak"]["resident"] == 1
+
+
+def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
+    """Before any compression the estimate assumes the top band's first format; afterwards, the
+    ratio the resident requests' committed blocks actually reached."""
+    policy = load_policy(ROOT / "configs" / "aggressive.yaml")
+    m, _ = _pressured(policy)
+    assert m.achieved_pack_ratio() is None
+    hot = -(-policy.protect.sink_tokens // B) + -(-policy.protect.recent_tokens // B) + 1  # + the tail
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // 8)  # cluster(2)+int4 first
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    ratios = [Format.parse(a.fmt).pack_ratio for a in plan.actions]
+    achieved = len(ratios) / sum(1 / r for r in ratios)
+    assert m.achieved_pack_ratio() == pytest.approx(achieved)
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // achieved)

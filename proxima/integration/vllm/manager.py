@@ -301,6 +301,10 @@ class ProximaKVCacheManager(KVCacheManager):
                 continue
             r = st.request
             computed = r.num_computed_tokens
+            if computed >= r.num_prompt_tokens and r.num_output_tokens + 1 >= r.max_tokens:
+                # It samples its last token this step, and vLLM frees a finished request before
+                # it applies the step's connector report: a compression would be wasted work.
+                continue
             n = len(blocks)
             tokens = [max(0, min(b, computed - i * b)) for i in range(n)]
             formats = [st.compressed[i][0] if i in st.compressed else HOT for i in range(n)]

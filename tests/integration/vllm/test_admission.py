@@ -38,8 +38,8 @@ def _manager(policy: Policy, blocks: int) -> ProximaKVCacheManager:
     return m
 
 
-def _request(rid: str, tokens: int) -> Request:
-    return Request(rid, list(range(1, tokens + 1)), SamplingParams(max_tokens=8), None)
+def _request(rid: str, tokens: int, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(1, tokens + 1)), SamplingParams(max_tokens=max_tokens), None)
 
 
 @pytest.mark.parametrize("prefilling", [False, True])
@@ -61,10 +61,10 @@ def test_a_long_prompt_is_admitted_on_its_compressed_footprint(prefilling: bool)
     assert m2.px_waiting_need == (19 + 2 if not prefilling else 8 + 1 + 2)  # footprint or chunk, + reserve
 
 
-def _pressured(policy: Policy) -> tuple[ProximaKVCacheManager, Request]:
+def _pressured(policy: Policy, max_tokens: int = 8) -> tuple[ProximaKVCacheManager, Request]:
     """A resident request that fills most of a small pool, fully prefilled: the engine compresses."""
     m = _manager(policy, blocks=24)
-    req = _request("a", 18 * B)
+    req = _request("a", 18 * B, max_tokens)
     assert m.allocate_slots(req, 18 * B) is not None
     req.num_computed_tokens = 18 * B
     assert m.allocate_slots(req, 1) is not None
@@ -143,3 +143,13 @@ def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
     achieved = len(ratios) / sum(1 / r for r in ratios)
     assert m.achieved_pack_ratio() == pytest.approx(achieved)
     assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // achieved)
+
+
+def test_a_request_sampling_its_last_token_is_not_compressed() -> None:
+    """vLLM frees a request that finishes in a step before it applies that step's connector
+    report: compressing its blocks would be wasted work (and its destinations a scrub)."""
+    balanced = load_policy(ROOT / "configs" / "balanced.yaml")
+    m, _ = _pressured(balanced, max_tokens=1)
+    assert not m.build_plan(["a"]).actions
+    m, _ = _pressured(balanced, max_tokens=2)
+    assert m.build_plan(["a"]).actions

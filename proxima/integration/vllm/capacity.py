@@ -199,8 +199,8 @@ def tabulate(results: dict[str, dict]) -> dict[str, dict]:
             "compressed_blocks": px.get("committed", 0),
             "compressed_by_format": px.get("committed_by_format", {}),
             "compression_failures": px.get("failed", 0),
-            # Scales and zero points live outside vLLM's pool; in KV-block equivalents:
             "pool_at_peak": px.get("pool_at_peak", {}),
+            # Scales and zero points live outside vLLM's pool; in KV-block equivalents:
             "side_table_peak_blocks": round(px.get("side_table_peak_bytes", 0) / px["block_bytes"], 2)
             if px.get("block_bytes") else 0.0,
         }

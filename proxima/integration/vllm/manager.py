@@ -18,6 +18,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -102,6 +103,7 @@ class ProximaStats:
     preemptions: int = 0
     freed_blocks: int = 0
     importance_updates: int = 0
+    """Requests whose block importance the worker reported (summed over steps)."""
     planned_in_prefill: int = 0
     """Compressions planned for requests whose prompt was still being prefilled (chunked prefill)."""
     committed_in_prefill: int = 0
@@ -110,7 +112,6 @@ class ProximaStats:
     pool_at_peak: dict[str, float] = field(default_factory=dict)
     """Where the pool went at the (first) step of peak residency: hot blocks, destination
     blocks and their filled fraction, free blocks (what bounds the next resident request)."""
-    """Requests whose block importance the worker reported (summed over steps)."""
     errors: list[str] = field(default_factory=list)
 
 
@@ -226,10 +227,12 @@ class ProximaKVCacheManager(KVCacheManager):
         b, prot = self.block_size, self.px_policy.protect
         n = -(-tokens // b)
         hot = min(n, -(-prot.sink_tokens // b) + -(-prot.recent_tokens // b) + 1)
+        ladder = self.px_effective.bands[-1].ladder if self.px_effective.bands else []
         ratio = self.achieved_pack_ratio()
         if ratio is None:
-            ladder = self.px_effective.bands[-1].ladder if self.px_effective.bands else []
             ratio = ladder[0].pack_ratio if ladder else 1
+        else:  # (a policy changed live to milder formats: no more than it can reach now)
+            ratio = min(ratio, max((f.pack_ratio for b in self.px_effective.bands for f in b.ladder), default=1))
         return hot + math.ceil((n - hot) / ratio - 1e-9)
 
     def achieved_pack_ratio(self) -> float | None:
@@ -290,7 +293,10 @@ class ProximaKVCacheManager(KVCacheManager):
             self.px_scrub.append(dst)
             self.block_pool.free_blocks([dest.block])
 
-    def snapshot(self, pending_blocks: int = 0) -> tuple[Snapshot, list[_ReqState]]:
+    def snapshot(self, pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset()
+                 ) -> tuple[Snapshot, list[_ReqState]]:
+        """The pool and every resident request's blocks for the policy engine; requests in
+        `finishing` are left out (none of their blocks is eligible)."""
         b = self.block_size
         reqs: list[RequestBlocks] = []
         states: list[_ReqState] = []
@@ -301,9 +307,7 @@ class ProximaKVCacheManager(KVCacheManager):
                 continue
             r = st.request
             computed = r.num_computed_tokens
-            if computed >= r.num_prompt_tokens and r.num_output_tokens + 1 >= r.max_tokens:
-                # It samples its last token this step, and vLLM frees a finished request before
-                # it applies the step's connector report: a compression would be wasted work.
+            if rid in finishing:
                 continue
             n = len(blocks)
             tokens = [max(0, min(b, computed - i * b)) for i in range(n)]
@@ -331,11 +335,11 @@ class ProximaKVCacheManager(KVCacheManager):
         )
         return snap, states
 
-    def _plan(self, pending_blocks: int = 0) -> int:
+    def _plan(self, pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset()) -> int:
         """Run the policy engine and reserve destinations for its actions; returns actions planned."""
         if self.px_policy.is_off or self.px_disabled:
             return 0
-        snap, _ = self.snapshot(pending_blocks)
+        snap, _ = self.snapshot(pending_blocks, finishing)
         decision = decide(snap, self.px_effective, self.px_state)
         self.px_state = decision.state
         planned = 0
@@ -402,8 +406,10 @@ class ProximaKVCacheManager(KVCacheManager):
         self.px_stats.side_bytes_peak = max(self.px_stats.side_bytes_peak, self.side_table_bytes())
         if self.px_check:
             self.check_accounting()
+        scheduled_req_ids = list(scheduled_req_ids)
         if not self.px_pending:
-            self._plan(pending_blocks=min(self.px_waiting_need, self.block_pool.num_gpu_blocks - 1))
+            self._plan(pending_blocks=min(self.px_waiting_need, self.block_pool.num_gpu_blocks - 1),
+                       finishing=self._finishing(scheduled_req_ids))
         self.px_waiting_need = 0
         plan = ProximaPlan(
             actions=[a for a in self.px_pending.values() if a.action_id not in self._px_sent],
@@ -423,6 +429,19 @@ class ProximaKVCacheManager(KVCacheManager):
             key = blocks[st.request.num_computed_tokens // b]
             plan.key_blocks[key.block_id] = rid
         return plan
+
+    def _finishing(self, scheduled_req_ids: Iterable[str]) -> set[str]:
+        """Scheduled requests that decode their last token this step (`max_tokens`; a stop string
+        or EOS cannot be foreseen). vLLM frees a request that finished in a step before it applies
+        the step's connector report, so compressing their blocks would be wasted work. (A request
+        recomputing after preemption is not decoding: `num_computed_tokens` is behind.)"""
+        out = set()
+        for rid in scheduled_req_ids:
+            st = self.px_reqs.get(rid)
+            r = st.request if st is not None else None
+            if r is not None and r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens + 1 >= r.max_tokens:
+                out.add(rid)
+        return out
 
     def apply_report(self, report: ProximaReport) -> None:
         """Second phase: commit successful compressions (free sources), undo failed ones; and

@@ -183,8 +183,8 @@ class WorkerStore:
     # --- executor ---------------------------------------------------------------------------
 
     def apply(self, plan: ProximaPlan) -> None:
-        """Drop freed requests, zero released destinations, then run this step's compressions
-        (before the forward pass, so before anything writes into a reused block)."""
+        """Zero released destinations, drop freed requests, then run this step's compressions
+        (before the forward pass, so before this step writes into a reused block)."""
         if plan.scrub:
             ids = torch.tensor(plan.scrub, dtype=torch.long)
             for kv in self.kv_caches.values():

@@ -39,16 +39,18 @@ def main() -> None:
         return [100 + (seed * 7919 + i * 104729) % vocab for i in range(n)]
 
     out: dict[str, object] = {}
-    nonfinite = 0
+    nonfinite = checked = 0
 
     def count_nonfinite(res: list[Any]) -> None:
         """Logprobs of prompt and sampled tokens that are not finite: a NaN anywhere in a block
         vLLM's CPU kernel reads (it reads whole blocks) poisons a row, and greedy decoding would
         still return the right number of (wrong) tokens."""
-        nonlocal nonfinite
+        nonlocal nonfinite, checked
         for r in res:
             for lps in (r.prompt_logprobs or [], r.outputs[0].logprobs or []):
-                nonfinite += sum(1 for d in lps if d for lp in d.values() if not math.isfinite(lp.logprob))
+                values = [lp.logprob for d in lps if d for lp in d.values()]
+                checked += len(values)
+                nonfinite += sum(1 for x in values if not math.isfinite(x))
 
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     t0 = time.perf_counter()
@@ -57,7 +59,10 @@ def main() -> None:
     count_nonfinite(res)
 
     prefix = toks(999, 128)
-    res = llm.generate([TokensPrompt(prompt_token_ids=prefix + toks(s, 40)) for s in range(4)], sp, use_tqdm=False)
+    # No prompt_logprobs here: vLLM skips reading the prefix cache for requests that ask for them.
+    sp_prefix = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+    res = llm.generate([TokensPrompt(prompt_token_ids=prefix + toks(s, 40)) for s in range(4)], sp_prefix,
+                       use_tqdm=False)
     out["prefix"] = [list(r.outputs[0].token_ids) for r in res]
     count_nonfinite(res)
 
@@ -87,6 +92,7 @@ def main() -> None:
         out["churn_lengths"] = [len(r.outputs[0].token_ids) for r in res]
         count_nonfinite(res)
     out["nonfinite_logprobs"] = nonfinite
+    out["checked_logprobs"] = checked
     out["wall_s"] = time.perf_counter() - t0
     del llm
     time.sleep(1)

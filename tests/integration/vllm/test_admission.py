@@ -131,7 +131,7 @@ def test_pool_usage_accounts_for_every_block() -> None:
 
 def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
     """Before any compression the estimate assumes the top band's first format; afterwards, the
-    ratio the resident requests' committed blocks actually reached."""
+    ratio the resident requests' committed blocks actually reached, capped by the live policy."""
     policy = load_policy(ROOT / "configs" / "aggressive.yaml")
     m, _ = _pressured(policy)
     assert m.achieved_pack_ratio() is None
@@ -139,17 +139,32 @@ def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
     assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // 8)  # cluster(2)+int4 first
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
-    ratios = [Format.parse(a.fmt).pack_ratio for a in plan.actions]
-    achieved = len(ratios) / sum(1 / r for r in ratios)
-    assert m.achieved_pack_ratio() == pytest.approx(achieved)
-    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // achieved)
+    st = m.px_reqs["a"]
+    assert len(st.compressed) >= 4
+    # Pretend the engine reached one 16x block for every 8x one (about 10.7x).
+    for i, (idx, (_, dst, slot)) in enumerate(sorted(st.compressed.items())):
+        st.compressed[idx] = (Format.parse("cluster(4)+int4" if i % 2 else "cluster(2)+int4"), dst, slot)
+    n = len(st.compressed)
+    ratio = m.achieved_pack_ratio()
+    assert ratio == pytest.approx(n / (-(-n // 2) / 8 + (n // 2) / 16)) and ratio > 8
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // ratio) < hot + -(-(20 - hot) // 8)
+    # A policy switched live to int8 only cannot reach that ratio: the estimate follows the policy.
+    m.px_set_policy(load_policy(ROOT / "configs" / "conservative.yaml").model_copy(update={"bands": [
+        b.model_copy(update={"ladder": [Format.parse("int8")]}) for b in policy.bands]}))
+    prot = m.px_policy.protect
+    hot = -(-prot.sink_tokens // B) + -(-prot.recent_tokens // B) + 1
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // 2)
 
 
 def test_a_request_sampling_its_last_token_is_not_compressed() -> None:
     """vLLM frees a request that finishes in a step before it applies that step's connector
-    report: compressing its blocks would be wasted work (and its destinations a scrub)."""
+    report: compressing its blocks would be wasted work (and its destinations a scrub). Only
+    the regular plan skips it: an emergency (its own allocation failing) still may compress it."""
     balanced = load_policy(ROOT / "configs" / "balanced.yaml")
-    m, _ = _pressured(balanced, max_tokens=1)
-    assert not m.build_plan(["a"]).actions
-    m, _ = _pressured(balanced, max_tokens=2)
-    assert m.build_plan(["a"]).actions
+    for max_tokens, last in ((2, True), (3, False)):
+        m, req = _pressured(balanced, max_tokens=max_tokens)
+        req.append_output_token_ids(7)  # decoding its second token: the last one if max_tokens == 2
+        assert req.num_computed_tokens == req.num_tokens - 1
+        assert bool(m.build_plan(["a"]).actions) != last
+        if last:
+            assert m._plan(pending_blocks=4) > 0  # the emergency path

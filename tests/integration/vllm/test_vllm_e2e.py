@@ -95,7 +95,7 @@ def test_every_logprob_is_finite(runs: dict[str, dict]) -> None:
     blocks are released and reused hundreds of times in the mixed run (a reused destination once
     kept packed bytes that read as NaN)."""
     for name, r in runs.items():
-        assert r["nonfinite_logprobs"] == 0, name
+        assert r["nonfinite_logprobs"] == 0 and r["checked_logprobs"] > 8 * 150, name
 
 
 def test_preemption_and_resume_under_pressure(runs: dict[str, dict]) -> None:

@@ -104,11 +104,17 @@ def test_released_destinations_are_zeroed_before_the_step() -> None:
     st, caches = _store()
     st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
     assert any(kv[10].isnan().any() for kv in caches.values())  # what makes the scrub necessary
-    others = {k: torch.cat([v[:10], v[11:]]).clone() for k, v in caches.items()}
-    # Released in the same plan that compresses into another block: scrub first, then compress.
-    st.apply(ProximaPlan(dropped=["r"], scrub=[10],
-                         actions=[CompressAction(1, "q", 0, src=2, dst=11, slot=0, fmt="int8")]))
-    for k, kv in caches.items():
-        assert torch.equal(kv[10], torch.zeros_like(kv[10]))
-        assert torch.equal(torch.cat([kv[:10], kv[12:]]), torch.cat([others[k][:10], others[k][11:]]))
-    assert st.remap["q"][0][1] == 11
+    st.apply(ProximaPlan(actions=[CompressAction(1, "s", 0, src=3, dst=11, slot=0, fmt="int4")]))
+    others = {k: torch.cat([v[:10], v[12:]]).clone() for k, v in caches.items()}
+    # Block 11 released (its bytes go), block 10 released and reused by the same plan for a
+    # new slot: the scrub must run first, or it would wipe the new slot.
+    st.apply(ProximaPlan(dropped=["r", "s"], scrub=[10, 11],
+                         actions=[CompressAction(2, "q", 0, src=2, dst=10, slot=0, fmt="int8")]))
+    assert st.layout is not None
+    for layer, kv in caches.items():
+        assert torch.equal(kv[11], torch.zeros_like(kv[11]))
+        assert torch.equal(torch.cat([kv[:10], kv[12:]]), others[layer])  # nothing else touched
+        kh, _ = st.read(layer, Format.parse("int8"), torch.tensor([10]), torch.tensor([0]))
+        k = st.layout.read_blocks(kv, torch.tensor([2]))[0][0].float()
+        assert (kh[0].float() - k).norm() / k.norm() < TOL["int8"]
+    assert st.remap["q"][0] == (Format.parse("int8"), 10, 0)

@@ -264,10 +264,15 @@ class ProximaKVCacheManager(KVCacheManager):
             self.px_pending.pop(aid.action_id, None)
         self.px_dropped.append(req_id)
         blocks = [d.block for d in st.dests.values()]
-        self.px_scrub.extend(b.block_id for b in blocks)
-        if free_now and blocks:
-            self.block_pool.free_blocks(blocks)
+        self._give_back(blocks, free_now=free_now)
         return blocks
+
+    def _give_back(self, dests: list[KVCacheBlock], *, free_now: bool = True) -> None:
+        """The one way destination blocks return to vLLM: listed for the worker to zero first
+        (`ProximaPlan.scrub`), then freed (now, or by vLLM's deferred-free path)."""
+        self.px_scrub.extend(b.block_id for b in dests)
+        if free_now and dests:
+            self.block_pool.free_blocks(dests)
 
     def _reserve_slot(self, st: _ReqState, fmt: Format) -> tuple[_Dest, int] | None:
         dest = st.open.get(fmt)
@@ -290,8 +295,7 @@ class ProximaKVCacheManager(KVCacheManager):
             del st.dests[dst]
             if st.open.get(dest.fmt) is dest:
                 del st.open[dest.fmt]
-            self.px_scrub.append(dst)
-            self.block_pool.free_blocks([dest.block])
+            self._give_back([dest.block])
 
     def snapshot(self, pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset()
                  ) -> tuple[Snapshot, list[_ReqState]]:
@@ -303,12 +307,10 @@ class ProximaKVCacheManager(KVCacheManager):
         req_to_blocks = self._stm.req_to_blocks
         for rid, st in self.px_reqs.items():
             blocks = req_to_blocks.get(rid)
-            if not blocks:
+            if not blocks or rid in finishing:
                 continue
             r = st.request
             computed = r.num_computed_tokens
-            if rid in finishing:
-                continue
             n = len(blocks)
             tokens = [max(0, min(b, computed - i * b)) for i in range(n)]
             formats = [st.compressed[i][0] if i in st.compressed else HOT for i in range(n)]

@@ -185,10 +185,10 @@ class WorkerStore:
     def apply(self, plan: ProximaPlan) -> None:
         """Zero released destinations, drop freed requests, then run this step's compressions
         (before the forward pass, so before this step writes into a reused block)."""
-        if plan.scrub:
-            ids = torch.tensor(plan.scrub, dtype=torch.long)
+        if plan.scrub and self.kv_caches:
+            ids = torch.tensor(plan.scrub, dtype=torch.long, device=next(iter(self.kv_caches.values())).device)
             for kv in self.kv_caches.values():
-                kv.index_fill_(0, ids.to(kv.device), 0)
+                kv.index_fill_(0, ids, 0)
         for rid in plan.dropped:
             self.remap.pop(rid, None)
             self.sources.pop(rid, None)

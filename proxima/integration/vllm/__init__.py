@@ -6,18 +6,29 @@ connector configuration for users who build `vllm.LLM` themselves without the pl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final, Literal
 
 CONNECTOR_NAME = "ProximaConnector"
 CONNECTOR_MODULE = "proxima.integration.vllm.connector"
+CONNECTOR_ROLE: Final[Literal["kv_producer"]] = "kv_producer"
+"""See `kv_transfer_config`: Proxima's connector consumes no KV."""
 SUPPORTED_VLLM = ("0.32.",)
 """vLLM versions whose internals this package was written against (prefix match)."""
 
 
 def kv_transfer_config() -> Any:
-    """The `KVTransferConfig` that routes vLLM's per-step connector calls to Proxima."""
+    """The `KVTransferConfig` that routes vLLM's per-step connector calls to Proxima.
+
+    The role is `kv_producer`, not `kv_both`: Proxima loads no external KV, and vLLM treats a
+    *consumer* connector under overlapping batches (async scheduling, vLLM's GPU default) as
+    one whose loads race the in-flight step's writes, so it defers returning a finished
+    request's blocks to the pool (`Scheduler.defer_block_free`). Those blocks would then be
+    neither owned nor free for a step or two, breaking the accounting invariant the manager
+    relies on (free + owned == total) for no benefit: Proxima's worker writes (scrub, compress)
+    run on the step's stream before its forward, ordered after the previous step's kernels.
+    """
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both"
+        kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE, kv_role=CONNECTOR_ROLE
     )

@@ -18,7 +18,6 @@ token importance (sparse and cluster use it) and, per block, the scheduler's pol
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +30,10 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from proxima.integration.vllm.debug import reads_sources
+from proxima.integration.vllm.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.scratch import ScratchPlan, ScratchRow, fill_scratch, plan_scratch, store_reader
 from proxima.integration.vllm.worker import STORE
-
-DEBUG_ENV = "PROXIMA_DEBUG"
-"""`read-sources`: compressed rows read their freed source blocks through the scratch path
-(valid only while those blocks are not reused): isolates the row split and scratch plumbing
-from the formats' loss. Diagnostics only."""
 
 
 @dataclass
@@ -53,26 +49,12 @@ class _Subset:
 
 
 @dataclass
-class _Observation:
-    """Which queries to score against which keys in the observed layer (importance)."""
-
-    decode_rids: list[str]
-    decode_q: torch.Tensor  # long [Rd]: query token of each decode row
-    decode_table: torch.Tensor  # long [Rd, W]: physical blocks (compressed ones point at block 0)
-    decode_visible: torch.Tensor  # bool [Rd, W * B]: token exists and is hot
-    decode_lens: list[int]
-    prefill: list[tuple[str, torch.Tensor, torch.Tensor, int, list[int]]]
-    """Per prefill row: (request, its observation-window query tokens, its blocks, seq_len, its
-    compressed blocks: their table entries are freed sources, never read)."""
-
-
-@dataclass
 class ProximaCPUMetadata(CPUAttentionMetadata):
     px_rest: _Subset | None = None
     px_comp: _Subset | None = None
     px_plan: ScratchPlan | None = None
     px_scratch: torch.Tensor | None = None
-    px_obs: _Observation | None = None
+    px_obs: Observation | None = None
     px_builder: ProximaCPUAttentionMetadataBuilder | None = None
     """Set until the step's first layer resolves the split (then None)."""
     px_num_reqs: int = 0
@@ -123,11 +105,11 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         bt = m.block_table
         nblk = [-(-sl // b) for sl in seq_lens]
         remaps = [STORE.remap.get(rid) or {} if rid is not None else {} for rid in rids]
-        m.px_obs = _observation(rids, remaps, qsl, seq_lens, nblk, bt, b, STORE.observation_window)
+        m.px_obs = plan_observation(rids, remaps, qsl, seq_lens, bt, b, STORE.observation_window)
         comp_rows = [r for r in range(n) if remaps[r]]
         if not comp_rows:
             return
-        debug_hot = os.environ.get(DEBUG_ENV) == "read-sources"
+        debug_hot = reads_sources()
         rows = [ScratchRow(bt[r, : nblk[r]].tolist(), seq_lens[r], {} if debug_hot else remaps[r],
                            qsl[r + 1] - qsl[r]) for r in comp_rows]
         plan = plan_scratch(rows, b)
@@ -138,69 +120,6 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         rest_rows = [r for r in range(n) if r not in comp_set]
         if rest_rows:
             m.px_rest = self._subset_meta(rest_rows, qsl, m.seq_lens[rest_rows], bt[rest_rows], causal)
-
-
-def _observation(rids: list[str | None], remaps: list[dict], qsl: list[int], seq_lens: list[int],  # type: ignore[type-arg]
-                 nblk: list[int], bt: torch.Tensor, b: int, window: int) -> _Observation | None:
-    dec = [r for r, rid in enumerate(rids) if rid is not None and qsl[r + 1] - qsl[r] == 1]
-    pre = [r for r, rid in enumerate(rids) if rid is not None and qsl[r + 1] - qsl[r] > 1]
-    if not dec and not pre:
-        return None
-    width = max((nblk[r] for r in dec), default=1)
-    table = torch.zeros(len(dec), width, dtype=torch.long)
-    visible = torch.zeros(len(dec), width * b, dtype=torch.bool)
-    for i, r in enumerate(dec):
-        table[i, : nblk[r]] = bt[r, : nblk[r]].long()
-        visible[i, : seq_lens[r]] = True
-        for j in remaps[r]:  # compressed: the table's entry is a freed source, never read
-            table[i, j] = 0
-            visible[i, j * b: (j + 1) * b] = False
-    prefill = []
-    for r in pre:
-        w = min(window, qsl[r + 1] - qsl[r])
-        blocks = bt[r, : nblk[r]].long().clone()
-        blocks[list(remaps[r])] = 0
-        prefill.append((rids[r], torch.arange(qsl[r + 1] - w, qsl[r + 1]), blocks, seq_lens[r], sorted(remaps[r])))
-    return _Observation([rids[r] for r in dec], torch.tensor([qsl[r] for r in dec], dtype=torch.long),  # type: ignore[misc]
-                        table, visible, [seq_lens[r] for r in dec], prefill)  # type: ignore[arg-type]
-
-
-def observe(layer_kv: torch.Tensor, query: torch.Tensor, obs: _Observation, scale: float, aggregate: str) -> None:
-    """Attention mass of the observed queries over each row's hot tokens, folded into `STORE`.
-
-    Computed in float32 with torch, beside vLLM's kernel (which returns no probabilities), in
-    one layer only: about 1/L of the attention's cost.
-    """
-    _nb, h, b, d2 = layer_kv.shape
-    d = d2 // 2
-    layout = STORE.page_layout(layer_kv)
-    g = query.shape[1] // h
-
-    def fold(p: torch.Tensor) -> torch.Tensor:  # [..., G, T] probabilities -> [..., T] per KV head
-        return p.amax(-2) if aggregate == "max" else p.mean(-2)
-
-    if obs.decode_rids:
-        rd, w = obs.decode_table.shape
-        k = layout.read_keys(layer_kv, obs.decode_table).permute(0, 2, 1, 3, 4).reshape(rd, h, w * b, d).float()
-        q = query[obs.decode_q].view(rd, h, g, d).float()
-        s = torch.einsum("rhgd,rhtd->rhgt", q, k) * scale
-        s = s.masked_fill(~obs.decode_visible[:, None, None, :], float("-inf"))
-        mass = fold(torch.softmax(s, -1))  # [Rd, H, T]
-        mass = mass.masked_fill(~obs.decode_visible[:, None, :], float("nan"))
-        for i, (rid, n) in enumerate(zip(obs.decode_rids, obs.decode_lens, strict=True)):
-            STORE.observe(rid, mass[i, :, :n].transpose(0, 1).contiguous(), reset=False)
-    for rid, qt, blocks, seq_len, compressed in obs.prefill:
-        k = layout.read_keys(layer_kv, blocks).permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len].float()  # [H, L, D]
-        q = query[qt].view(len(qt), h, g, d).permute(1, 2, 0, 3).float()  # [H, G, W, D]
-        s = torch.einsum("hgwd,hld->hgwl", q, k) * scale
-        qpos = torch.arange(seq_len - len(qt), seq_len).view(-1, 1)
-        hidden = torch.zeros(seq_len, dtype=torch.bool)  # compressed earlier chunks: not seen here
-        for j in compressed:
-            hidden[j * b: (j + 1) * b] = True
-        s = s.masked_fill((torch.arange(seq_len).view(1, -1) > qpos) | hidden, float("-inf"))
-        mass = fold(torch.softmax(s, -1).mean(2)).transpose(0, 1)  # [H, G, L] -> [H, L] -> [L, H]
-        mass[hidden] = float("nan")
-        STORE.observe(rid, mass.contiguous(), reset=True)
 
 
 class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
@@ -231,10 +150,7 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         if m.px_builder is not None:
             m.px_builder.resolve(m)
         if m.px_obs is not None and layer.layer_name == STORE.observe_layer:
-            try:
-                observe(kv_cache, query, m.px_obs, self.scale, STORE.aggregate)
-            except Exception as e:  # importance is advisory: never fail a request over it
-                STORE.report.errors.append(f"importance: {type(e).__name__}: {e}")
+            observe_safely(STORE, kv_cache, query, m.px_obs, self.scale)
         if m.px_comp is None or m.px_plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)

@@ -29,6 +29,15 @@ from pathlib import Path
 from typing import Any
 
 CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"
+ENGINE_ARGS_ENV = "PROXIMA_ENGINE_ARGS"
+"""JSON object of extra `vllm.LLM` arguments for the benchmark and test engines (e.g.
+`{"gpu_memory_utilization": 0.1, "enforce_eager": false}` to run several GPU engines side by side,
+or with CUDA graphs); they override the workload's own."""
+
+
+def engine_args(**defaults: Any) -> dict[str, Any]:
+    """`defaults` updated with `PROXIMA_ENGINE_ARGS`."""
+    return {**defaults, **json.loads(os.environ.get(ENGINE_ARGS_ENV) or "{}")}
 TEXT = "gensim/test/test_data/lee_background.cor"
 
 
@@ -81,11 +90,11 @@ def _child(wl: Workload, config: str) -> dict:
         blocks = 2 * (blocks - 1) + 1
     elif config == "vanilla_unlimited":
         blocks = (blocks - 1) // wl.pool_requests * wl.requests + 1
-    llm = LLM(
+    llm = LLM(**engine_args(
         model=wl.model, dtype="bfloat16", max_model_len=wl.prompt_tokens + wl.output_tokens + wl.block_size,
         enforce_eager=True, block_size=wl.block_size, num_gpu_blocks_override=blocks, seed=0,
         max_num_seqs=wl.requests, max_num_batched_tokens=max(wl.chunk_tokens, wl.requests), **kwargs,
-    )
+    ))
     sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
                         prompt_logprobs=0 if wl.score_prompts else None)
     t0 = time.perf_counter()

@@ -12,8 +12,11 @@ Why TRITON_ATTN and not FLASH_ATTN:
   all. So compressed rows do not use vLLM's kernel for their hot part either: they run
   Proxima's own split-K Triton kernels (`proxima.compression.paged`) over one hot segment read in
   place from vLLM's cache plus one segment per compressed format read from its slot pool, each
-  yielding partial (output, log-sum-exp), merged in one launch. The same log-sum-exps give the
-  attention mass of every block for free (`BLOCK_MASS`).
+  yielding partial (output, log-sum-exp), merged in one launch.
+
+Importance: in the observed layer every scheduled row's observation-window queries are scored
+against its hot keys (`importance.py`, the same code as the CPU backend), so the scheduler gets
+per-block attention mass on CUDA as it does on CPU.
 
 Per step the metadata builder finds the rows of requests with compressed blocks (their key
 block, as the CPU backend does) and plans their tables. `forward` first runs the parent on the
@@ -48,49 +51,12 @@ from proxima.compression.blocks import Backend, CompressedBlocks
 from proxima.compression.layout import KVLayout, hot_store
 from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
 from proxima.formats import Format
+from proxima.integration.vllm.debug import reads_sources
+from proxima.integration.vllm.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.worker import STORE, WorkerStore
 
 BACKEND_PATH = "proxima.integration.vllm.cuda_backend.ProximaTritonAttentionBackend"
 
-
-@dataclass
-class BlockMassLog:
-    """Attention mass of the compressed requests' blocks, as the kernels measured it this step.
-
-    Off by default (a few small launches per layer). When on, `forward` adds each layer's
-    [R, NB, Hq] mass (per query head, mean over the request's query tokens) on the device; the
-    worker calls `take()` after the forward pass (one device-to-host copy).
-    """
-
-    enabled: bool = False
-    layer: str | None = None
-    """Observe one layer only (None: every layer, averaged)."""
-    request_ids: list[str] = field(default_factory=list)
-    mass: torch.Tensor | None = None
-    layers: int = 0
-
-    def start(self, request_ids: list[str]) -> None:
-        self.request_ids, self.mass, self.layers = list(request_ids), None, 0
-
-    def add(self, layer: str, mass: torch.Tensor) -> None:
-        if self.layer is not None and layer != self.layer:
-            return
-        if self.mass is not None and self.mass.shape != mass.shape:
-            return  # another KV-cache group (other head count): not comparable, keep the first
-        self.mass = mass if self.mass is None else self.mass + mass
-        self.layers += 1
-
-    def take(self) -> dict[str, torch.Tensor]:
-        """Request -> float32 [NB, Hq] on the CPU (mean over observed layers); empties the log."""
-        if self.mass is None or not self.layers:
-            return {}
-        mass = (self.mass / self.layers).cpu()
-        out = {rid: mass[i] for i, rid in enumerate(self.request_ids)}
-        self.start([])
-        return out
-
-
-BLOCK_MASS = BlockMassLog()
 
 
 def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.device) -> CompressedBlocks:
@@ -117,30 +83,20 @@ class ProximaTritonMetadata(TritonAttentionMetadata):
     """long [Sq] (device): the batch's query tokens that belong to compressed requests, plan order."""
     px_plan: PagedPlan | None = None
     px_request_ids: list[str] = field(default_factory=list)
+    px_obs: Observation | None = None
+    """This step's importance observation (rows of every request, compressed or not)."""
     px_builder: ProximaTritonMetadataBuilder | None = None
     """Set until the step's first layer resolves the split (then None)."""
     px_common: Any = None
     """vLLM's CommonAttentionMetadata of the step, kept for `resolve`."""
 
 
-def compressed_rows(
-    store: WorkerStore, first_slots: list[int], block_size: int
-) -> tuple[list[int], list[str], list[dict[int, tuple[Format, int, int]]]]:
-    """Batch rows whose request has compressed blocks: (rows, request ids, their remaps).
+def request_of_rows(store: WorkerStore, first_slots: list[int], block_size: int) -> list[str | None]:
+    """Each batch row's request (None: not planned by Proxima this step, e.g. a padding row).
 
     A row's request is found through the physical block receiving its first query token (the
     scheduler's key block: exclusively owned, so unambiguous without request ids)."""
-    rows: list[int] = []
-    rids: list[str] = []
-    remaps = []
-    for r, slot in enumerate(first_slots):
-        rid = store.key_blocks.get(slot // block_size)
-        remap = store.remap.get(rid) if rid is not None else None
-        if rid is not None and remap:
-            rows.append(r)
-            rids.append(rid)
-            remaps.append(remap)
-    return rows, rids, remaps
+    return [store.key_blocks.get(slot // block_size) for slot in first_slots]
 
 
 class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
@@ -158,7 +114,8 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         return px
 
     def resolve(self, m: ProximaTritonMetadata) -> None:
-        """Find this step's compressed rows and plan their segments (once per step, first layer)."""
+        """Find this step's rows (importance observation, compressed rows) and plan the compressed
+        rows' segments (once per step, first layer)."""
         cm = m.px_common
         m.px_builder = m.px_common = None
         if not STORE.key_blocks or cm is None:
@@ -167,18 +124,24 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         qsl = cm.query_start_loc_cpu[: n + 1].tolist()
         # one device-to-host copy: the slot of every row's first query token
         first_slots = cm.slot_mapping[torch.tensor(qsl[:n], device=cm.slot_mapping.device)].tolist()
-        rows, rids, remaps = compressed_rows(STORE, first_slots, self.block_size)
+        rids = request_of_rows(STORE, first_slots, self.block_size)
+        remaps = [STORE.remap.get(rid) or {} if rid is not None else {} for rid in rids]
+        seq_lens_all = cm.seq_lens[:n].tolist()
+        if STORE.observe_layer is not None:
+            m.px_obs = plan_observation(rids, remaps, qsl, seq_lens_all, cm.block_table_tensor[:n], self.block_size,
+                                        STORE.observation_window)
+        rows = [r for r in range(n) if remaps[r]]
         if not rows:
             return
         idx = torch.tensor(rows, device=cm.seq_lens.device)
-        seq_lens = cm.seq_lens.index_select(0, idx).tolist()
         tables = cm.block_table_tensor.index_select(0, idx).tolist()
-        paged = [PagedRow(tables[i], seq_lens[i], qsl[r + 1] - qsl[r], remaps[i]) for i, r in enumerate(rows)]
+        # (read-sources diagnostics: the same rows, every block read from vLLM's cache)
+        debug = reads_sources()
+        paged = [PagedRow(tables[i], seq_lens_all[r], qsl[r + 1] - qsl[r], {} if debug else remaps[r])
+                 for i, r in enumerate(rows)]
         m.px_plan = plan_rows(paged, self.block_size).to(self.device)
         m.px_tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows]).to(self.device)
-        m.px_request_ids = rids
-        if BLOCK_MASS.enabled:
-            BLOCK_MASS.start(rids)
+        m.px_request_ids = [rids[r] for r in rows]  # type: ignore[misc]
 
 
 class ProximaTritonAttentionImpl(TritonAttentionImpl):
@@ -207,6 +170,9 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl):
         m = attn_metadata
         if isinstance(m, ProximaTritonMetadata) and m.px_builder is not None:
             m.px_builder.resolve(m)
+        if isinstance(m, ProximaTritonMetadata) and m.px_obs is not None and layer.layer_name == STORE.observe_layer:
+            observe_safely(STORE, kv_cache, query.view(query.shape[0], self.num_heads, self.head_size), m.px_obs,
+                           self.scale)
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                               output_scale, output_block_scale)
         if not isinstance(m, ProximaTritonMetadata) or m.px_plan is None or m.px_tokens is None:
@@ -223,9 +189,13 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl):
         }
         res = paged_attention(q, m.px_plan, hot, pools, sm_scale=self.scale, backend=self.kernel_backend)
         flat = output.view(output.shape[0], -1)
-        flat.index_copy_(0, m.px_tokens, res.out.reshape(res.out.shape[0], -1).to(output.dtype))
-        if BLOCK_MASS.enabled:
-            BLOCK_MASS.add(layer.layer_name, res.block_mass)
+        mine = res.out.reshape(res.out.shape[0], -1).to(output.dtype)
+        if reads_sources():
+            theirs = flat.index_select(0, m.px_tokens).float()  # vLLM's kernel, same full batch
+            err = float((mine.float() - theirs).norm() / theirs.norm().clamp_min(1e-30))
+            STORE.split_errors.add(layer.layer_name, err, len(m.px_request_ids))
+            STORE.split_errors.dump()
+        flat.index_copy_(0, m.px_tokens, mine)
         return output
 
 

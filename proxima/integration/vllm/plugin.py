@@ -48,6 +48,6 @@ def register() -> None:
         register_cuda_backend()
     from proxima.integration.vllm import _patches
 
-    _patches.install()
+    _patches.install(policy)
     _registered = True
     logger.warning("proxima %s active in pid %d: policy %r (%s)", __version__, os.getpid(), policy.name, path)

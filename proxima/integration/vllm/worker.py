@@ -25,6 +25,7 @@ from proxima.compression.blocks import CompressedBlocks, compress_blocks, decomp
 from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
 from proxima.formats import Format
 from proxima.integration.vllm.cpu_layout import PageLayout, canonical_layout, probe_layout
+from proxima.integration.vllm.debug import SplitErrors
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.policy.schema import Policy
 
@@ -107,6 +108,8 @@ class WorkerStore:
         only readers of compressed blocks. vLLM's own backends would read the freed sources."""
         self.require_reader = False
         """Set by the KV connector (a real vLLM worker): refuse to compress without a reader."""
+        self.split_errors = SplitErrors()
+        """read-sources diagnostics (`debug.py`), CUDA backend."""
         self.observe_layer: str | None = None
         """The layer whose attention is observed (the middle one: early layers attend broadly, late
         ones sharply; one layer keeps the cost at ~1/L of attention)."""

@@ -26,27 +26,30 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from proxima.integration.vllm.capacity import engine_args
+
     model, churn = sys.argv[1], int(sys.argv[2])  # churn 0: skip scenario 4
     b = 32
     # Chunked prefill with 64-token chunks: prompts of 120-170 tokens take 2-3 steps, so policies
     # with `protect.prefilling: false` compress a prompt's first chunks while the rest is prefilled.
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True, block_size=b,
-              num_gpu_blocks_override=24, seed=0, max_num_seqs=32, enable_prefix_caching=True,
-              max_num_batched_tokens=64)
+    llm = LLM(**engine_args(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True, block_size=b,
+                            num_gpu_blocks_override=24, seed=0, max_num_seqs=32, enable_prefix_caching=True,
+                            max_num_batched_tokens=64))
     vocab = 49000
 
     def toks(seed: int, n: int) -> list[int]:
         return [100 + (seed * 7919 + i * 104729) % vocab for i in range(n)]
 
     out: dict[str, object] = {}
-    nonfinite = checked = 0
+    nonfinite = checked = generated = 0
 
     def count_nonfinite(res: list[Any]) -> None:
         """Logprobs of prompt and sampled tokens that are not finite: a NaN anywhere in a block
         vLLM's CPU kernel reads (it reads whole blocks) poisons a row, and greedy decoding would
         still return the right number of (wrong) tokens."""
-        nonlocal nonfinite, checked
+        nonlocal nonfinite, checked, generated
         for r in res:
+            generated += len(r.outputs[0].token_ids)
             for lps in (r.prompt_logprobs or [], r.outputs[0].logprobs or []):
                 values = [lp.logprob for d in lps if d for lp in d.values()]
                 checked += len(values)
@@ -94,6 +97,10 @@ def main() -> None:
     out["nonfinite_logprobs"] = nonfinite
     out["checked_logprobs"] = checked
     out["wall_s"] = time.perf_counter() - t0
+    out["generated_tokens"] = generated  # (scenarios that check logprobs: pressure, prefix, churn)
+    out["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    out["enforce_eager"] = bool(llm.llm_engine.vllm_config.model_config.enforce_eager)
+    out["attention_backend"] = str(llm.llm_engine.vllm_config.attention_config.backend)
     del llm
     time.sleep(1)
     out["proxima"] = json.loads(Path(stats).read_text()) if stats and Path(stats).exists() else None

@@ -137,10 +137,11 @@ def fp8_kv_unsupported() -> str | None:
     return "not measurable here: vLLM's CPU fp8 KV cache needs AVX-512 or AMX, this CPU has neither"
 
 
-def run_config(wl: Workload, config: str, timeout_s: float = 1800.0) -> dict:
+def run_config(wl: Workload, config: str, timeout_s: float = 1800.0, env: dict[str, str] | None = None) -> dict:
+    """Run one configuration in a fresh process (environment: `env`, default this process's)."""
     if config == "vanilla_fp8" and (why := fp8_kv_unsupported()):
         return {"error": why}
-    env = dict(os.environ)
+    env = dict(os.environ if env is None else env)
     policy = "off" if config.startswith("vanilla") else config
     env["PROXIMA_POLICY"] = str(CONFIGS_DIR / f"{policy}.yaml") if not Path(config).exists() else config
     env["PROXIMA_STATS_FILE"] = str(Path(tempfile.mkdtemp()) / "stats.json")

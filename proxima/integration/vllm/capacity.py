@@ -248,4 +248,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "WORKLOAD_JSON"), required=True)
     a = ap.parse_args()
-    print(json.dumps(_child(Workload(**json.loads(a.child[1])), a.child[0])))
+    print(json.dumps(_child(Workload(**json.loads(a.child[1])), a.child[0])), flush=True)
+    # The result is out; leave without vLLM's interpreter-exit teardown. On the H200 (vLLM 0.32
+    # CUDA, 2026-12-01) a child printed its result 15 s in and then never exited (killed by the
+    # timeout at 80 s, every configuration alike, vanilla included): the "did not finish" of
+    # earlier GPU capacity runs. Engine processes are its children and exit with it.
+    os._exit(0)

@@ -102,6 +102,7 @@ def _child(wl: Workload, config: str) -> dict:
     wall = time.perf_counter() - t0
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     scored = [prompt_scores(o.prompt_token_ids, o.prompt_logprobs) for o in outs] if wl.score_prompts else []
+    llm.llm_engine.engine_core.shutdown()  # stop the engine processes before this one leaves
     stats_path = os.environ.get("PROXIMA_STATS_FILE")
     stats = json.loads(Path(stats_path).read_text()) if stats_path and Path(stats_path).exists() else {}
     return {"config": config, "wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall,
@@ -252,5 +253,5 @@ if __name__ == "__main__":
     # The result is out; leave without vLLM's interpreter-exit teardown. On the H200 (vLLM 0.32
     # CUDA, 2026-12-01) a child printed its result 15 s in and then never exited (killed by the
     # timeout at 80 s, every configuration alike, vanilla included): the "did not finish" of
-    # earlier GPU capacity runs. Engine processes are its children and exit with it.
+    # earlier GPU capacity runs.
     os._exit(0)

@@ -79,15 +79,16 @@ class SimulatedBackend:
         with self._lock:
             sim, pool = self.sim, self.sim.pool
             decision = sim.last_decision
-            physical = 1.0 - pool.free_blocks / self.pool_cfg.total_blocks
+            free = pool.num_free()
+            physical = 1.0 - free / self.pool_cfg.total_blocks
             return BackendStats(
                 pressure=decision.pressure if decision is not None else physical,
                 total_blocks=self.pool_cfg.total_blocks,
-                free_blocks=pool.free_blocks,
-                owned_blocks=pool.owned_blocks,
+                free_blocks=free,
+                owned_blocks=self.pool_cfg.total_blocks - free,  # free + owned == total (sim.check)
                 blocks_by_format=sim.blocks_by_format(),
                 block_bytes=self.block_bytes,
-                fragmentation_blocks=pool.fragmentation_blocks(),
+                fragmentation_blocks=sim.packer.fragmentation_blocks(),
                 step=sim.step_no,
                 applied_policy_version=self._version or None,
             )

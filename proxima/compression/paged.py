@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proxima.compression.attention import KVSegment, decode_attention
+from proxima.compression.attention import decode_attention
 from proxima.compression.blocks import Backend, CompressedBlocks, kept_count
+from proxima.compression.segment import KVSegment
 from proxima.formats import Format
 
 Placement = tuple[Format, int, int]

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from proxima.compression.attention import KVSegment
+from proxima.compression.segment import KVSegment
 from proxima.compression.spec import QUANT_CODE, VALUES_PER_BYTE
 from proxima.compression.triton_ops import INTERPRET, _load_dequant, _p2, _round_to_bf16
 

@@ -352,6 +352,13 @@ class Policy(_Model):
                 return ov.substitute[fmt.name]
         return fmt
 
+    def recompressible(self, fmt: Format) -> bool:
+        """A block stored as `fmt` can be recompressed (e.g. int8 -> int4) only if no layer
+        dropped or merged its tokens (a sparse or cluster format, here or in a layer override)."""
+        if fmt.reduction is not None:
+            return False
+        return all(ov.substitute.get(fmt.name, fmt).reduction is None for ov in self.layer_overrides)
+
     def all_formats(self) -> list[Format]:
         seen: dict[Format, None] = {}
         for b in self.bands:

@@ -7,8 +7,11 @@ that does not exist, the most recently admitted request is preempted (its blocks
 back to the head of the queue and re-prefills later), as vLLM's recompute preemption does.
 
 With a policy, the real decision engine runs every step on a snapshot of the pool (waiting
-demand counts as pending blocks), and its actions are applied through the real `PackedPool`, so
-packing, in-place compression and accounting are exactly what the vLLM integration uses.
+demand counts as pending blocks), and its actions are placed by the placement model the vLLM KV
+manager uses (`proxima.placement`): per-request destinations, no in-place compression (a
+compression needs a destination block; its source is freed once the copy is written, here at
+once, in vLLM one step later), and admission keeps `DEST_RESERVE_BLOCKS` free while anything is
+resident. The placement invariants are asserted after every step.
 
 Block importance is synthetic and seeded: heavy-tailed (a few blocks take most attention) with
 the sink block always important, and identical between the vanilla and the policy run.
@@ -23,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxima.formats import HOT, Format
+from proxima.placement import DEST_RESERVE_BLOCKS, BlockId, CounterPool, SlotIndex, SlotPacker, check_pool
 from proxima.policy.engine import Decision, EngineState, decide
-from proxima.policy.packing import PackedPool, PoolExhausted
 from proxima.policy.schema import Policy
 from proxima.policy.snapshot import Snapshot
 from proxima.simulator.workload import RequestSpec
@@ -50,6 +53,10 @@ class _Req:
     fmt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
     n_blocks: int = 0
     preemptions: int = 0
+    hot: list[BlockId | None] = field(default_factory=list)
+    """Physical block of each logical block; None once compressed (vLLM's null block)."""
+    slots: dict[int, tuple[BlockId, SlotIndex]] = field(default_factory=dict)
+    """Logical block -> its compressed slot (destination block, slot)."""
 
     @property
     def tokens(self) -> int:
@@ -89,6 +96,10 @@ class SimulationError(RuntimeError):
     pass
 
 
+class PoolExhausted(RuntimeError):
+    """No free physical block for a request's next block: the scheduler must preempt."""
+
+
 class Simulator:
     def __init__(self, pool: PoolConfig, policy: Policy | None, seed: int = 0, label: str = "") -> None:
         self.cfg = pool
@@ -124,7 +135,8 @@ class Simulator:
                     f"request {spec.request_id} needs {need} blocks at full length, pool has {cfg.total_blocks}"
                 )
         self.result = RunResult(self.label)
-        self.pool = PackedPool(cfg.total_blocks)
+        self.pool = CounterPool(cfg.total_blocks)
+        self.packer = SlotPacker(self.pool)
         self._arrivals = deque(sorted(workload, key=lambda r: (r.arrival, r.request_id)))
         # Requests not yet finished; finished ones are dropped, so an endless run stays bounded.
         self._reqs = {spec.request_id: _Req(spec, i) for i, spec in enumerate(workload)}
@@ -188,7 +200,7 @@ class Simulator:
                     continue
             r.generated += 1
             if r.generated >= r.spec.output_tokens:
-                pool.free_request(r.spec.request_id)
+                self._free_request(r)
                 running.remove(r)
                 del self._reqs[r.spec.request_id]
                 res.finished += 1
@@ -197,7 +209,10 @@ class Simulator:
         while waiting and len(running) < cfg.max_running:
             head = waiting[0]
             need = self._blocks_for(head.tokens)
-            if need > pool.free_blocks:
+            # With a policy, admission keeps a destination reserve (as the vLLM manager does):
+            # a pool filled to its last block could never compress its way out.
+            reserve = DEST_RESERVE_BLOCKS if self.policy is not None and running else 0
+            if need > pool.num_free() - reserve:
                 break
             waiting.popleft()
             head.admitted_at = step
@@ -206,6 +221,7 @@ class Simulator:
             head.importance = self._importance(head, cap)
             head.fmt_ids = np.zeros(cap, dtype=np.int16)
             head.n_blocks = 0
+            head.hot, head.slots = [], {}
             for _ in range(need):
                 self._append_block(pool, head)
             running.append(head)
@@ -213,9 +229,10 @@ class Simulator:
         resident = len(running)
         self._resident_sum += resident
         res.peak_resident_requests = max(res.peak_resident_requests, resident)
-        res.peak_fragmentation_blocks = max(res.peak_fragmentation_blocks, pool.fragmentation_blocks())
+        res.peak_fragmentation_blocks = max(res.peak_fragmentation_blocks, self.packer.fragmentation_blocks())
+        self.check()
         if self._record:
-            res.timeline_pressure.append(1.0 - pool.free_blocks / cfg.total_blocks)
+            res.timeline_pressure.append(1.0 - pool.num_free() / cfg.total_blocks)
             res.timeline_resident.append(resident)
         self.step_no += 1
         res.steps = self.step_no
@@ -223,10 +240,16 @@ class Simulator:
         res.decisions_by_format = dict(self._decisions)
 
     def finish(self) -> RunResult:
-        self.pool.check()
-        if self.pool.free_blocks != self.cfg.total_blocks:
-            raise SimulationError(f"{self.label}: {self.cfg.total_blocks - self.pool.free_blocks} blocks leaked")
+        self.check()
+        if self.pool.num_free() != self.cfg.total_blocks:
+            raise SimulationError(f"{self.label}: {self.cfg.total_blocks - self.pool.num_free()} blocks leaked")
         return self.result
+
+    def check(self) -> None:
+        """The placement invariants (`proxima.placement.model`), over the simulated requests."""
+        self.packer.check({r.spec.request_id: r.slots.values() for r in self.running})
+        hot = [b for r in self.running for b in r.hot if b is not None]
+        check_pool(self.cfg.total_blocks, self.pool.free_ids(), self.pool.num_free(), hot, self.packer)
 
     def blocks_by_format(self) -> dict[str, int]:
         """Logical blocks currently resident, by format name."""
@@ -236,22 +259,30 @@ class Simulator:
                 counts[self.formats[int(fid)].name] += 1
         return dict(counts)
 
-    def _append_block(self, pool: PackedPool, r: _Req) -> None:
-        pool.append_hot(r.spec.request_id)
+    def _append_block(self, pool: CounterPool, r: _Req) -> None:
+        if pool.num_free() == 0:
+            raise PoolExhausted("no free physical KV block")
+        r.hot.append(pool.take())
         r.fmt_ids[r.n_blocks] = 0
         r.n_blocks += 1
 
+    def _free_request(self, r: _Req) -> None:
+        """A finished or preempted request: its hot blocks and its destinations go back."""
+        self.pool.free([b for b in r.hot if b is not None])
+        self.packer.release_request(r.spec.request_id)
+        r.hot, r.slots = [], {}
+
     def _preempt(
-        self, pool: PackedPool, victim: _Req, running: list[_Req], waiting: deque[_Req], res: RunResult
+        self, pool: CounterPool, victim: _Req, running: list[_Req], waiting: deque[_Req], res: RunResult
     ) -> None:
-        pool.free_request(victim.spec.request_id)
+        self._free_request(victim)
         running.remove(victim)
         victim.n_blocks = 0
         victim.preemptions += 1
         res.preemptions += 1
         waiting.appendleft(victim)
 
-    def _snapshot(self, pool: PackedPool, running: list[_Req], step: int, pending: int) -> Snapshot:
+    def _snapshot(self, pool: CounterPool, running: list[_Req], step: int, pending: int) -> Snapshot:
         cfg = self.cfg
         rs = [r for r in running if r.n_blocks > 0]
         counts = np.array([r.n_blocks for r in rs], dtype=np.int32)
@@ -265,7 +296,7 @@ class Simulator:
             tokens[ends[j]] = min(tail, cfg.block_size)
         return Snapshot(
             total_blocks=cfg.total_blocks,
-            free_blocks=pool.free_blocks,
+            free_blocks=pool.num_free(),
             block_size=cfg.block_size,
             request_ids=tuple(r.spec.request_id for r in rs),
             formats=tuple(self.formats),
@@ -298,12 +329,24 @@ class Simulator:
         by_id = {r.spec.request_id: r for r in self.running}
         for action, dmg in zip(decision.actions, decision.damage, strict=True):
             r = by_id[action.request_id]
-            try:
-                self.pool.compress(action.request_id, action.block_index, action.to_format)
-            except PoolExhausted:
+            i, fmt = action.block_index, action.to_format
+            prev = self.formats[int(r.fmt_ids[i])]
+            if not prev.is_hot and (prev.pack_ratio >= fmt.pack_ratio or not self.policy.recompressible(prev)):
+                continue  # the vLLM manager skips these too
+            got = self.packer.reserve(action.request_id, fmt)
+            if got is None:
                 self.result.compressions_skipped += 1
                 continue
-            r.fmt_ids[action.block_index] = self.fmt_index[action.to_format]
+            # The copy is written: the source goes back (vLLM frees it when the worker reports).
+            if prev.is_hot:
+                src = r.hot[i]
+                assert src is not None, f"{action.request_id} block {i} is hot without a physical block"
+                r.hot[i] = None
+                self.pool.free([src])
+            else:
+                self.packer.release(action.request_id, *r.slots[i])
+            r.slots[i] = got
+            r.fmt_ids[i] = self.fmt_index[fmt]
             self._decisions[action.to_format.name] += 1
             self.result.predicted_damage += float(dmg)
         return decision.state

@@ -74,3 +74,33 @@ def test_json_report_shape() -> None:
     data = json.loads(json.dumps(cmp.to_json()))
     for side in ("baseline", "policy"):
         assert {"peak_resident_requests", "mean_resident_requests", "steps"} <= set(data[side])
+
+
+def test_placement_invariants_are_checked_every_step() -> None:
+    """The simulator places compressed blocks with the vLLM manager's model and asserts its
+    invariants after each step: a slot the simulator lost track of is caught at once."""
+    wl = synthetic(WL, seed=6)
+    sim = Simulator(SMALL, load_policy(CONFIGS / "balanced.yaml"), seed=6)
+    sim.start(wl)
+    while not any(r.slots for r in sim.running):
+        sim.step()
+    victim = next(r for r in sim.running if r.slots)
+    # No in-place compression: every compressed block went to a destination, never to its source.
+    assert all(b not in victim.hot for b, _ in victim.slots.values())
+    victim.slots.popitem()
+    with pytest.raises(AssertionError, match=f"request {victim.spec.request_id}: (live slots|destination)"):
+        sim.step()
+
+
+def test_admission_keeps_the_destination_reserve() -> None:
+    """With a policy, a request is admitted only if `DEST_RESERVE_BLOCKS` stay free after it
+    (the vLLM manager's rule); vanilla admits down to the last block."""
+    from proxima.placement import DEST_RESERVE_BLOCKS
+
+    pool = PoolConfig(total_blocks=10, block_size=16)
+    two = [RequestSpec("a", 0, 16 * 4, 1), RequestSpec("b", 0, 16 * (6 - DEST_RESERVE_BLOCKS + 1), 1)]
+    for policy, admitted in ((None, 2), (load_policy(CONFIGS / "balanced.yaml"), 1)):
+        sim = Simulator(pool, policy)
+        sim.start(two)
+        sim.step()
+        assert len(sim.running) == admitted

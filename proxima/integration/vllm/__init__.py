@@ -1,7 +1,9 @@
 """Proxima inside vLLM: plugin, KV manager subclass, connector channel, worker executor, attention.
 
-Everything vLLM-specific lives in this package (DESIGN.md). `kv_transfer_config()` returns the
-connector configuration for users who build `vllm.LLM` themselves without the plugin's default.
+Everything vLLM-specific lives in this package (DESIGN.md). This module holds the package's
+constants and imports none of its modules, so any of them may import it without a circle.
+`kv_transfer_config()` returns the connector configuration for users who build `vllm.LLM`
+themselves without the plugin's default.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ CONNECTOR_NAME = "ProximaConnector"
 CONNECTOR_MODULE = "proxima.integration.vllm.connector"
 CONNECTOR_ROLE: Final[Literal["kv_producer"]] = "kv_producer"
 """See `kv_transfer_config`: Proxima's connector consumes no KV."""
+POLICY_ENV = "PROXIMA_POLICY"
+"""The policy file Proxima runs with in every vLLM process; unset, the plugin does nothing."""
 SUPPORTED_VLLM = ("0.32.",)
 """vLLM versions whose internals this package was written against (prefix match)."""
 

@@ -46,7 +46,7 @@ request's blocks are freed."""
 class ProximaConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        from proxima.integration.vllm.plugin import POLICY_ENV
+        from proxima.integration.vllm import POLICY_ENV
         from proxima.policy.loader import load_policy
         from proxima.policy.schema import Policy
 
@@ -68,7 +68,7 @@ class ProximaConnector(KVConnectorBase_V1):
 
         self.manager = install(kv_cache_manager, self.policy)
         if self.manager is not None and os.environ.get(STATS_ENV):
-            self.manager.px_on_change = self.dump_stats
+            self.manager.px.on_change = self.dump_stats
         if self.manager is not None:
             from proxima.integration.vllm.live import LiveControl
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from proxima.api.backend import BackendStats, StepReport
 from proxima.api.controller import Controller
 from proxima.api.metrics import Metrics
-from proxima.formats import HOT
+from proxima.integration.vllm.pool_usage import total_blocks
 from proxima.policy.schema import Policy
 from proxima.policy.store import PolicyStore
 
@@ -82,34 +82,18 @@ class ManagerBackend:
     def measure(self, pending_blocks: int = 0, applied_policy_version: int | None = None) -> BackendStats:
         """A consistent view of the pool; engine thread only (it walks the manager's live state)."""
         m = self.manager
-        pool = m.block_pool
-        total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
-        free = pool.get_num_free_blocks()
-        by_format: Counter[str] = Counter()
-        for rid, blocks in m.coordinator.single_type_managers[0].req_to_blocks.items():
-            st = m.px_reqs.get(rid)
-            compressed = st.compressed if st is not None else {}
-            for index, block in enumerate(blocks):
-                entry = compressed.get(index)
-                if entry is not None:
-                    by_format[entry[0].name] += 1
-                elif not block.is_null:  # a committed source is the null block; its copy counted above
-                    by_format[HOT.name] += 1
-        # Slots allocated in destination blocks but holding nothing (not yet filled, or vacated by
-        # a recompression): memory the packing has taken and does not use.
-        fragmentation = sum(
-            (d.fmt.pack_ratio - d.live) / d.fmt.pack_ratio for st in m.px_reqs.values() for d in st.dests.values()
-        )
+        total = total_blocks(m.block_pool)
+        free = m.block_pool.get_num_free_blocks()
         pressure = min(1.0, max(0.0, 1.0 - (free - pending_blocks) / total)) if total else 0.0
         return BackendStats(
             pressure=pressure,
             total_blocks=total,
             free_blocks=free,
             owned_blocks=total - free,  # the manager's accounting invariant: free + owned == total
-            blocks_by_format=dict(by_format),
+            blocks_by_format=m.blocks_by_format(),
             block_bytes=self.block_bytes,
-            fragmentation_blocks=fragmentation,
-            step=m.px_stats.steps,
+            fragmentation_blocks=m.px.packer.fragmentation_blocks(),
+            step=m.px.stats.steps,
             applied_policy_version=applied_policy_version,
         )
 
@@ -190,12 +174,12 @@ class LiveControl:
         m = self.manager
         if version.version != self.applied_version:
             # Planned in this very step; blocks already compressed keep their format.
-            m.px_set_policy(version.policy)
+            m.set_policy(version.policy)
             self.applied_version = version.version
-        if m.px_state.fallback_level != level:
-            m.px_state = replace(m.px_state, fallback_level=level)
+        if m.px.engine.fallback_level != level:
+            m.px.engine = replace(m.px.engine, fallback_level=level)
         # build_plan consumes (resets) the waiting demand; it is part of the pressure we report.
-        self._pending_blocks = m.px_waiting_need
+        self._pending_blocks = m.px.waiting_need
 
     def after_plan(self) -> None:
         self._step_unreported = True
@@ -203,7 +187,7 @@ class LiveControl:
 
     def commit(self, report: ProximaReport) -> None:
         """Apply the worker's report to the manager and tell the controller what the step did."""
-        pending = self.manager.px_pending
+        pending = self.manager.px.pending
         self._committed.update(pending[aid].fmt for aid in report.ok if aid in pending)  # before apply pops them
         self._failed += len(report.failed)
         self._kernel_seconds += report.kernel_seconds

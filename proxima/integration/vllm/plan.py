@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NewType
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from proxima.placement import BlockId, SlotIndex
+
+NO_BLOCK = BlockId(-1)
+"""`src` of a recompression, `from_dst` of a first compression."""
+NO_SLOT = SlotIndex(-1)
+ActionId = NewType("ActionId", int)
+"""One planned compression, from plan to report (unique per engine)."""
 
 NO_READER = ("no Proxima attention backend runs in this worker, so compressed blocks could not be read: "
              "compression is off for this engine. On CUDA start vLLM with `--attention-backend CUSTOM` "
@@ -22,18 +31,18 @@ planning (otherwise every emergency compression would fail and be planned again,
 class CompressAction:
     """Compress logical block `index` of `req_id` (now at physical `src`) into slot `slot` of `dst`."""
 
-    action_id: int
+    action_id: ActionId
     req_id: str
     index: int
-    src: int
-    dst: int
-    slot: int
+    src: BlockId
+    dst: BlockId
+    slot: SlotIndex
     fmt: str
     """Format spelling (`Format.parse` gives it back); strings keep the message small."""
     from_fmt: str = "bf16"
     """Recompression: the block's current format, read from (from_dst, from_slot); `src` unused."""
-    from_dst: int = -1
-    from_slot: int = -1
+    from_dst: BlockId = NO_BLOCK
+    from_slot: SlotIndex = NO_SLOT
 
 
 @dataclass
@@ -54,8 +63,8 @@ class ProximaPlan(KVConnectorMetadata):
 
 @dataclass
 class ProximaReport(KVConnectorWorkerMetadata):
-    ok: list[int] = field(default_factory=list)
-    failed: list[int] = field(default_factory=list)
+    ok: list[ActionId] = field(default_factory=list)
+    failed: list[ActionId] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     kernel_seconds: float = 0.0
     """Wall time of this step's compressions (all formats and layers)."""

@@ -37,7 +37,7 @@ _META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 def _startup_policy() -> Policy | None:
     """The policy this process was started with (PROXIMA_POLICY)."""
-    from proxima.integration.vllm.plugin import POLICY_ENV
+    from proxima.integration.vllm import POLICY_ENV
     from proxima.policy.loader import load_policy
 
     path = os.environ.get(POLICY_ENV)

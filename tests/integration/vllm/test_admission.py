@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request  # noqa: E402
 
 from proxima.formats import Format  # noqa: E402
+from proxima.integration.vllm.ledger import CompressedSlot  # noqa: E402
 from proxima.integration.vllm.manager import ProximaKVCacheManager, install  # noqa: E402
 from proxima.integration.vllm.plan import NO_READER, ProximaReport  # noqa: E402
 from proxima.policy.loader import load_policy  # noqa: E402
@@ -58,7 +59,7 @@ def test_a_long_prompt_is_admitted_on_its_compressed_footprint(prefilling: bool)
     assert m2.allocate_slots(_request("resident", 6 * B), 6 * B) is not None
     assert m2.compressed_footprint(64 * B) == 4 + 15
     assert m2.allocate_slots(_request("huge", 64 * B), 8 * B, full_sequence_must_fit=True) is None
-    assert m2.px_waiting_need == (19 + 2 if not prefilling else 8 + 1 + 2)  # footprint or chunk, + reserve
+    assert m2.px.waiting_need == (19 + 2 if not prefilling else 8 + 1 + 2)  # footprint or chunk, + reserve
 
 
 def _pressured(policy: Policy, max_tokens: int = 8) -> tuple[ProximaKVCacheManager, Request]:
@@ -76,8 +77,8 @@ def test_a_worker_without_a_reader_turns_compression_off() -> None:
     plan = m.build_plan(["a"])
     assert plan.actions  # under pressure: the engine compresses
     m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions], errors=[NO_READER]))
-    assert m.px_disabled == NO_READER
-    assert not m.build_plan(["a"]).actions and not m.px_pending  # never planned again
+    assert m.px.disabled == NO_READER
+    assert not m.build_plan(["a"]).actions and not m.px.pending  # never planned again
     # ... and admission is vLLM's own again (whole prompt uncompressed).
     assert m.allocate_slots(_request("long", 20 * B), 8 * B, full_sequence_must_fit=True) is None
 
@@ -86,8 +87,8 @@ def test_compressed_blocks_stay_readable_after_the_policy_is_switched_off() -> N
     m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
-    assert m.px_reqs["a"].compressed
-    m.px_set_policy(Policy(enabled=False))  # e.g. PATCH {"enabled": false} through the live API
+    assert m.px.ledger["a"].compressed
+    m.set_policy(Policy(enabled=False))  # e.g. PATCH {"enabled": false} through the live API
     plan = m.build_plan(["a"])
     # The worker needs the request's key block to route it through the compressed path.
     assert not plan.actions and list(plan.key_blocks.values()) == ["a"]
@@ -108,9 +109,9 @@ def test_released_destinations_are_sent_to_be_scrubbed() -> None:
     m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
-    dests = {d for _, d, _ in m.px_reqs["a"].compressed.values()}
+    dests = {d for _, d, _ in m.px.ledger["a"].compressed.values()}
     assert dests and not m.build_plan(["a"]).scrub
-    dests = set(m.px_reqs["a"].dests)  # with any the last plan reserved
+    dests = {d.block for d in m.px.packer.destinations("a")}  # with any the last plan reserved
     m.free(req)
     assert set(m.build_plan([]).scrub) == dests
 
@@ -124,7 +125,7 @@ def test_pool_usage_accounts_for_every_block() -> None:
     u = m.pool_usage()
     n = len(plan.actions)
     assert u["hot"] == 19 - n and u["dest"] >= 1 and u["hot"] + u["dest"] + u["free"] == 23
-    slots = sum(d.fmt.pack_ratio for d in m.px_reqs["a"].dests.values())
+    slots = sum(d.fmt.pack_ratio for d in m.px.packer.destinations("a"))
     assert u["dest_fill"] == round(n / slots, 3)
     assert m.summary()["pool_at_peak"]["resident"] == 1
 
@@ -139,19 +140,19 @@ def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
     assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // 8)  # cluster(2)+int4 first
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
-    st = m.px_reqs["a"]
+    st = m.px.ledger["a"]
     assert len(st.compressed) >= 4
     # Pretend the engine reached one 16x block for every 8x one (about 10.7x).
     for i, (idx, (_, dst, slot)) in enumerate(sorted(st.compressed.items())):
-        st.compressed[idx] = (Format.parse("cluster(4)+int4" if i % 2 else "cluster(2)+int4"), dst, slot)
+        st.compressed[idx] = CompressedSlot(Format.parse("cluster(4)+int4" if i % 2 else "cluster(2)+int4"), dst, slot)
     n = len(st.compressed)
     ratio = m.achieved_pack_ratio()
     assert ratio == pytest.approx(n / (-(-n // 2) / 8 + (n // 2) / 16)) and ratio > 8
     assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // ratio) < hot + -(-(20 - hot) // 8)
     # A policy switched live to int8 only cannot reach that ratio: the estimate follows the policy.
-    m.px_set_policy(load_policy(ROOT / "configs" / "conservative.yaml").model_copy(update={"bands": [
+    m.set_policy(load_policy(ROOT / "configs" / "conservative.yaml").model_copy(update={"bands": [
         b.model_copy(update={"ladder": [Format.parse("int8")]}) for b in policy.bands]}))
-    prot = m.px_policy.protect
+    prot = m.px.policy.protect
     hot = -(-prot.sink_tokens // B) + -(-prot.recent_tokens // B) + 1
     assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // 2)
 

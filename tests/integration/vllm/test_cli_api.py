@@ -40,7 +40,11 @@ def test_no_api_options_no_api(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_api_port_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    execs: list[str] = []
+    monkeypatch.setattr(os, "execvpe", lambda path, argv, env: execs.append(path))
     app = typer.Typer()
     cli.register(app)
     r = CliRunner().invoke(app, ["serve", "--model", "/m", "--api-port", "70000"])
-    assert r.exit_code != 0
+    # A usage error (exit 2) naming the option and the bound, and vLLM never started.
+    assert r.exit_code == 2 and "--api-port" in r.output and "65535" in r.output, r.output
+    assert execs == []

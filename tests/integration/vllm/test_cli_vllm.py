@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from proxima.integration.vllm import cli
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _app() -> typer.Typer:
@@ -36,15 +39,39 @@ def test_serve_rejects_unknown_policy() -> None:
 
 
 def test_plugin_is_a_noop_without_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    from proxima.integration.vllm import plugin
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    monkeypatch.delenv(plugin.POLICY_ENV, raising=False)
+    from proxima.integration.vllm import POLICY_ENV, plugin
+
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    before = (EngineArgs.create_engine_config, AttentionBackendEnum.CPU_ATTN.get_path())
     plugin.register()
-    assert plugin._registered is False
+    assert (EngineArgs.create_engine_config, AttentionBackendEnum.CPU_ATTN.get_path()) == before
+
+
+def test_plugin_with_a_policy_installs_backend_and_connector_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends import registry
+
+    from proxima.integration.vllm import CONNECTOR_NAME, POLICY_ENV, plugin
+
+    # vLLM's own create_engine_config needs a real model: a stand-in returns the connector
+    # configuration it was handed. monkeypatch restores vLLM's globals afterwards.
+    monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self, *a, **k: self.kv_transfer_config)
+    monkeypatch.setattr(registry, "_ATTN_OVERRIDES", dict(registry._ATTN_OVERRIDES))
+    monkeypatch.setenv(POLICY_ENV, str(ROOT / "configs" / "balanced.yaml"))
+    plugin.register()
+    wrapped = EngineArgs.create_engine_config
+    plugin.register()  # vLLM loads plugins in every process, possibly more than once: idempotent
+    assert EngineArgs.create_engine_config is wrapped
+    assert registry.AttentionBackendEnum.CPU_ATTN.get_path().endswith("ProximaCPUAttentionBackend")
+    cfg = EngineArgs(model="unused").create_engine_config()
+    assert cfg is not None and cfg.kv_connector == CONNECTOR_NAME
 
 
 def test_plugin_refuses_unsupported_vllm() -> None:
-    from proxima.integration.vllm.plugin import check_vllm_version
+    from proxima.integration.vllm._patches import check_vllm_version
 
     check_vllm_version("0.32.0")
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32"):

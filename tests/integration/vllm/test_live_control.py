@@ -80,7 +80,7 @@ def test_api_address_from_policy_and_environment() -> None:
 def test_live_control_swaps_policy_reports_steps_and_publishes_stats(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
     m = _manager(load_policy(HERE / "force-int4.yaml"))
-    live = LiveControl(m, m.px_policy, "127.0.0.1", _free_port())
+    live = LiveControl(m, m.px.policy, "127.0.0.1", _free_port())
     live.start()
     api = httpx.Client(base_url=f"http://{live.host}:{live.port}", timeout=10)
     try:
@@ -102,9 +102,9 @@ def test_live_control_swaps_policy_reports_steps_and_publishes_stats(monkeypatch
         assert api.patch("/v1/policy", json={"enabled": False}).status_code == 401
         r = api.patch("/v1/policy", json={"enabled": False}, headers=AUTH)
         assert r.status_code == 200 and r.json()["version"] == 2
-        assert m.px_policy.enabled, "the engine thread adopts a change, not the API thread"
+        assert m.px.policy.enabled, "the engine thread adopts a change, not the API thread"
         _prefilled(m, "b", 6 * B)
-        assert _step(live, m, ["a", "b"]) == 0 and not m.px_policy.enabled
+        assert _step(live, m, ["a", "b"]) == 0 and not m.px.policy.enabled
         s2 = api.get("/v1/stats").json()
         assert s2["applied_policy_version"] == 2 and s2["policy_version"] == 2
         assert s2["blocks_by_format"]["bf16"] == 14 - planned
@@ -112,15 +112,15 @@ def test_live_control_swaps_policy_reports_steps_and_publishes_stats(monkeypatch
         # Roll back: compression resumes; a failing worker batch is counted as an error.
         assert api.post("/v1/policy/rollback", json={"version": 1}, headers=AUTH).json()["version"] == 3
         failed = _step(live, m, ["a", "b"], ok=False)
-        assert failed > 0 and m.px_stats.failed == failed
+        assert failed > 0 and m.px.stats.failed == failed
 
         # The operator's fallback pin reaches the engine state at the next step.
-        levels = len(m.px_policy.fallback.levels)
+        levels = len(m.px.policy.fallback.levels)
         r = api.post("/v1/fallback", json={"level": levels - 1}, headers=AUTH)
         assert r.status_code == 200
         assert levels > 1
         committed = planned + _step(live, m, ["a", "b"])
-        assert m.px_state.fallback_level == levels - 1
+        assert m.px.engine.fallback_level == levels - 1
 
         metrics = api.get("/metrics").text
         assert "proxima_engine_steps_total 4.0" in metrics
@@ -139,7 +139,7 @@ def test_busy_port_fails_loudly() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        live = LiveControl(m, m.px_policy, "127.0.0.1", taken.getsockname()[1])
+        live = LiveControl(m, m.px.policy, "127.0.0.1", taken.getsockname()[1])
         with pytest.raises(RuntimeError, match="could not start"):
             live.start()
 
@@ -147,7 +147,7 @@ def test_busy_port_fails_loudly() -> None:
 def test_every_step_is_reported_once_even_when_reports_arrive_late() -> None:
     # vLLM's async scheduling may plan step N+1 before step N's worker report arrives.
     m = _manager(load_policy(HERE / "force-int4.yaml"))
-    live = LiveControl(m, m.px_policy, "127.0.0.1", 0)  # not started: the hooks need no server
+    live = LiveControl(m, m.px.policy, "127.0.0.1", 0)  # not started: the hooks need no server
     _prefilled(m, "a", 6 * B)
     steps = live.controller.metrics.steps
     live.before_plan()

@@ -223,26 +223,26 @@ def test_vllm_kernel_over_the_scratch_equals_the_formats_attention(formats: list
             assert err < 1e-2, (rid, i, float(err))
 
 
-def test_prefill_observation_scores_each_visible_token(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_observation_scores_each_visible_token() -> None:
     """Importance of a prefill chunk's window: mean over its queries of each token's softmax mass
     (causal), max over a KV head's query heads; an earlier chunk already compressed is unseen
     (its tokens keep their last importance) and its freed source is never read."""
-    from proxima.integration.vllm import backend
+    from proxima.integration.vllm import importance
 
     torch.manual_seed(3)
     kv = torch.randn(NB, H, B, 2 * D).to(torch.bfloat16)
     st = WorkerStore()
     st.register({LAYER: kv})
-    monkeypatch.setattr(backend, "STORE", st)
+    st.aggregate = "max"
     seq_len, q_len, window = 2 * B + 10, B + 10, 4
     before = torch.full((seq_len, H), 0.25)
     st.observe("r", before, reset=True)
     bt = torch.tensor([[5, 6, 7]])
-    obs = backend._observation(["r"], [{0: (Format.parse("int4"), 9, 0)}], [0, q_len], [seq_len], [3], bt, B, window)
+    obs = importance.plan_observation(["r"], [{0: (Format.parse("int4"), 9, 0)}], [0, q_len], [seq_len], bt, B, window)
     assert obs is not None and len(obs.prefill) == 1
     kv[5] = float("nan")  # block 0's freed source: reading it would poison every score
     query = torch.randn(q_len, HQ, D).to(torch.bfloat16)
-    backend.observe(kv, query, obs, D**-0.5, "max")
+    importance.observe(st, kv, query, obs, D**-0.5)
     got = st.token_importance["r"]
 
     assert st.layout is not None

@@ -1,0 +1,93 @@
+"""Everything the Proxima KV manager adds to vLLM's: one typed object (`manager.px`).
+
+`install()` switches vLLM's manager instance to Proxima's class (`_patches.adopt_kv_manager`)
+and attaches one `ProximaState`, so all of vLLM's own state stays where vLLM put it and all of
+Proxima's sits in one place with its types.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from proxima.formats import Format
+from proxima.integration.vllm.blocks import VllmBlockSource
+from proxima.integration.vllm.ledger import RequestLedger
+from proxima.integration.vllm.plan import ActionId, CompressAction
+from proxima.integration.vllm.stats import MetaSizes, ProximaStats
+from proxima.placement import SlotPacker
+from proxima.policy.engine import EngineState
+from proxima.policy.schema import Policy
+
+logger = logging.getLogger("proxima.vllm")
+
+
+def supported_formats(policy: Policy) -> set[Format]:
+    """Formats the vLLM data path stores: every format of the ladders (quantized, sparse, cluster)."""
+    fmts: set[Format] = set()
+    for band in policy.bands:
+        fmts.update(band.ladder)
+    return fmts
+
+
+@dataclass
+class ProximaState:
+    policy: Policy
+    """The live policy (blocks already compressed keep their format when it changes)."""
+    effective: Policy
+    """The policy with ladders restricted to the formats this data path stores."""
+    formats: set[Format]
+    blocks: VllmBlockSource
+    packer: SlotPacker
+    """Destination blocks of every request (the placement model)."""
+    meta: MetaSizes
+    check: bool
+    """Assert the placement invariants at every step (tests: PROXIMA_CHECK_ACCOUNTING=1)."""
+    engine: EngineState = field(default_factory=EngineState)
+    ledger: RequestLedger = field(default_factory=RequestLedger)
+    stats: ProximaStats = field(default_factory=ProximaStats)
+    pending: dict[ActionId, CompressAction] = field(default_factory=dict)
+    """Planned compressions whose report has not arrived (sources still owned, slots reserved)."""
+    sent: set[ActionId] = field(default_factory=set)
+    """Action ids already sent to the worker (not sent again while in flight)."""
+    prefill_actions: set[ActionId] = field(default_factory=set)
+    """Action ids planned while their request was in prefill (counted when they commit)."""
+    dropped: list[str] = field(default_factory=list)
+    """Requests freed since the last plan (the worker forgets their remap)."""
+    action_ids: Iterator[int] = field(default_factory=itertools.count)
+    on_change: Callable[[], None] | None = None
+    """Called after a request's blocks were freed (the connector dumps its counters)."""
+    emergency: bool = False
+    """An emergency compression is in flight: admit no new request until it commits."""
+    waiting_need: int = 0
+    """Blocks the largest waiting request needed this step (counted as pressure)."""
+    disabled: str | None = None
+    """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
+
+    @classmethod
+    def create(cls, policy: Policy, pool: BlockPool, config: KVCacheConfig, check: bool) -> ProximaState:
+        blocks = VllmBlockSource(pool)
+        st = cls(policy=policy, effective=policy, formats=set(), blocks=blocks, packer=SlotPacker(blocks),
+                 meta=MetaSizes(config), check=check)
+        st.adopt(policy)
+        return st
+
+    def adopt(self, policy: Policy) -> None:
+        """Adopt a (validated) policy; takes effect at the next planning step. Blocks already
+        compressed keep their format, in-flight actions still commit."""
+        self.policy = policy
+        self.formats = supported_formats(policy)
+        self.effective = policy.model_copy(update={"bands": [
+            b.model_copy(update={"ladder": [f for f in b.ladder if f in self.formats]}) for b in policy.bands
+        ]})
+        dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in self.formats}
+        if dropped:
+            logger.warning("proxima: formats %s are not stored by the vLLM path yet and are skipped", sorted(dropped))
+
+    def next_action_id(self) -> ActionId:
+        return ActionId(next(self.action_ids))

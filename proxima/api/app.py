@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
@@ -49,10 +49,22 @@ class RollbackRequest(_Body):
     comment: str = Field(default="", max_length=500)
 
 
+_JSON_TYPE_NAMES = {bool: "a boolean", float: "a number", list: "an array", dict: "an object"}
+
+
 class FallbackRequest(_Body):
     level: StrictInt | str | None = Field(
         description="Ladder level to pin, by index or name; null releases the pin (automatic again)."
     )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _index_name_or_null(cls, v: object) -> object:
+        # One message at `level` instead of one per union member (level.int, level.str, ...).
+        if v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
+        got = _JSON_TYPE_NAMES.get(type(v), type(v).__name__)
+        raise ValueError(f"must be a level index (integer), a level name (string) or null, not {got}")
 
 
 class PolicyDocument(BaseModel):
@@ -198,7 +210,10 @@ def _reject_unknown_query(request: Request) -> None:
 
 
 def _validation_problems(exc: ValidationError) -> list[dict[str, Any]]:
-    return [{"field": field_path(clean_loc(e["loc"])), "message": e["msg"]} for e in exc.errors(include_url=False)]
+    return [
+        {"field": field_path(clean_loc(e["loc"])), "message": e["msg"].removeprefix("Value error, ")}
+        for e in exc.errors(include_url=False)
+    ]
 
 
 async def _request_model(request: Request, model: type[BaseModel]) -> Any:
@@ -255,9 +270,10 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
     @app.exception_handler(PolicyError)
     async def _policy_error(_: Request, exc: PolicyError) -> JSONResponse:
         problems = [{"field": p.field, "message": p.message, "line": p.line, "column": p.column} for p in exc.problems]
-        what = "invalid policy" if exc.reason == "invalid" else "policy text cannot be read"
+        status = read_status(exc.reason)
+        what = "invalid policy" if status == 422 else "policy text cannot be read"
         return _error(
-            read_status(exc.reason),
+            status,
             f"{what}; the live policy is unchanged",
             problems,
             live_version=ctl.store.current.version,

@@ -170,8 +170,16 @@ def register(app: typer.Typer) -> None:
         headers = {"Content-Type": "application/yaml"}
         if if_version is not None:
             headers["If-Match"] = f'"{if_version}"'
-        text = file.read_text(encoding="utf-8")
-        _print_write(_call(url, "PUT", "/v1/policy", content=text, headers=headers, params={"comment": comment}))
+        from proxima.policy.reader import ReadError, read_bounded
+
+        try:
+            # Sent as bytes: the server reads them like a policy file (UTF-8 and the rest checked
+            # there, reported with line and column).
+            data = read_bounded(file)
+        except (OSError, ReadError) as exc:
+            _echo_err(f"{file}: {exc.strerror if isinstance(exc, OSError) else exc}")
+            raise typer.Exit(2) from None
+        _print_write(_call(url, "PUT", "/v1/policy", content=data, headers=headers, params={"comment": comment}))
 
     @policy_app.command("patch")
     def policy_patch(

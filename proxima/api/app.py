@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from proxima import __version__
-from proxima.api.auth import BearerAuthMiddleware, TokenSource
+from proxima.api.auth import SAFE_METHODS, BearerAuthMiddleware, TokenSource
 from proxima.api.controller import Controller, VersionConflict, changes_json, policy_summary
 from proxima.api.limits import BodyLimitMiddleware
 from proxima.policy.loader import PolicyError, clean_loc, field_path
@@ -234,7 +234,7 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
     token_source = tokens or TokenSource.from_settings(ctl.store.policy.api)
     token_source.check_at_startup()
     # Documents the scheme in OpenAPI only; BearerAuthMiddleware does the check (and its 401/403
-    # split) before the body is read. Every route declared with `mutating` is checked there.
+    # split) before the body is read, for every request that reaches a write handler.
     bearer = HTTPBearer(auto_error=False, description="The API token (PROXIMA_API_TOKEN or api.token_file).")
     mutating = [Depends(bearer)]
 
@@ -255,10 +255,9 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
         version=__version__,
         description="Change the live KV-compression policy, watch what it does, and steer its fallback.",
     )
-    protected: set[tuple[str, str]] = set()  # filled once every route is declared, below
     # Starlette runs the middleware added last first: authentication, then the body limit.
     app.add_middleware(BodyLimitMiddleware, limit=lambda: ctl.store.policy.api.max_body_bytes)
-    app.add_middleware(BearerAuthMiddleware, source=token_source, protected=_membership(protected))
+    app.add_middleware(BearerAuthMiddleware, source=token_source, routes=app.router.routes)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -460,11 +459,13 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
         except ValueError as exc:
             raise ApiError(422, str(exc), [{"field": "level", "message": str(exc)}]) from None
 
-    # Invariant relied on by BearerAuthMiddleware: a route is protected iff it was declared with
-    # `mutating` (the bearer scheme in its OpenAPI security), so the document and the check agree.
+    # The invariant BearerAuthMiddleware relies on: every handler of an unsafe method is declared
+    # `mutating`, so it is checked, and the OpenAPI document shows the bearer scheme on exactly
+    # those operations.
     for route in app.routes:
-        if isinstance(route, APIRoute) and any(d.dependency is bearer for d in route.dependencies):
-            protected.update((method, route.path) for method in route.methods)
+        if isinstance(route, APIRoute):
+            documented = any(d.dependency is bearer for d in route.dependencies)
+            assert documented == bool(route.methods - SAFE_METHODS), f"{route.path}: declare it with `mutating`"
     return app
 
 
@@ -477,5 +478,3 @@ def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
     return sorted(methods)
 
 
-def _membership(pairs: set[tuple[str, str]]) -> Callable[[str, str], bool]:
-    return lambda method, path: (method, path) in pairs

@@ -17,9 +17,11 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from starlette.routing import BaseRoute, Match
 
 from proxima.api.limits import ASGIApp, Receive, Scope, Send
 from proxima.policy.schema import Api
@@ -119,21 +121,32 @@ def check_bearer(header: str | None, source: TokenSource) -> None:
         raise AuthError(403, "invalid API token")
 
 
-class BearerAuthMiddleware:
-    """Checks the bearer token of protected requests before anything reads their body.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+"""The safe methods of RFC 9110: they change nothing, and need no token."""
 
-    `protected(method, path)` says which requests need the token (the app's mutating routes).
-    Plain ASGI, added outside the body-size limit, so an unauthenticated client can make the
-    server neither buffer nor parse a body.
+
+class BearerAuthMiddleware:
+    """Checks the bearer token of every request that reaches a write handler, before its body is read.
+
+    A request whose method is not safe is checked when the app's router would hand it to a
+    handler (the route matches the way the router matches, root_path included); any other
+    request reaches no handler that changes state (the router answers 404 or 405). The app
+    declares every handler of an unsafe method as mutating (`create_app` asserts it). Plain
+    ASGI, added outside the body-size limit, so an unauthenticated client can make the server
+    neither buffer nor parse a body.
     """
 
-    def __init__(self, app: ASGIApp, source: TokenSource, protected: Callable[[str, str], bool]) -> None:
+    def __init__(self, app: ASGIApp, source: TokenSource, routes: Sequence[BaseRoute]) -> None:
         self.app = app
         self.source = source
-        self.protected = protected
+        self.routes = routes
+        """The app's routes (the router's own list: routes declared later are seen too)."""
+
+    def _reaches_a_handler(self, scope: Scope) -> bool:
+        return any(route.matches(scope)[0] == Match.FULL for route in self.routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.protected(scope["method"], scope["path"]):
+        if scope["type"] == "http" and scope["method"] not in SAFE_METHODS and self._reaches_a_handler(scope):
             header = None
             for name, value in scope.get("headers", []):
                 if name == b"authorization":

@@ -157,3 +157,13 @@ def test_token_file_read_is_bounded_and_never_a_500(clock: FakeClock, tmp_path) 
         r = c.patch("/v1/policy", json={}, headers={"Authorization": "Bearer good"})
         assert r.status_code == 403 and "no API token" in r.json()["error"]
     assert TokenSource(Path("/dev/zero"), "UNUSED").read() is None  # not read past 4 KiB
+
+
+def test_auth_holds_behind_a_proxy_root_path(server) -> None:  # type: ignore[no-untyped-def]
+    # The check matches routes the way the router does, so a root_path cannot route around it.
+    with TestClient(server.app, root_path="/proxima") as c:
+        for path in ("/v1/policy", "/proxima/v1/policy"):  # scope path without, then with, the root_path
+            assert c.patch(path, json={"description": "x"}).status_code == 401
+            assert c.patch(path, json={"description": path}, headers=AUTH).status_code == 200
+        assert c.put("/healthz", json={}).status_code == 405  # no write handler there: no token asked
+    assert server.controller.store.current.version == 3

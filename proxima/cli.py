@@ -7,15 +7,33 @@ import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from proxima import __version__
 from proxima.policy.loader import PolicyError, load_policy
 
+
+class _PolicyErrorsExit2(TyperGroup):
+    """Any command that hits a bad policy prints its located problems and exits 2, no traceback.
+
+    One place for every command (`proxima serve` included, which checks its policy before it
+    starts vLLM), rather than a try/except in each.
+    """
+
+    def invoke(self, ctx: Any) -> Any:  # click.Context (vendored by some typer versions)
+        try:
+            return super().invoke(ctx)
+        except PolicyError as exc:
+            err.print(str(exc), markup=False, highlight=False)
+            raise typer.Exit(2) from None
+
+
 app = typer.Typer(
+    cls=_PolicyErrorsExit2,
     name="proxima",
     help="Adaptive KV-cache compression for vLLM.",
     no_args_is_help=True,

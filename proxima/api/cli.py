@@ -108,6 +108,7 @@ def register(app: typer.Typer) -> None:
         watch: Annotated[bool, typer.Option(help="Reload the policy file when it changes.")] = False,
     ) -> None:
         """Run the API in the foreground until interrupted."""
+        from proxima.api.auth import TokenConfigError
         from proxima.api.server import serve as run_server
         from proxima.api.server import simulated
         from proxima.policy.loader import PolicyError, load_policy
@@ -124,12 +125,17 @@ def register(app: typer.Typer) -> None:
         except PolicyError as exc:
             _echo_err(str(exc))
             raise typer.Exit(2) from None
-        # Policy changes and alerts go to proxima.* loggers; uvicorn only configures its own.
+        # Policy changes, reloads and alerts go to proxima.* loggers; uvicorn only configures its own.
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        srv = simulated(pol, source=str(policy), seed=seed)
+        try:
+            srv = simulated(pol, source=str(policy), seed=seed)
+        except TokenConfigError as exc:
+            _echo_err(f"proxima: refusing to start the API: {exc}")
+            raise typer.Exit(2) from None
         if srv.controller.store.policy.api.token_file is None and not os.environ.get(pol.api.token_env):
             _echo_err(f"warning: {pol.api.token_env} is not set; the API will refuse every change")
-        watcher = FileWatcher(srv.controller.store, policy, on_error=lambda e: _echo_err(f"reload refused:\n{e}"))
+        # A refused reload is logged by the watcher and raised as an alert (GET /v1/alerts, webhook).
+        watcher = FileWatcher(srv.controller.store, policy, on_error=srv.controller.policy_file_refused)
         if watch:
             watcher.start()
         srv.driver.start()
@@ -164,8 +170,16 @@ def register(app: typer.Typer) -> None:
         headers = {"Content-Type": "application/yaml"}
         if if_version is not None:
             headers["If-Match"] = f'"{if_version}"'
-        text = file.read_text(encoding="utf-8")
-        _print_write(_call(url, "PUT", "/v1/policy", content=text, headers=headers, params={"comment": comment}))
+        from proxima.policy.reader import ReadError, read_bounded
+
+        try:
+            # Sent as bytes: the server reads them like a policy file (UTF-8 and the rest checked
+            # there, reported with line and column).
+            data = read_bounded(file)
+        except (OSError, ReadError) as exc:
+            _echo_err(f"{file}: {exc.strerror if isinstance(exc, OSError) else exc}")
+            raise typer.Exit(2) from None
+        _print_write(_call(url, "PUT", "/v1/policy", content=data, headers=headers, params={"comment": comment}))
 
     @policy_app.command("patch")
     def policy_patch(

@@ -28,6 +28,7 @@ from proxima.api.alerts import AlertLog, WebhookSink
 from proxima.api.backend import Backend, BackendStats, StepReport
 from proxima.api.metrics import Metrics
 from proxima.policy import fallback as ladder
+from proxima.policy.loader import PolicyError
 from proxima.policy.probes import ProbeKind, ProbeResult
 from proxima.policy.store import Change, PolicyStore, PolicyVersion, diff
 
@@ -192,7 +193,12 @@ class Controller:
             raise VersionConflict(expected, live)
 
     def put_policy(
-        self, data: Any, source: str, comment: str = "", expected: int | None = None, text: str | None = None
+        self,
+        data: Any,
+        source: str,
+        comment: str = "",
+        expected: int | None = None,
+        text: str | bytes | None = None,
     ) -> tuple[PolicyVersion, list[Change]]:
         with self._write_lock:
             self._guard(expected)
@@ -221,6 +227,20 @@ class Controller:
         self.metrics.fallback_level.set(eff)
         self._ladder_alert(event, None)
         return self.fallback_state()
+
+    def policy_file_refused(self, error: PolicyError) -> None:
+        """A watched policy file was refused (the live policy stays): raise a warning alert."""
+        first = error.problems[0] if error.problems else None
+        where = first.source if first is not None else "policy file"
+        self.alerts.fire(
+            self.clock(),
+            "policy_reload_refused",
+            "warning",
+            f"{where} refused, the live policy stays at version {self.store.current.version}: "
+            f"{first.message if first is not None else error}",
+            reason=error.reason,
+            problems=[str(p) for p in error.problems[:20]],
+        )
 
     # -- internals ---------------------------------------------------------------------------------
     def _ladder_alert(self, event: ladder.LadderEvent, cause: ProbeResult | None) -> None:

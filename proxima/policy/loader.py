@@ -1,7 +1,7 @@
 """Reading policy files: YAML -> `Policy`, with errors that point at file:line:column and field path.
 
-YAML is parsed twice over the same text: once into a node tree (which remembers where every key
-and value starts) and once into plain data for pydantic. A pydantic error location such as
+`proxima.policy.reader` reads the text within fixed limits into a node tree (which remembers
+where every key and value starts) and plain data for pydantic. A pydantic error location such as
 `('bands', 1, 'exit')` is walked down the node tree to find the line the user must edit.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from proxima.policy.reader import ReadError, read_bounded, read_yaml
 from proxima.policy.schema import Policy
 
 
@@ -37,10 +38,17 @@ class Problem:
 
 
 class PolicyError(ValueError):
-    """A policy that cannot be used. `problems` lists every error found, each with its location."""
+    """A policy that cannot be used. `problems` lists every error found, each with its location.
 
-    def __init__(self, problems: Sequence[Problem]) -> None:
+    `reason` says what kind of problem: "invalid" (the text was read, the policy fails
+    validation), "unreadable" (the file cannot be opened), or the `ReadError` kind that stopped
+    reading ("too_large", "encoding", "syntax", "depth", "aliases", "duplicate_key"); the API
+    maps it to an HTTP status.
+    """
+
+    def __init__(self, problems: Sequence[Problem], reason: str = "invalid") -> None:
         self.problems = list(problems)
+        self.reason = reason
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
@@ -100,25 +108,20 @@ def _unknown_key_mark(node: yaml.Node | None, loc: Sequence[str | int]) -> yaml.
     return None
 
 
-def parse_policy(text: str, source: str = "<policy>") -> Policy:
-    """Parse and validate policy text. Raises `PolicyError` with located problems."""
+def _read_problem(exc: ReadError, source: str) -> PolicyError:
+    return PolicyError([Problem(source, exc.line, exc.column, exc.path, exc.message)], reason=exc.kind)
+
+
+def parse_policy(text: str | bytes, source: str = "<policy>") -> Policy:
+    """Parse and validate policy text (YAML or JSON). Raises `PolicyError` with located problems.
+
+    The text is read within `proxima.policy.reader`'s limits (size, UTF-8, nesting, alias
+    expansion, duplicate keys) before anything else looks at it.
+    """
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        msg = getattr(exc, "problem", None) or str(exc)
-        raise PolicyError(
-            [
-                Problem(
-                    source,
-                    mark.line + 1 if mark else None,
-                    mark.column + 1 if mark else None,
-                    "",
-                    f"invalid YAML: {msg}",
-                )
-            ]
-        ) from None
+        data, node = read_yaml(text)
+    except ReadError as exc:
+        raise _read_problem(exc, source) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -149,13 +152,17 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
 
 
 def load_policy(path: str | Path) -> Policy:
-    """Read and validate a policy file."""
+    """Read and validate a policy file (never more than `MAX_POLICY_BYTES` of it)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = read_bounded(p)
+    except ReadError as exc:
+        raise _read_problem(exc, str(p)) from None
     except OSError as exc:
-        raise PolicyError([Problem(str(p), None, None, "", f"cannot read policy file: {exc.strerror}")]) from None
-    return parse_policy(text, source=str(p))
+        raise PolicyError(
+            [Problem(str(p), None, None, "", f"cannot read policy file: {exc.strerror or exc}")], reason="unreadable"
+        ) from None
+    return parse_policy(data, source=str(p))
 
 
 def dump_policy(policy: Policy) -> str:

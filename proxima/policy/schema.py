@@ -55,7 +55,11 @@ FormatField = Annotated[
 
 class _Model(BaseModel):
     # allow_inf_nan=False: a policy holding .inf or .nan could not be served back as JSON.
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+    # strict=True: no type coercion, so `true` is not the integer 1 (nor 1.0), "yes" or 1 is not
+    # a bool, and "64" is not a number; YAML and JSON already give every value its real type.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False, strict=True
+    )
 
 
 class Band(_Model):
@@ -313,6 +317,14 @@ class Policy(_Model):
 
     schema_version: Literal[1] = 1
     """Version of this policy language."""
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _schema_version_not_bool(cls, v: object) -> object:
+        # Literal[1] compares by equality, and True == 1: strict mode alone lets `true` through.
+        if isinstance(v, bool):
+            raise ValueError("schema_version must be the integer 1, not a boolean")
+        return v
     name: str = Field(default="unnamed", min_length=1, max_length=64)
     description: str = ""
     enabled: bool = True

@@ -8,7 +8,9 @@ raises `PolicyError` and changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,9 +21,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from proxima.policy.loader import PolicyError, Problem, clean_loc, field_path, load_policy, parse_policy
+from proxima.policy.reader import ReadError, read_bounded
 from proxima.policy.schema import Policy
 
 MAX_HISTORY = 100
+log = logging.getLogger("proxima.policy.watch")
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ class PolicyStore:
         with self._lock:
             return self._install(policy, source, comment)
 
-    def apply_text(self, text: str, source: str, comment: str = "") -> tuple[PolicyVersion, list[Change]]:
+    def apply_text(self, text: str | bytes, source: str, comment: str = "") -> tuple[PolicyVersion, list[Change]]:
         """Validate YAML/JSON text and install it; on error raise `PolicyError`, live policy unchanged."""
         policy = parse_policy(text, source)
         return self.swap(policy, source, comment)
@@ -162,6 +166,10 @@ class FileWatcher:
     """Hot reload: re-reads a policy file when its content changes; a bad file never replaces the live one.
 
     Call `poll()` from any loop, or `start()` for a daemon thread polling every `interval_s`.
+    A refused file is logged and passed to `on_error` (the API raises an alert) once per
+    change; polling goes on, so the next valid edit is installed. Whatever one poll raises, the
+    thread survives it: a watcher that stops silently would leave an operator editing a file
+    that no longer reaches the engine.
     """
 
     store: PolicyStore
@@ -170,38 +178,56 @@ class FileWatcher:
     on_error: Callable[[PolicyError], None] | None = None
     last_error: PolicyError | None = None
     _digest: str = field(default="", init=False)
+    """What the last poll saw: the content's SHA-256, or a description of why it could not be read."""
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
-        self._digest = self._read_digest()
-
-    def _read_digest(self) -> str:
-        try:
-            return hashlib.sha256(self.path.read_bytes()).hexdigest()
-        except OSError:
-            return ""
+        with contextlib.suppress(OSError, ReadError):
+            self._digest = hashlib.sha256(read_bounded(self.path)).hexdigest()
 
     def poll(self) -> PolicyVersion | None:
         """Reload if the file changed. Returns the new version, or None (unchanged or rejected)."""
-        digest = self._read_digest()
-        if not digest or digest == self._digest:
+        try:
+            # Read whole on every poll (at most the size limit): comparing contents, not mtimes,
+            # never misses an edit that lands within the file system's timestamp granularity.
+            data = read_bounded(self.path)
+        except OSError:
+            return None  # missing (an editor's rename in progress): the next poll sees the new file
+        except ReadError as exc:  # too large: refused before reading, reported once per change
+            seen = f"unread: {exc.message}"  # the message names the size
+            if seen != self._digest:
+                self._digest = seen
+                self._refuse(PolicyError([Problem(str(self.path), None, None, "", exc.message)], reason=exc.kind))
+            return None
+        digest = hashlib.sha256(data).hexdigest()
+        if digest == self._digest:
             return None
         self._digest = digest
         try:
-            version, _ = self.store.apply_text(self.path.read_text(encoding="utf-8"), str(self.path), "hot reload")
+            version, _ = self.store.apply_text(data, str(self.path), "hot reload")
         except PolicyError as exc:
-            self.last_error = exc
-            if self.on_error:
-                self.on_error(exc)
+            self._refuse(exc)
             return None
         self.last_error = None
+        log.info("policy %s reloaded as version %d", self.path, version.version)
         return version
+
+    def _refuse(self, exc: PolicyError) -> None:
+        self.last_error = exc
+        log.warning(
+            "policy file refused, the live policy stays at version %d:\n%s", self.store.current.version, exc
+        )
+        if self.on_error:
+            self.on_error(exc)
 
     def start(self) -> threading.Thread:
         def loop() -> None:
             while not self._stop.wait(self.interval_s):
-                self.poll()
+                try:
+                    self.poll()
+                except Exception:  # a bug, not a bad file (those are PolicyErrors): say so, keep watching
+                    log.exception("policy watcher: reloading %s failed; still watching", self.path)
 
         t = threading.Thread(target=loop, name="proxima-policy-watch", daemon=True)
         t.start()

@@ -31,9 +31,9 @@ class FakeClock:
         self.now += seconds
 
 
-def make_server(clock: FakeClock, token: str | None = TOKEN) -> SimulatedServer:
+def make_server(clock: FakeClock, token: str | None = TOKEN, environ: dict[str, str] | None = None) -> SimulatedServer:
     """The balanced policy over the simulator, with its own registry and a known token."""
-    env = {"PROXIMA_API_TOKEN": token} if token else {}
+    env = {"PROXIMA_API_TOKEN": token} if token else dict(environ or {})
     return simulated(
         load_policy(CONFIGS / "balanced.yaml"),
         source=str(CONFIGS / "balanced.yaml"),

@@ -213,3 +213,74 @@ def test_non_finite_numbers_rejected(client: TestClient) -> None:
     r = client.put("/v1/policy", content=text, headers={**AUTH, "Content-Type": "application/yaml"})
     assert r.status_code == 422 and r.json()["problems"][0]["field"] == "fallback.cooldown_s"
     assert client.get("/v1/policy").status_code == 200
+
+
+# The statuses each operation can answer besides 200 (every route also answers 422 for an unknown
+# or invalid query parameter). Kept by hand on purpose: a new status must be a decision.
+DOCUMENTED = {
+    ("get", "/healthz"): {422},
+    ("get", "/metrics"): {422},
+    ("get", "/v1/policy"): {404, 422},
+    ("put", "/v1/policy"): {400, 401, 403, 412, 413, 415, 422},
+    ("patch", "/v1/policy"): {400, 401, 403, 412, 413, 415, 422},
+    ("post", "/v1/policy/rollback"): {400, 401, 403, 404, 413, 415, 422},
+    ("get", "/v1/policy/history"): {422},
+    ("get", "/v1/stats"): {422},
+    ("get", "/v1/probes"): {422},
+    ("get", "/v1/alerts"): {422},
+    ("get", "/v1/fallback"): {422},
+    ("post", "/v1/fallback"): {400, 401, 403, 413, 415, 422},
+}
+
+
+def test_openapi_lists_every_status_with_the_error_shape(client: TestClient) -> None:
+    doc = client.get("/openapi.json").json()
+    operations = {(m, p): op for p, item in doc["paths"].items() for m, op in item.items()}
+    assert set(operations) == set(DOCUMENTED)
+    for key, statuses in DOCUMENTED.items():
+        responses = operations[key]["responses"]
+        assert {int(code) for code in responses} == {200, *statuses}, key
+        for code in statuses:
+            schema = responses[str(code)]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (key, code)
+    error_body = doc["components"]["schemas"]["ErrorBody"]
+    assert set(error_body["required"]) == {"error", "problems"}
+    # The mutating operations carry the bearer scheme, the reads do not.
+    for (method, path), op in operations.items():
+        assert ("security" in op) == (method != "get"), (method, path)
+
+
+def test_unknown_query_parameter_is_an_error(client: TestClient) -> None:
+    r = client.get("/v1/policy", params={"verison": 1})  # a typo must not silently give the live policy
+    assert r.status_code == 422
+    assert r.json()["problems"] == [{"field": "verison", "message": "unknown query parameter (expected: version)"}]
+    r = client.patch("/v1/policy", params={"coment": "x"}, json={"description": "y"}, headers=AUTH)
+    assert r.status_code == 422 and r.json()["problems"][0]["field"] == "coment"
+    assert client.get("/v1/policy").json()["version"] == 1
+
+
+def test_wrong_method_lists_every_allowed_one(client: TestClient) -> None:
+    r = client.delete("/v1/policy")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, PATCH, PUT"
+    assert r.json() == {"error": "Method Not Allowed", "problems": []}
+    r = client.get("/v1/nowhere")
+    assert r.status_code == 404 and r.json() == {"error": "Not Found", "problems": []}
+
+
+def test_put_yaml_alias_within_bounds_is_fine(client: TestClient) -> None:
+    # Anchors and aliases are YAML features a policy may use; only their expansion is bounded.
+    text = (
+        (CONFIGS / "balanced.yaml")
+        .read_text()
+        .replace("ladder: [int8, int4]", "ladder: &mild [int8, int4]")
+        .replace('ladder: [int4, "cluster(2)+int4", int2]', "ladder: *mild")
+    )
+    r = client.put("/v1/policy", content=text, headers={**AUTH, "Content-Type": "application/yaml"})
+    assert r.status_code == 200, r.text
+    assert [b["ladder"] for b in client.get("/v1/policy").json()["policy"]["bands"]] == [["int8", "int4"]] * 2
+
+
+def test_malformed_if_match_is_400_not_500(client: TestClient) -> None:
+    for tag in ('"9' + "9" * 5000 + '"', '"\u00b2"', '"-1"'):
+        r = client.patch("/v1/policy", json={}, headers={**AUTH, "If-Match": tag.encode()})  # type: ignore[dict-item]
+        assert r.status_code == 400 and r.json()["problems"][0]["field"] == "If-Match"

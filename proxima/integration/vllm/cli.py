@@ -39,10 +39,10 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Start vLLM's OpenAI-compatible server with Proxima (extra arguments go to `vllm serve`)."""
+        import importlib.util
+
         from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV
         from proxima.policy.loader import PolicyError, load_policy
-
-        import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
             typer.echo("proxima: vLLM is not installed in this environment: install vLLM (GPU: your vLLM build; "

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_llama  # type: ignore[import-not-found]
+from hf_helpers import tiny_llama  # type: ignore[import-not-found]
 
 from proxima.integration.hf import ProximaCache, enable
 from proxima.quality import harness, methods, report

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama  # type: ignore[import-not-found]
+from hf_helpers import tiny_llama  # type: ignore[import-not-found]
 
 from proxima.integration.hf import ProximaCache, enable
 from proxima.policy.loader import load_policy

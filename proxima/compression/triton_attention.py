@@ -61,6 +61,22 @@ def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
+def _small_codes_f16_t(b, BITS: tl.constexpr, PER: tl.constexpr):
+    """`_small_codes_f16` for a transposed tile: uint8 [P, N] -> float16 [P * PER, N]."""
+    if PER == 2:
+        lo = (b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = (b >> 4).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return tl.reshape(tl.permute(tl.join(lo, hi), 0, 2, 1), b.shape[0] * 2, b.shape[1])
+    else:
+        c0 = (b & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c1 = ((b >> 2) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c2 = ((b >> 4) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c3 = (b >> 6).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        x = tl.permute(tl.join(tl.join(c0, c2), tl.join(c1, c3)), 0, 2, 3, 1)
+        return tl.reshape(x, b.shape[0] * 4, b.shape[1])
+
+
+@triton.jit
 def _bytes_f16(b, OFFSET: tl.constexpr):
     """uint8 / int8 codes -> exact float16 (code + OFFSET must lie in [0, 1024)) without an integer
     to float conversion: OR code + OFFSET into the mantissa of 1024.0 (bits 0x6400), subtract
@@ -119,6 +135,7 @@ def _decode_kernel(
     EPT: tl.constexpr,  # entries per iteration
     RS: tl.constexpr,  # tokens per row group: min(GROUP, C) for KIVI keys, else C
     DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
+    KT: tl.constexpr,  # load compressed key tiles transposed
 ):
     """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
     float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
@@ -175,7 +192,7 @@ def _decode_kernel(
         slot_n = tl.load(tab_ptr + seq * E + en, mask=men, other=0).to(tl.int64)
         nt_n = tl.load(ntok_ptr + seq * E + en, mask=men, other=0)
         valid_n = men & (tn < nt_n)
-        if P == BP:
+        if P == BP:  # noqa: SIM108 - constexpr branch: Triton compiles one side
             m2 = valid_n[:, None]
         else:
             m2 = valid_n[:, None] & (op < P)[None, :]
@@ -183,12 +200,39 @@ def _decode_kernel(
         v_ptrs = v_ptr + (slot_n * sv_slot + tn * sv_t + h * sv_h)[:, None] + op[None, :]
         # ---- keys -> scores [G_PAD, BLOCK_N] in log2 units
         if QUANT == 0:
-            k = tl.load(k_ptrs, mask=m2, other=0.0).to(dot_t)
+            k = tl.trans(tl.load(k_ptrs, mask=m2, other=0.0).to(dot_t))
+        elif KT:
+            # compressed keys are loaded transposed, [BP, BLOCK_N], so that the dequantized tile is
+            # the dot's B operand as it stands (no transpose of a register tile)
+            kt_ptrs = k_ptr + op[:, None] + (slot_n * sk_slot + tn * sk_t + h * sk_h)[None, :]
+            if P == BP:  # noqa: SIM108 - constexpr branch: Triton compiles one side
+                m2t = valid_n[None, :]
+            else:
+                m2t = valid_n[None, :] & (op < P)[:, None]
+            kbt = tl.load(kt_ptrs, mask=m2t, other=0)
+            if QUANT == 1:
+                k = kbt.to(tl.float8e4nv, bitcast=True).to(dot_t)
+            else:
+                if SMALL:  # noqa: SIM108 - constexpr branch: Triton compiles one side
+                    kc = _small_codes_f16_t(kbt, BITS, PER)
+                else:
+                    kc = _bytes_f16(kbt, 0)
+                kc = tl.reshape(kc, (BLOCK_D, NR, RS))
+                er = e0 + orr // RPE
+                mr = er < e_end
+                slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
+                g_off = slot_r[None, :] * sks_slot + (t0 // GROUP)[None, :] * sks_t + h * sks_h + od[:, None]
+                gm = mr[None, :] & md[:, None]
+                sc = tl.load(ks_ptr + g_off, mask=gm, other=0.0)
+                zp = tl.load(kz_ptr + g_off, mask=gm, other=0.0)
+                if SMALL:
+                    zp = zp * 0.001953125  # 2^-9, exact
+                k = tl.reshape(kc.to(dot_t) * sc.to(dot_t)[:, :, None] + zp.to(dot_t)[:, :, None], (BLOCK_D, BLOCK_N))
         elif QUANT == 1:  # fp8 e4m3 is exact in f16; the per-token scale goes on the score column
-            k = tl.load(k_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t)
+            k = tl.trans(tl.load(k_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t))
         else:  # KIVI keys: per channel, one scale / zero row per row group of RS tokens
             kb = tl.load(k_ptrs, mask=m2, other=0)
-            if SMALL:
+            if SMALL:  # noqa: SIM108 - constexpr branch: Triton compiles one side
                 kc = _small_codes_f16(kb, BITS, PER)
             else:
                 kc = _bytes_f16(kb, 0)
@@ -203,7 +247,8 @@ def _decode_kernel(
             if SMALL:
                 zp = zp * 0.001953125  # 2^-9, exact
             k = tl.reshape(kc.to(dot_t) * sc.to(dot_t)[:, None, :] + zp.to(dot_t)[:, None, :], (BLOCK_N, BLOCK_D))
-        s = tl.dot(q, tl.trans(k))
+            k = tl.trans(k)
+        s = tl.dot(q, k)  # k is [BLOCK_D, BLOCK_N]
         if QUANT == 1:
             ks = tl.load(ks_ptr + slot_n * sks_slot + tn * sks_t + h * sks_h, mask=valid_n, other=0.0)
             s = s * (ks * score_scale)[None, :]
@@ -278,6 +323,8 @@ class DecodeConfig:
     """Tokens per iteration (EPT = tokens / slot capacity entries, at least one entry)."""
     num_warps: int
     num_stages: int
+    kt: bool = False
+    """Load compressed key tiles transposed ([D, tokens])."""
 
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
@@ -289,6 +336,9 @@ DECODE_CONFIGS: dict[str, DecodeConfig] = {
 }
 """Per quantization; bench/kernels.py --sweep measures alternatives on the H200."""
 
+KERNEL_INFO: dict[tuple, dict[str, int]] = {}
+"""Registers, spills, shared memory and programs per SM of each compiled decode specialization
+(filled on the GPU after a specialization's first launch; read by bench/kernels.py)."""
 _OCCUPANCY: dict[tuple, int] = {}
 """Programs per SM of each compiled specialization, read from the compiled kernel after its
 first launch (registers, shared memory, warps); the split count is planned from it."""
@@ -373,7 +423,7 @@ def segment_partial(
     cfg = DECODE_CONFIGS[quant]
     ept = _entries_per_it(seg, cfg)
     # whole iterations per split, so an iteration's entries never straddle a split boundary
-    e_per_split = -(-(-(-max(e, 1) // splits)) // ept) * ept
+    e_per_split = triton.cdiv(triton.cdiv(max(e, 1), splits), ept) * ept
     dev = q.device
     # every entry lies in exactly one split's range and is written there: no fill needed
     ent = torch.empty((s, e, hq), device=dev, dtype=torch.float32)
@@ -400,7 +450,7 @@ def segment_partial(
         s, e, hq, e_per_split, sm_scale * LOG2E,
         QUANT=QUANT_CODE[quant], HAS_COUNT=lc is not None, GROUP=st.group_size,
         BITS=8 // per, PER=per, G=g, G_PAD=_p2(g, 16), D=d, BLOCK_D=_p2(d, 16), C=c, EPT=ept,
-        RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET,
+        RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET, KT=cfg.kt,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     key = _launch_key(seg, q, cfg)
@@ -408,6 +458,10 @@ def segment_partial(
         occ = _occupancy_of(kernel, cfg.num_warps, dev)
         if occ:
             _OCCUPANCY[key] = occ
+            KERNEL_INFO[key] = {
+                "regs": int(kernel.n_regs), "spills": int(kernel.n_spills),
+                "smem": int(kernel.metadata.shared), "occupancy": occ,
+            }  # fmt: skip
     return ent
 
 

@@ -164,14 +164,14 @@ def _decode_kernel(
         q = q.to(tl.float32)
         dot_t: tl.constexpr = tl.float32
     elif QUANT == 0:
-        dot_t: tl.constexpr = q_ptr.dtype.element_ty
+        dot_t: tl.constexpr = q_ptr.dtype.element_ty  # type: ignore[no-redef]  # constexpr branches
     else:
         # q / 2^ceil(log2 max|q|) lies in [-1, 1]: exact in f16 down to 2^-14 of the largest element
         qmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
         qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
         q = (q.to(tl.float32) * (1.0 / qn)).to(tl.float16)
         score_scale = score_scale * qn
-        dot_t: tl.constexpr = tl.float16
+        dot_t: tl.constexpr = tl.float16  # type: ignore[no-redef]
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
@@ -328,11 +328,11 @@ class DecodeConfig:
 
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
-    "bf16": DecodeConfig(64, 4, 3),
-    "fp8": DecodeConfig(64, 4, 3),
-    "int8": DecodeConfig(64, 4, 3),
-    "int4": DecodeConfig(64, 4, 3),
-    "int2": DecodeConfig(64, 4, 3),
+    "bf16": DecodeConfig(64, 4, 2),
+    "fp8": DecodeConfig(128, 4, 3),
+    "int8": DecodeConfig(128, 4, 3),
+    "int4": DecodeConfig(64, 4, 2),
+    "int2": DecodeConfig(128, 4, 3),
 }
 """Per quantization; bench/kernels.py --sweep measures alternatives on the H200."""
 
@@ -354,7 +354,7 @@ def _occupancy_of(kernel, num_warps: int, device: torch.device) -> int:  # type:
     threads = 32 * num_warps
     # registers are allocated per warp in units of 256
     regs_per_warp = -(-max(int(n_regs), 1) * 32 // 256) * 256
-    by_regs = props.regs_per_multiprocessor // (regs_per_warp * num_warps)
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * num_warps)
     by_threads = props.max_threads_per_multi_processor // threads
     smem = int(kernel.metadata.shared) + 1024  # the driver reserves 1 KiB per block
     by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // smem if smem else 32

@@ -126,3 +126,11 @@ def test_probe_is_zero_for_bf16_and_grows_with_compression():
     q = queries_for(k[0], 8, 3)
     errs = [attention_error(q, k[0], v[0], compress_block(f, k[0], v[0])) for f in ("bf16", "int8", "int4", "int2")]
     assert errs[0] == 0 and errs[1] < errs[2] < errs[3]
+
+
+def test_segment_rejects_more_tokens_than_a_slot_holds():
+    seg, _ = _segment("int4", 1, 2, 16, 1, 64, 6, "cpu", partial=False)
+    too_many = seg.slot_tokens.clone()
+    too_many[0, 1] = seg.store.slot_tokens + 1
+    with pytest.raises(ValueError, match="slot capacity 16"):
+        KVSegment(seg.store, seg.slot_table, too_many)

@@ -1,25 +1,28 @@
 """Triton split-K decode attention over one segment (one format) of paged slots.
 
 One program handles (sequence, KV head, split): all G query heads of the KV head at once (the
-GQA group padded to 16 rows so `tl.dot` runs on the tensor cores) and a contiguous range of
-the sequence's entries, `EPT` entries (slots) per iteration. A tile is loaded as
-[row groups, RS, D]: a row group is RS tokens of one slot that share their metadata (a KIVI key
-group, or a whole slot), so the slot id, valid-token count and scales are loaded once per row
-group, never per token or per element.
+GQA group padded to 16 rows so `tl.dot` runs on the tensor cores) and a contiguous range of the
+sequence's entries, `EPT` entries (slots) per iteration. Each row's slot id and valid-token count
+are loaded as vectors the software pipeliner prefetches together with the data tiles that
+depend on them; KIVI key scales are loaded once per group of `RS` tokens and broadcast.
 
 Dequantization happens in registers and never goes through an int -> float conversion
-instruction (a quarter-rate unit on the H200): codes become float32 by the magic-number trick
-(`_codes_to_f32`), fp8 by a hardware e4m3 -> bf16 convert. Per-token scales (fp8 keys and values,
-int8 values) are not applied per element at all: a key scale multiplies the score column, a
-value scale the probability column before the P @ V product. Sub-byte codes are unpacked with
-`tl.join`, which keeps a byte's codes in the thread that loaded it.
+instruction (a unit at an eighth of the FMA rate on the H200): int4 / int2 codes become float16
+through the hardware e4m3 -> f16 convert (`_small_codes_f16`), int8 codes by the f16 magic
+number (`_bytes_f16`), fp8 by the e4m3 convert. Compressed formats multiply in f16, the hot path
+in bf16. Per-token scales (fp8 keys and values, int8 values) are not applied per element: a key
+scale multiplies the score column, a value scale the probability column before P @ V.
 
-Outputs per split: normalised output and log-sum-exp; per entry: the log-sum-exp of its logits,
-from which `attention.decode_attention` derives the entry's attention mass after the merge.
+The launch configuration (tokens per iteration, warps, pipeline stages) is per format
+(`DECODE_CONFIGS`, chosen by `bench/kernels.py --sweep` on the H200), and the split count follows
+the compiled kernel's occupancy (`choose_splits`). Outputs per split: normalised output and
+log-sum-exp; per entry: the log-sum-exp of its logits, from which `attention.decode_attention`
+derives the entry's attention mass after the merge.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,22 +61,6 @@ def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
         c3 = (b >> 6).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         # join(join(c0, c2), join(c1, c3))[..., i, o] = c[2 * i + o]: flattening gives channel order
         return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), *b.shape[:-1], b.shape[-1] * 4)
-
-
-@triton.jit
-def _small_codes_f16_t(b, BITS: tl.constexpr, PER: tl.constexpr):
-    """`_small_codes_f16` for a transposed tile: uint8 [P, N] -> float16 [P * PER, N]."""
-    if PER == 2:
-        lo = (b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        hi = (b >> 4).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        return tl.reshape(tl.permute(tl.join(lo, hi), 0, 2, 1), b.shape[0] * 2, b.shape[1])
-    else:
-        c0 = (b & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c1 = ((b >> 2) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c2 = ((b >> 4) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c3 = (b >> 6).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        x = tl.permute(tl.join(tl.join(c0, c2), tl.join(c1, c3)), 0, 2, 3, 1)
-        return tl.reshape(x, b.shape[0] * 4, b.shape[1])
 
 
 @triton.jit
@@ -135,7 +122,6 @@ def _decode_kernel(
     EPT: tl.constexpr,  # entries per iteration
     RS: tl.constexpr,  # tokens per row group: min(GROUP, C) for KIVI keys, else C
     DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
-    KT: tl.constexpr,  # load compressed key tiles transposed
 ):
     """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
     float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
@@ -201,33 +187,6 @@ def _decode_kernel(
         # ---- keys -> scores [G_PAD, BLOCK_N] in log2 units
         if QUANT == 0:
             k = tl.trans(tl.load(k_ptrs, mask=m2, other=0.0).to(dot_t))
-        elif KT:
-            # compressed keys are loaded transposed, [BP, BLOCK_N], so that the dequantized tile is
-            # the dot's B operand as it stands (no transpose of a register tile)
-            kt_ptrs = k_ptr + op[:, None] + (slot_n * sk_slot + tn * sk_t + h * sk_h)[None, :]
-            if P == BP:  # noqa: SIM108 - constexpr branch: Triton compiles one side
-                m2t = valid_n[None, :]
-            else:
-                m2t = valid_n[None, :] & (op < P)[:, None]
-            kbt = tl.load(kt_ptrs, mask=m2t, other=0)
-            if QUANT == 1:
-                k = kbt.to(tl.float8e4nv, bitcast=True).to(dot_t)
-            else:
-                if SMALL:  # noqa: SIM108 - constexpr branch: Triton compiles one side
-                    kc = _small_codes_f16_t(kbt, BITS, PER)
-                else:
-                    kc = _bytes_f16(kbt, 0)
-                kc = tl.reshape(kc, (BLOCK_D, NR, RS))
-                er = e0 + orr // RPE
-                mr = er < e_end
-                slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
-                g_off = slot_r[None, :] * sks_slot + (t0 // GROUP)[None, :] * sks_t + h * sks_h + od[:, None]
-                gm = mr[None, :] & md[:, None]
-                sc = tl.load(ks_ptr + g_off, mask=gm, other=0.0)
-                zp = tl.load(kz_ptr + g_off, mask=gm, other=0.0)
-                if SMALL:
-                    zp = zp * 0.001953125  # 2^-9, exact
-                k = tl.reshape(kc.to(dot_t) * sc.to(dot_t)[:, :, None] + zp.to(dot_t)[:, :, None], (BLOCK_D, BLOCK_N))
         elif QUANT == 1:  # fp8 e4m3 is exact in f16; the per-token scale goes on the score column
             k = tl.trans(tl.load(k_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t))
         else:  # KIVI keys: per channel, one scale / zero row per row group of RS tokens
@@ -323,8 +282,6 @@ class DecodeConfig:
     """Tokens per iteration (EPT = tokens / slot capacity entries, at least one entry)."""
     num_warps: int
     num_stages: int
-    kt: bool = False
-    """Load compressed key tiles transposed ([D, tokens])."""
 
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
@@ -366,19 +323,26 @@ def _launch_key(seg: KVSegment, q: torch.Tensor, cfg: DecodeConfig) -> tuple:
     return (st.fmt.quant, st.slot_tokens, q.shape[-1], q.shape[1] // st.num_kv_heads, st.log_count is not None, cfg)
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_splits(programs_per_split: int, tiles: int, slots: int) -> int:
     """Split count minimising the modelled time waves x (tiles per program + 2): a program that
     waits for a second wave costs a whole program's time, and a program's fixed cost (queries in,
-    partials out) is about two tiles. Ties go to fewer splits (less merging)."""
+    partials out) is about two tiles. Ties go to fewer splits (less merging).
+
+    Only split counts that just fill a whole number of waves (up to 8) can be optimal, so only
+    those are scored: a few dozen candidates, cached, since the CUDA backend asks once per
+    segment, layer and step.
+    """
+    cands = {1, max(1, tiles)}
+    for waves in range(1, 9):
+        full = waves * slots // max(1, programs_per_split)
+        cands.update(x for x in (full, full + 1) if 1 <= x <= max(1, tiles))
     best, best_t = 1, None
-    for sp in range(1, max(1, tiles) + 1):
-        progs = programs_per_split * sp
-        waves = -(-progs // slots)
+    for sp in sorted(cands):
+        waves = -(-(programs_per_split * sp) // slots)
         cost = waves * (-(-tiles // sp) + 2)
         if best_t is None or cost < best_t:
             best, best_t = sp, cost
-        if progs > 8 * slots:
-            break
     return best
 
 
@@ -450,7 +414,7 @@ def segment_partial(
         s, e, hq, e_per_split, sm_scale * LOG2E,
         QUANT=QUANT_CODE[quant], HAS_COUNT=lc is not None, GROUP=st.group_size,
         BITS=8 // per, PER=per, G=g, G_PAD=_p2(g, 16), D=d, BLOCK_D=_p2(d, 16), C=c, EPT=ept,
-        RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET, KT=cfg.kt,
+        RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     key = _launch_key(seg, q, cfg)

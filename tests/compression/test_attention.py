@@ -35,7 +35,7 @@ def _segment(fmt, s, entries, b, h, d, seed, device, partial=True):
 
 @pytest.mark.parametrize(
     "hq,h,d",
-    [(4, 4, 64), (6, 2, 64), (8, 1, 128)],  # GQA 1, 3, 8
+    [(4, 4, 64), (6, 2, 64), (8, 1, 128), (4, 2, 96)],  # GQA 1, 3, 8; D 96 pads to 128 (masked)
 )
 def test_mixed_formats_triton_matches_reference(hq, h, d, device):
     s, b = 2, 32

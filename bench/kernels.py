@@ -432,8 +432,8 @@ SWEEP_CONFIGS = [
     (128, 4, 2, True),
     (128, 4, 3, True),
 ]
-"""(tokens per iteration, warps, stages, scale values on the value rows) tried per format by
---sweep; the last flag only exists for fp8 and int8. Run 2026-12-01 (kernels-h200.md) tried
+"""(tokens per iteration, warps, stages, variant) tried per format by --sweep; the variant is
+`DecodeConfig.scale_values` for fp8 / int8 and `word_unpack` for int4. Run 2026-12-01 (kernels-h200.md) tried
 (64|128, 4|8, 2|3|4) without the flag: 8 warps were slowest everywhere, 2 stages best but for
 fp8 / int8 / int2 at 128 tokens."""
 SWEEP_FORMATS = ["bf16", "fp8", "int8", "int4", "int2"]
@@ -482,12 +482,13 @@ def sweep(out_dir: str) -> None:
     for fmt in SWEEP_FORMATS:
         q, seg, moved, _ = _decode_case(32768, 8, fmt)
         best = None
-        for tok, nw, ns, sv in SWEEP_CONFIGS:
-            if sv and fmt not in ("fp8", "int8"):
+        for tok, nw, ns, variant in SWEEP_CONFIGS:
+            if variant and fmt not in ("fp8", "int8", "int4"):
                 continue
-            cfg = ta.DecodeConfig(tok, nw, ns, sv)
+            sv, wu = variant and fmt != "int4", variant and fmt == "int4"
+            cfg = ta.DecodeConfig(tok, nw, ns, scale_values=sv, word_unpack=wu)
             ta.DECODE_CONFIGS[fmt] = cfg
-            row = {"format": fmt, "tokens": tok, "warps": nw, "stages": ns, "scale_values": sv}
+            row = {"format": fmt, "tokens": tok, "warps": nw, "stages": ns, "variant": variant}
             try:
                 row["check_err"] = _small_check(fmt)
                 ms = bench_ms(lambda q=q, seg=seg: decode_attention(q, [seg], backend="triton"), graph=True, rep=100)
@@ -504,7 +505,7 @@ def sweep(out_dir: str) -> None:
         if best is not None:
             ta.DECODE_CONFIGS[fmt] = best[1]
             b = best[1]
-            res["best"][fmt] = [b.tokens, b.num_warps, b.num_stages, b.scale_values, best[0] * 1e3]
+            res["best"][fmt] = [b.tokens, b.num_warps, b.num_stages, b.scale_values or b.word_unpack, best[0] * 1e3]
         del q, seg
         torch.cuda.empty_cache()
     for ctx, batch in [(4096, 1), (32768, 8), (32768, 32), (131072, 8)]:
@@ -676,12 +677,12 @@ def render_markdown(r: dict) -> str:
             f"{d['int8']:.1f} | {d['int4']:.1f} | {d['int2']:.1f} | {d['bf16_gbps']:.0f} | {d['int4_gbps']:.0f} |"
         )
     lines += ["", "## Launch configurations at 32k x 8 (tokens per iteration, warps, stages)", ""]
-    lines += ["| format | tokens | warps | stages | v on V | us | GB/s | regs | spills | progs/SM | splits | err |"]
+    lines += ["| format | tokens | warps | stages | variant | us | GB/s | regs | spills | progs/SM | splits | err |"]
     lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["decode_config_sweep"]:
         if "time_us" in c:
             lines.append(
-                f"| {c['format']} | {c['tokens']} | {c['warps']} | {c['stages']} | {c.get('scale_values', False)} | "
+                f"| {c['format']} | {c['tokens']} | {c['warps']} | {c['stages']} | {c.get('variant', False)} | "
                 f"{c['time_us']:.1f} | "
                 f"{c['gbps']:.0f} | {c.get('regs', '')} | {c.get('spills', '')} | {c.get('occupancy', '')} | "
                 f"{c['splits']} | {c['check_err']:.1e} |"

@@ -64,6 +64,31 @@ def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
+def _int4_words_f16(w):
+    """int32 words [..., W] of packed int4 codes (word m holds channels 8m .. 8m+7, nibble i is
+    channel 8m+i) -> exact float16 codes [..., 8W] in channel order, two codes per 32-bit op:
+    nibbles i and i+4 go into the mantissas of both halves of 1024.0 (0x64006400) at once."""
+    t0 = (w & 0x000F000F) | 0x64006400  # channels 8m+0 (low half) and 8m+4 (high half)
+    t1 = ((w >> 4) & 0x000F000F) | 0x64006400  # 8m+1, 8m+5
+    t2 = ((w >> 8) & 0x000F000F) | 0x64006400  # 8m+2, 8m+6
+    t3 = ((w >> 12) & 0x000F000F) | 0x64006400  # 8m+3, 8m+7
+    # v[half][i1][i0] is channel 8m + 4*half + 2*i1 + i0; a join appends the fastest axis, so join
+    # over half first, then i1, then i0
+    j0 = tl.join(_half_f16(t0, 0), _half_f16(t0, 16))
+    j1 = tl.join(_half_f16(t1, 0), _half_f16(t1, 16))
+    j2 = tl.join(_half_f16(t2, 0), _half_f16(t2, 16))
+    j3 = tl.join(_half_f16(t3, 0), _half_f16(t3, 16))
+    x = tl.join(tl.join(j0, j2), tl.join(j1, j3))
+    return tl.reshape(x, *w.shape[:-1], w.shape[-1] * 8) - 1024.0
+
+
+@triton.jit
+def _half_f16(t, SHIFT: tl.constexpr):
+    """The float16 in bits [SHIFT, SHIFT + 16) of int32 t."""
+    return (t >> SHIFT).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _bytes_f16(b, OFFSET: tl.constexpr):
     """uint8 / int8 codes -> exact float16 (code + OFFSET must lie in [0, 1024)) without an integer
     to float conversion: OR code + OFFSET into the mantissa of 1024.0 (bits 0x6400), subtract
@@ -123,6 +148,7 @@ def _decode_kernel(
     RS: tl.constexpr,  # tokens per row group: min(GROUP, C) for KIVI keys, else C
     DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
     SCALE_V: tl.constexpr,  # fp8 / int8: per-token value scales on the value rows, not on P
+    WORDS: tl.constexpr,  # int4: load 32-bit words and unpack two codes per op (f16 magic, no 2^-9)
 ):
     """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
     float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
@@ -137,7 +163,10 @@ def _decode_kernel(
     RPE: tl.constexpr = C // RS  # row groups per entry
     BP: tl.constexpr = BLOCK_D // PER  # stored elements per row, padded to a power of two
     P: tl.constexpr = D // PER
-    SMALL: tl.constexpr = QUANT >= 3  # int4 / int2: tiles hold code * 2^-9
+    W4: tl.constexpr = WORDS and PER == 2
+    SMALL: tl.constexpr = QUANT >= 3 and not W4  # e4m3-unpacked int4 / int2: tiles hold code * 2^-9
+    BW: tl.constexpr = BP // 4  # 32-bit words per row (W4)
+    ow = tl.arange(0, BW)
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
     mg = og < G
@@ -191,11 +220,14 @@ def _decode_kernel(
         elif QUANT == 1:  # fp8 e4m3 is exact in f16; the per-token scale goes on the score column
             k = tl.trans(tl.load(k_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t))
         else:  # KIVI keys: per channel, one scale / zero row per row group of RS tokens
-            kb = tl.load(k_ptrs, mask=m2, other=0)
-            if SMALL:  # noqa: SIM108 - constexpr branch: Triton compiles one side
-                kc = _small_codes_f16(kb, BITS, PER)
+            if W4:
+                kw_ptrs = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                kw_ptrs = kw_ptrs + ((slot_n * sk_slot + tn * sk_t + h * sk_h) // 4)[:, None] + ow[None, :]
+                kc = _int4_words_f16(tl.load(kw_ptrs, mask=valid_n[:, None] & (ow < P // 4)[None, :], other=0))
+            elif SMALL:
+                kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), BITS, PER)
             else:
-                kc = _bytes_f16(kb, 0)
+                kc = _bytes_f16(tl.load(k_ptrs, mask=m2, other=0), 0)
             kc = tl.reshape(kc, (NR, RS, BLOCK_D))
             er = e0 + orr // RPE
             mr = er < e_end
@@ -236,11 +268,19 @@ def _decode_kernel(
         else:  # int4 / int2 values: scale and zero per (token, GROUP channels)
             NG: tl.constexpr = BLOCK_D // GROUP
             ogr = tl.arange(0, NG)
-            vc = tl.reshape(_small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER), (BLOCK_N, NG, GROUP))
+            if W4:
+                vw_ptrs = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                vw_ptrs = vw_ptrs + ((slot_n * sv_slot + tn * sv_t + h * sv_h) // 4)[:, None] + ow[None, :]
+                vc = _int4_words_f16(tl.load(vw_ptrs, mask=valid_n[:, None] & (ow < P // 4)[None, :], other=0))
+            else:
+                vc = _small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER)
+            vc = tl.reshape(vc, (BLOCK_N, NG, GROUP))
             vg_off = (slot_n * svs_slot + tn * svs_t + h * svs_h)[:, None] + ogr[None, :]
             vgm = valid_n[:, None] & (ogr < D // GROUP)[None, :]
             vsc = tl.load(vs_ptr + vg_off, mask=vgm, other=0.0)
-            vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0) * 0.001953125  # 2^-9, exact
+            vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0)
+            if SMALL:
+                vzp = vzp * 0.001953125  # 2^-9, exact
             v = tl.reshape(vc.to(dot_t) * vsc.to(dot_t)[:, :, None] + vzp.to(dot_t)[:, :, None], (BLOCK_N, BLOCK_D))
         if QUANT == 1 or QUANT == 2:
             # per-token value scale relative to the tile's largest (so f16 operands stay in range);
@@ -292,6 +332,9 @@ class DecodeConfig:
     scale_values: bool = False
     """fp8 / int8: apply per-token value scales to the value rows instead of the probabilities
     (fewer instructions and registers when compiled; not yet timed on the H200)."""
+    word_unpack: bool = False
+    """int4: unpack 32-bit words, two codes per integer op (compile-only: fewer instructions per
+    code than the e4m3 path; not yet timed on the H200). Pools must be 4-byte aligned."""
 
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
@@ -373,6 +416,11 @@ def plan_splits(q: torch.Tensor, seg: KVSegment, num_splits: int | None) -> int:
     return choose_splits(q.shape[0] * seg.store.num_kv_heads, tiles, sms * occ)
 
 
+def _word_aligned(*ts: torch.Tensor) -> bool:
+    """Every tensor's base address and leading strides allow 32-bit loads of its packed bytes."""
+    return all(t.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in t.stride()[:3]) for t in ts)
+
+
 def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else tuple(t.stride()[:3])  # type: ignore[return-value]
 
@@ -425,6 +473,7 @@ def segment_partial(
         QUANT=QUANT_CODE[quant], HAS_COUNT=lc is not None, GROUP=st.group_size,
         BITS=8 // per, PER=per, G=g, G_PAD=_p2(g, 16), D=d, BLOCK_D=_p2(d, 16), C=c, EPT=ept,
         RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET, SCALE_V=cfg.scale_values,
+        WORDS=cfg.word_unpack and _word_aligned(k_data, v_data),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     key = _launch_key(seg, q, cfg)

@@ -144,7 +144,7 @@ def test_segment_rejects_more_tokens_than_a_slot_holds():
         KVSegment(seg.store, seg.slot_table, too_many)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 @pytest.mark.parametrize("tokens", [32, 64])
 def test_launch_variants_match_reference(fmt, tokens, device, monkeypatch):
     """Every launch variant bench/kernels.py --sweep may pick computes the same attention."""
@@ -154,8 +154,8 @@ def test_launch_variants_match_reference(fmt, tokens, device, monkeypatch):
     seg = _segment(fmt, s, 3, 16, 2, 64, 11, device)[0]
     q = torch.randn(s, 8, 64, generator=torch.Generator().manual_seed(tokens)).bfloat16().to(device)
     r = decode_attention_reference(q, [seg])
-    for scale_values in (False, True):
-        monkeypatch.setitem(ta.DECODE_CONFIGS, fmt, ta.DecodeConfig(tokens, 4, 2, scale_values))
+    for variant in (False, True):
+        monkeypatch.setitem(ta.DECODE_CONFIGS, fmt, ta.DecodeConfig(tokens, 4, 2, variant, variant))
         o = decode_attention(q, [seg], backend="triton")
         assert rel_err(o.out.float(), r.out.float()) < 1e-2
         assert torch.allclose(o.block_mass[0], r.block_mass[0], atol=MASS_ATOL)

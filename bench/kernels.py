@@ -68,10 +68,10 @@ def cb_bytes(cb) -> int:
     return nbytes(cb.k_data, cb.v_data, cb.k_scale, cb.k_zero, cb.v_scale, cb.v_zero, cb.log_count, cb.token_index)
 
 
-def bench_ms(fn, graph: bool = False) -> float:
+def bench_ms(fn, graph: bool = False, rep: int = 200) -> float:
     if graph:
         try:
-            return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
+            return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
         except Exception as e:  # capture can fail on a host sync; eager timing is then the fallback
             print(f"  cudagraph capture failed ({type(e).__name__}: {e}); timing eagerly", flush=True)
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
@@ -138,7 +138,7 @@ def checks() -> list[dict]:
         e_o, e_lse = rel(o.out.float(), r.out.float()), float((o.lse - r.lse).abs().max())
         out.append({
             "op": "check_decode", "format": "mixed", "gqa": hq // H, "out_rel_err": e_o,
-            "lse_abs_err": e_lse, "mass_abs_err": mass_err, "ok": bool(e_o < 1e-2 and e_lse < 1e-2 and mass_err < 2e-3),
+            "lse_abs_err": e_lse, "mass_abs_err": mass_err, "ok": bool(e_o < 1e-2 and e_lse < 1e-2 and mass_err < 5e-3),
         })  # fmt: skip
     return out
 
@@ -227,7 +227,7 @@ def decode_rows(copy_gbps: float, shapes: list[tuple[int, int]]) -> list[dict]:
                 def fn(seg=seg, q=q):
                     return decode_attention(q, [seg], backend="triton")
 
-                ms = bench_ms(fn, graph=True)
+                ms = bench_ms(fn, graph=True, rep=100)
                 moved = cb_bytes(cb) - nbytes(cb.token_index) + nbytes(q) * 2
                 if fmt == "bf16":
                     bf16_ms = ms
@@ -277,45 +277,92 @@ def quality_rows() -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
+ISSUE_SHAPES = [(32768, 8), (32768, 32), (131072, 8)]
+"""The shapes issue 15's decode targets are stated at (context, batch)."""
+
+
+def decode_targets(times: dict[tuple[int, int], dict[str, float]]) -> list[dict]:
+    """Issue 15's decode targets from {(context, batch): {format or "sdpa": time_us}}; a target
+    whose shapes were not measured is reported as such, not as met."""
+    out = []
+
+    def add(name: str, vals: list[float], ok) -> None:  # type: ignore[no-untyped-def]
+        if not vals:
+            out.append({"target": name, "value": None, "met": False, "note": "not measured"})
+        else:
+            out.append({"target": name, "value": vals, "met": bool(all(ok(v) for v in vals))})
+
+    big = [times[s] for s in ISSUE_SHAPES if s in times]
+    hot = [t for (ctx, b), t in times.items() if b >= 8 and "bf16" in t and "sdpa" in t]
+    add("Proxima bf16 / SDPA bf16, batch >= 8 (<= 1.10)", [t["bf16"] / t["sdpa"] for t in hot], lambda v: v <= 1.10)
+    add("int4 speed vs Proxima bf16 (>= 2.2x)", [t["bf16"] / t["int4"] for t in big], lambda v: v >= 2.2)
+    add("int4 speed vs SDPA bf16 (>= 1.8x)", [t["sdpa"] / t["int4"] for t in big], lambda v: v >= 1.8)
+    for fmt in ("int8", "fp8"):
+        add(f"{fmt} speed vs Proxima bf16 (>= 1.5x)", [t["bf16"] / t[fmt] for t in big], lambda v: v >= 1.5)
+    add("int2 speed vs Proxima bf16 (>= 3x)", [t["bf16"] / t["int2"] for t in big], lambda v: v >= 3.0)
+    small = times.get((4096, 1), {})
+    add(
+        "every format at 4k x 1 vs Proxima bf16 (>= 0.9x)",
+        [small["bf16"] / small[f] for f in ("fp8", "int8", "int4", "int2") if f in small and "bf16" in small],
+        lambda v: v >= 0.9,
+    )
+    return out
+
+
+def compress_targets(rows: list[dict]) -> list[dict]:
+    out = []
+    for op, fmt in (("compress", "fp8"), ("compress", "int8"), ("compress", "int4"), ("decompress", "int4")):
+        r = [x for x in rows if x["op"] == op and x["format"] == fmt and "gbps" in x]
+        frac = r[0]["gbps"] / r[0]["copy_gbps"] if r else None
+        out.append({"target": f"{op} {fmt} >= 60% of copy", "value": frac, "met": frac is not None and frac >= 0.6})
+    for fmt in ("cluster(4)", "cluster(2)+int8"):
+        r = [x for x in rows if x["op"] == "compress" and x["format"] == fmt and "gbps" in x]
+        frac = r[0]["gbps"] / r[0]["copy_gbps"] if r else None
+        out.append(
+            {"target": f"compress {fmt} >= 15% of copy", "value": frac, "met": frac is not None and frac >= 0.15}
+        )
+    return out
+
+
+def bytes_per_token_head() -> list[dict]:
+    """Stored bytes per token per KV head (keys + values + metadata) at the bench's shapes."""
+    from proxima.compression import slot_spec
+
+    rows = []
+    for fmt in ["bf16", "fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int4"]:
+        sp = slot_spec(fmt, block_size=B, head_dim=D, num_kv_heads=H)
+        total = sp.bytes_per_token / H
+        rows.append(
+            {"format": fmt, "bytes": total, "meta_bytes": sp.meta_bytes_per_slot / B / H, "vs_bf16": 4 * D / total}
+        )
+    return rows
+
+
 def targets(rows: list[dict]) -> list[dict]:
-    t = []
-    by = lambda op, fmt: [r for r in rows if r["op"] == op and r["format"] == fmt]  # noqa: E731
-    for fmt in ("fp8", "int8", "int4"):
-        r = by("compress", fmt)[0]
-        t.append(
+    times: dict[tuple[int, int], dict[str, float]] = {}
+    for r in rows:
+        if r["op"] == "decode" and "time_us" in r:
+            t = times.setdefault((r["context"], r["batch"]), {"sdpa": r["sdpa_time_us"]})
+            t[r["format"]] = r["time_us"]
+    qual = {r["format"]: r["attn_rel_err"] for r in rows if r["op"] == "quality"}
+    tg = compress_targets(rows) + decode_targets(times)
+    for fmt, bound in (("int8", 0.01), ("fp8", 0.04), ("int4", 0.08)):
+        tg.append(
             {
-                "target": f"compress {fmt} >= 60% of copy bandwidth",
-                "value": r["gbps"] / r["copy_gbps"],
-                "met": r["gbps"] >= 0.6 * r["copy_gbps"],
+                "target": f"attention error {fmt} <= {bound:.0%}",
+                "value": qual.get(fmt),
+                "met": qual.get(fmt, 1) <= bound,
             }
         )
-    big = [r for r in by("decode", "int4") if r["context"] >= 32768]
-    t.append(
-        {
-            "target": "int4 decode >= 2.5x Proxima bf16 at >= 32k",
-            "value": min(r["speedup_vs_bf16"] for r in big),
-            "met": all(r["speedup_vs_bf16"] >= 2.5 for r in big),
-        }
-    )
-    t.append(
-        {
-            "target": "int4 decode faster than SDPA bf16 at >= 32k",
-            "value": min(r["speedup_vs_sdpa"] for r in big),
-            "met": all(r["speedup_vs_sdpa"] > 1 for r in big),
-        }
-    )
-    hot = by("decode", "bf16")
-    t.append(
-        {
-            "target": "Proxima bf16 paged within 1.3x of SDPA",
-            "value": max(r["time_us"] / r["sdpa_time_us"] for r in hot),
-            "met": all(r["time_us"] <= 1.3 * r["sdpa_time_us"] for r in hot),
-        }
-    )
-    qual = {r["format"]: r["attn_rel_err"] for r in rows if r["op"] == "quality"}
-    for fmt, bound in (("int8", 0.01), ("fp8", 0.01), ("int4", 0.05)):
-        t.append({"target": f"attention error {fmt} <= {bound:.0%}", "value": qual[fmt], "met": qual[fmt] <= bound})
-    return t  # fmt: skip
+    return tg
+
+
+def _fmt_value(v) -> str:  # type: ignore[no-untyped-def]
+    if v is None:
+        return "not measured"
+    if isinstance(v, list):
+        return " / ".join(f"{x:.2f}" for x in v)
+    return f"{v:.3g}"
 
 
 def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
@@ -326,7 +373,7 @@ def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
         "",
     ]
     lines += ["## Targets", "", "| target | value | met |", "|---|---|---|"]
-    lines += [f"| {x['target']} | {x['value']:.3g} | {'yes' if x['met'] else 'no'} |" for x in tg]
+    lines += [f"| {x['target']} | {_fmt_value(x['value'])} | {'yes' if x['met'] else 'no'} |" for x in tg]
     lines += [
         "",
         "## Checks against the torch reference (GPU)",
@@ -375,14 +422,333 @@ def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
     return "\n".join(lines) + "\n"  # fmt: skip
 
 
+SWEEP_CONFIGS = [
+    (64, 4, 2, False),
+    (64, 4, 3, False),
+    (128, 4, 2, False),
+    (128, 4, 3, False),
+    (64, 8, 2, False),
+    (64, 4, 2, True),
+    (128, 4, 2, True),
+    (128, 4, 3, True),
+]
+"""(tokens per iteration, warps, stages, variant) tried per format by --sweep; the variant is
+`DecodeConfig.scale_values` for fp8 / int8 and `word_unpack` for int4. Run 2026-12-01 (kernels-h200.md) tried
+(64|128, 4|8, 2|3|4) without the flag: 8 warps were slowest everywhere, 2 stages best but for
+fp8 / int8 / int2 at 128 tokens."""
+SWEEP_FORMATS = ["bf16", "fp8", "int8", "int4", "int2"]
+
+
+def _decode_case(ctx: int, batch: int, fmt: str, seed: int = 0):  # type: ignore[no-untyped-def]
+    """q, a shuffled paged segment of `fmt` and the bytes decode must read; plus bf16 contiguous KV."""
+    torch.manual_seed(seed)
+    per_seq = ctx // B
+    nblk = batch * per_seq
+    k = torch.randn(nblk, B, H, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    imp = torch.rand(nblk, B, H, device="cuda") if "(" in fmt else None
+    cb = compress_blocks(fmt, k, v, token_importance=imp, backend="triton")
+    table = torch.randperm(nblk, device="cuda").view(batch, per_seq).int()
+    ntok = torch.full((batch, per_seq), cb.slot_tokens, dtype=torch.int32, device="cuda")
+    moved = cb_bytes(cb) - nbytes(cb.token_index) + nbytes(q) * 2
+    return q, KVSegment(cb, table, ntok), moved, (k, v)
+
+
+def _small_check(fmt: str) -> float:
+    """Max over out / lse / mass of the error of a 3-sequence decode with a partial and a padding
+    entry against the torch reference (fresh data every call)."""
+    s, e = 3, 7
+    kk, vv = realistic_kv(s * e + 2, B, H, D, seed=int(time.time() * 1e3) % 10_000, device="cuda")
+    cb = compress_blocks(fmt, kk, vv, token_importance=torch.rand(s * e + 2, B, H, device="cuda"))
+    tab = torch.randperm(s * e + 2, device="cuda")[: s * e].view(s, e).int()
+    nt = torch.full((s, e), cb.slot_tokens, dtype=torch.int32, device="cuda")
+    nt[0, -1] = max(1, cb.slot_tokens // 3)
+    nt[1, 2] = 0
+    seg = KVSegment(cb, tab, nt)
+    q = torch.randn(s, HQ, D, device="cuda", dtype=torch.bfloat16)
+    r = decode_attention_reference(q, [seg])
+    o = decode_attention(q, [seg], backend="triton")
+    mass = float((o.block_mass[0] - r.block_mass[0]).abs().max())
+    return max(rel(o.out.float(), r.out.float()), float((o.lse - r.lse).abs().max()) / 10, mass)
+
+
+def sweep(out_dir: str) -> None:
+    """Time every SWEEP_CONFIGS entry per format at 32k x 8, keep the best, then time the best
+    configs at the issue's shapes against SDPA. Writes sweep.json."""
+    from proxima.compression import triton_attention as ta
+
+    res: dict = {"configs": [], "shapes": [], "best": {}}
+    for fmt in SWEEP_FORMATS:
+        q, seg, moved, _ = _decode_case(32768, 8, fmt)
+        best = None
+        for tok, nw, ns, variant in SWEEP_CONFIGS:
+            if variant and fmt not in ("fp8", "int8", "int4"):
+                continue
+            sv, wu = variant and fmt != "int4", variant and fmt == "int4"
+            cfg = ta.DecodeConfig(tok, nw, ns, scale_values=sv, word_unpack=wu)
+            ta.DECODE_CONFIGS[fmt] = cfg
+            row = {"format": fmt, "tokens": tok, "warps": nw, "stages": ns, "variant": variant}
+            try:
+                row["check_err"] = _small_check(fmt)
+                ms = bench_ms(lambda q=q, seg=seg: decode_attention(q, [seg], backend="triton"), graph=True, rep=100)
+                row.update(time_us=ms * 1e3, gbps=moved / ms / 1e6)
+                key = ta._launch_key(seg, q, cfg)
+                row.update(ta.KERNEL_INFO.get(key, {}))
+                row["splits"] = ta.plan_splits(q, seg, None)
+                if row["check_err"] < 2e-2 and (best is None or ms < best[0]):
+                    best = (ms, cfg)
+            except Exception as e:  # keep going: one config that fails to compile must not stop the sweep
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            res["configs"].append(row)
+            print(f"  sweep {row}", flush=True)
+        if best is not None:
+            ta.DECODE_CONFIGS[fmt] = best[1]
+            b = best[1]
+            res["best"][fmt] = [b.tokens, b.num_warps, b.num_stages, b.scale_values or b.word_unpack, best[0] * 1e3]
+        del q, seg
+        torch.cuda.empty_cache()
+    for ctx, batch in [(4096, 1), (32768, 8), (32768, 32), (131072, 8)]:
+        q, seg, moved, (k, v) = _decode_case(ctx, batch, "bf16")
+        per_seq = ctx // B
+        kc = k.view(batch, per_seq, B, H, D).permute(0, 3, 1, 2, 4).reshape(batch, H, ctx, D).contiguous()
+        vc = v.view(batch, per_seq, B, H, D).permute(0, 3, 1, 2, 4).reshape(batch, H, ctx, D).contiguous()
+        qs = q.unsqueeze(2)
+        sdpa_ms = bench_ms(
+            lambda qs=qs, kc=kc, vc=vc: torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True),
+            graph=True,
+        )
+        del kc, vc, k, v
+        row = {"context": ctx, "batch": batch, "sdpa_us": sdpa_ms * 1e3}
+        for fmt in SWEEP_FORMATS:
+            q, seg, moved, _ = _decode_case(ctx, batch, fmt)
+            ms = bench_ms(lambda q=q, seg=seg: decode_attention(q, [seg], backend="triton"), graph=True)
+            row[fmt] = ms * 1e3
+            row[fmt + "_gbps"] = moved / ms / 1e6
+            del q, seg
+            torch.cuda.empty_cache()
+        res["shapes"].append(row)
+        print(f"  shape {row}", flush=True)
+    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def profile_one(fmt: str) -> None:
+    """Five decode launches of one format at 32k x 8, for `ncu --launch-skip 2 --launch-count 1`."""
+    q, seg, _, _ = _decode_case(32768, 8, fmt)
+    for _ in range(5):
+        decode_attention(q, [seg], backend="triton")
+    torch.cuda.synchronize()
+
+
+def fp8_diag() -> dict:
+    """fp8 codes: the Triton quantizer against torch's, with the scale divided the old way (by a
+    Python float, which CUDA turns into a reciprocal multiply) and the new way (true division)."""
+    out = {}
+    from proxima.compression import triton_ops
+
+    k, _ = realistic_kv(256, 64, H, D, seed=5, device="cuda")
+    tri = triton_ops.quantize(k, "fp8", 32, is_key=True)[0]
+    xf = k.float()
+    amax = xf.abs().amax(-1)
+    for name, scale in (("python_float", amax / 448.0), ("true_div", ref._true_div(amax, 448.0))):
+        y = xf * (1.0 / scale).unsqueeze(-1)
+        codes = y.to(torch.float8_e4m3fn)
+        out[name] = float((codes.view(torch.uint8) != tri.view(torch.uint8)).float().mean())
+    out["scale_ulps_differ"] = float((amax / 448.0 != ref._true_div(amax, 448.0)).float().mean())
+    return out
+
+
+NCU_METRICS = [
+    "Duration",
+    "DRAM Throughput",
+    "Compute (SM) Throughput",
+    "Issue Slots Busy",
+    "Registers Per Thread",
+    "Theoretical Occupancy",
+    "Achieved Occupancy",
+    "Active Warps Per Scheduler",
+    "Eligible Warps Per Scheduler",
+    "Warp Cycles Per Issued Instruction",
+    "Executed Instructions",
+    "Grid Size",
+    "L2 Hit Rate",
+]
+
+
+def _ncu_summary(text: str) -> dict:
+    """The NCU_METRICS lines and the shared-memory bank-conflict notes of an `ncu --set full` report."""
+    import re
+
+    out: dict = {}
+    for name in NCU_METRICS:
+        m = re.search(r"^\s+" + re.escape(name) + r"\s+(\S+)?\s+([\d,.]+)\s*$", text, re.M)
+        if m:
+            out[name] = float(m.group(2).replace(",", ""))
+    for kind in ("load", "store"):
+        m = re.search(r"causes on average a ([\d.]+) - way bank\s+conflict across all (\d+) shared " + kind, text)
+        if m:
+            out[f"shared {kind} bank conflict ways"] = float(m.group(1))
+    return out
+
+
+def render_run(run_dir: str, out_dir: str, previous: str | None) -> None:
+    """kernels-h200.{json,md} from a device run's files: sweep.json and sweep.log (`--sweep`),
+    ncu_<fmt>.txt (`ncu --set full ... --profile <fmt>`), pytest.log and env.txt. Rows that run
+    did not measure (compress, decompress, quality) are carried from `previous` (an earlier
+    kernels-h200.json) with its date, labelled as such."""
+    import ast
+
+    def read(name: str) -> str:
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            return ""
+        with open(path) as f:
+            return f.read()
+
+    sw = json.loads(read("sweep.json"))
+    env = read("env.txt").strip().splitlines()
+    diag_line = [x for x in read("sweep.log").splitlines() if x.startswith("fp8 diag ")]
+    times = {
+        (r["context"], r["batch"]): {k: v for k, v in r.items() if k in SWEEP_FORMATS} | {"sdpa": r["sdpa_us"]}
+        for r in sw["shapes"]
+    }
+    prev = None
+    if previous:
+        with open(previous) as f:
+            prev = json.load(f)
+    prev_rows = [r for r in prev["rows"] if r["op"] in ("copy", "compress", "decompress", "quality")] if prev else []
+    meta = {
+        "gpu": env[1].split(",")[0] if len(env) > 1 else "?",
+        "driver": env[1].split(",")[-1].strip() if len(env) > 1 else "?",
+        "torch_triton": env[2] if len(env) > 2 else "?",
+        "date": datetime.datetime.fromtimestamp(
+            os.path.getmtime(os.path.join(run_dir, "sweep.json")), datetime.UTC
+        ).isoformat(timespec="seconds"),
+        "commands": [
+            "PYTHONPATH=. python3 bench/kernels.py --sweep --out $OUT",
+            "ncu --clock-control none --set full -k regex:_decode_kernel --launch-skip 2 --launch-count 1 "
+            "python3 bench/kernels.py --profile {int4,bf16,fp8}",
+            "python3 -m pytest -q tests/compression/test_quant.py -k 'triton_matches_reference and fp8'",
+            f"python bench/kernels.py --render RUN_DIR --previous OLD_JSON --out {out_dir}",
+        ],
+        "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D, "block_size": B},
+        "note": "decode-only device run (the session's device time allowed one call); compress / decompress / "
+        "quality rows are from the previous run" + (f" ({prev['meta']['date']})" if prev else "") + ", whose "
+        "compression kernels this code still uses",
+        "previous_run": prev["meta"] if prev else None,
+    }
+    result = {
+        "meta": meta,
+        "targets": compress_targets(prev_rows) + decode_targets(times),
+        "decode": sw["shapes"],
+        "decode_config_sweep": sw["configs"],
+        "decode_best_config": sw["best"],
+        "ncu": {f: _ncu_summary(read(f"ncu_{f}.txt")) for f in ("bf16", "fp8", "int4") if read(f"ncu_{f}.txt")},
+        "fp8_diag": ast.literal_eval(diag_line[0][len("fp8 diag ") :]) if diag_line else None,
+        "gpu_pytest": read("pytest.log").strip().splitlines()[-1:],
+        "bytes_per_token_head": bytes_per_token_head(),
+        "previous_rows": prev_rows,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "kernels-h200.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, "kernels-h200.md"), "w") as f:
+        f.write(render_markdown(result))
+
+
+def render_markdown(r: dict) -> str:
+    m = r["meta"]
+    lines = [f"# Proxima decode kernels on the {m['gpu']}", ""]
+    lines += [f"{m['torch_triton']} (torch, triton), driver {m['driver']}, {m['date']}.", "", m["note"] + ".", ""]
+    lines += ["Commands:", ""] + [f"    {c}" for c in m["commands"]] + [""]
+    lines += ["## Issue 15 targets", "", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {x['target']} | {_fmt_value(x['value'])} | {'yes' if x['met'] else 'no'} |" for x in r["targets"]]
+    lines += ["", "Decode values are at 32k x 8 / 32k x 32 / 128k x 8 (4k x 1 row: fp8 / int8 / int4 / int2).", ""]
+    lines += [
+        "## Decode attention (32 q heads, 8 KV heads, D 128, block 64, shuffled slots; CUDA-graph medians, us)",
+        "",
+    ]
+    lines += ["| context x batch | SDPA bf16 | Proxima bf16 | fp8 | int8 | int4 | int2 | bf16 GB/s | int4 GB/s |"]
+    lines += ["|---|---|---|---|---|---|---|---|---|"]
+    for d in r["decode"]:
+        lines.append(
+            f"| {d['context'] // 1024}k x {d['batch']} | {d['sdpa_us']:.1f} | {d['bf16']:.1f} | {d['fp8']:.1f} | "
+            f"{d['int8']:.1f} | {d['int4']:.1f} | {d['int2']:.1f} | {d['bf16_gbps']:.0f} | {d['int4_gbps']:.0f} |"
+        )
+    lines += ["", "## Launch configurations at 32k x 8 (tokens per iteration, warps, stages)", ""]
+    lines += ["| format | tokens | warps | stages | variant | us | GB/s | regs | spills | progs/SM | splits | err |"]
+    lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in r["decode_config_sweep"]:
+        if "time_us" in c:
+            lines.append(
+                f"| {c['format']} | {c['tokens']} | {c['warps']} | {c['stages']} | {c.get('variant', False)} | "
+                f"{c['time_us']:.1f} | "
+                f"{c['gbps']:.0f} | {c.get('regs', '')} | {c.get('spills', '')} | {c.get('occupancy', '')} | "
+                f"{c['splits']} | {c['check_err']:.1e} |"
+            )
+    lines += [
+        "",
+        "## Nsight Compute (one launch at 32k x 8; the profiled launches used 64 tokens, 4 warps, 3 stages)",
+        "",
+    ]
+    keys = [k for k in NCU_METRICS if any(k in v for v in r["ncu"].values())]
+    keys += ["shared load bank conflict ways", "shared store bank conflict ways"]
+    lines += ["| metric | " + " | ".join(r["ncu"]) + " |", "|---|" + "---|" * len(r["ncu"])]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(f"{v.get(k, '')}" for v in r["ncu"].values()) + " |")
+    lines += ["", "## Bytes per token per KV head (keys + values + metadata, D 128, block 64, group 32)", ""]
+    lines += ["| format | bytes | of which metadata | bf16 / format |", "|---|---|---|---|"]
+    lines += [
+        f"| {b['format']} | {b['bytes']:.1f} | {b['meta_bytes']:.1f} | {b['vs_bf16']:.2f}x |"
+        for b in r["bytes_per_token_head"]
+    ]
+    if r["fp8_diag"]:
+        d = r["fp8_diag"]
+        lines += ["", "## fp8 codes, Triton vs torch on the GPU (fraction of codes that differ)", ""]
+        lines += [
+            f"- reference scale `amax / 448.0` (CUDA: times the reciprocal): {d['python_float']:.2e}",
+            f"- reference scale by true division (`reference._true_div`): {d['true_div']:.2e} (the sign of zero; "
+            "fixed since, see docs/compression.md)",
+            f"- rows whose scale differs by an ulp between the two: {d['scale_ulps_differ']:.0%}",
+        ]
+    if r["gpu_pytest"]:
+        lines += ["", f"GPU pytest: {r['gpu_pytest'][0]}"]
+    if r["previous_rows"]:
+        lines += ["", f"## Compress / decompress, from the previous run ({m['previous_run']['date']})", ""]
+        lines += ["| op | format | time_us | GB/s | % of copy |", "|---|---|---|---|---|"]
+        for x in r["previous_rows"]:
+            if x["op"] in ("compress", "decompress") and "gbps" in x:
+                lines.append(
+                    f"| {x['op']} | {x['format']} | {x['time_us']:.1f} | {x['gbps']:.0f} | "
+                    f"{100 * x['gbps'] / x['copy_gbps']:.0f}% |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="time decode launch configs; write sweep.json")
+    ap.add_argument("--profile", metavar="FMT", help="run five decodes of FMT at 32k x 8 (for ncu)")
+    ap.add_argument("--render", metavar="RUN_DIR", help="write kernels-h200.{json,md} from a --sweep run's files")
+    ap.add_argument("--previous", help="with --render: an earlier kernels-h200.json for the rows not re-measured")
     args = ap.parse_args()
+    if args.render:
+        render_run(args.render, args.out, args.previous)
+        return 0
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.profile:
+        profile_one(args.profile)
+        return 0
+    if args.sweep:
+        os.makedirs(args.out, exist_ok=True)
+        print("fp8 diag", fp8_diag(), flush=True)
+        sweep(args.out)
+        return 0
     t0 = time.time()
     meta = {
         "gpu": torch.cuda.get_device_name(),

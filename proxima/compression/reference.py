@@ -39,6 +39,18 @@ def _round(x: torch.Tensor) -> torch.Tensor:
     return torch.floor(x + 0.5)
 
 
+def _true_div(x: torch.Tensor, d: float) -> torch.Tensor:
+    """x / d correctly rounded, on every device, as the kernels' `div_rn` computes it.
+
+    A plain `x / d` with a Python number is not: on CUDA, torch multiplies by the reciprocal of a
+    CPU scalar, one ulp off the quotient for some x. That ulp moved an fp8 scale, and a value
+    that sat exactly on an e4m3 rounding tie (bf16 data times 448 / amax often does) then rounded
+    one step away from the kernel's: the "one e4m3 step" mismatches seen on the H200. Dividing by
+    a tensor takes the true division path everywhere.
+    """
+    return x / torch.full_like(x, d)
+
+
 # --------------------------------------------------------------------------------------------
 # quantization
 
@@ -52,7 +64,7 @@ def quantize_per_token(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch
     amax = xf.abs().amax(-1)
     qmax = FP8_E4M3_MAX if quant == "fp8" else INT8_MAX
     # An all-zero row gets scale 1 so that 0 / scale stays 0 (and never NaN).
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _true_div(amax, qmax), torch.ones_like(amax))
     y = xf * (1.0 / scale).unsqueeze(-1)  # a reciprocal, then multiplies: what the kernel does
     if quant == "fp8":
         return y.to(torch.float8_e4m3fn), scale
@@ -68,7 +80,7 @@ def _asym_meta(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Ten
     """float16 (scale, zero) of asymmetric min/max quantization over a group."""
     levels = (1 << bits) - 1
     rng = hi - lo
-    scale = torch.where(rng > 0, rng / levels, torch.ones_like(rng)).to(torch.float16)
+    scale = torch.where(rng > 0, _true_div(rng, levels), torch.ones_like(rng)).to(torch.float16)
     return scale, lo.to(torch.float16)
 
 

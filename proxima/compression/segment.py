@@ -36,5 +36,9 @@ class KVSegment:
                 f"and {tuple(self.slot_tokens.shape)}"
             )
         cap = self.store.slot_tokens
-        if self.slot_tokens.numel() and int(self.slot_tokens.max()) > cap:
+        # Checked only for CPU tables: on the GPU it would cost a device sync per layer and step
+        # (the CUDA backend builds a segment per layer). Nothing unsafe follows from a larger
+        # count there: kernel and reference read tokens 0 .. C-1 of a slot and no further.
+        on_host = not self.slot_tokens.is_cuda
+        if on_host and self.slot_tokens.numel() and int(self.slot_tokens.max()) > cap:
             raise ValueError(f"slot_tokens may not exceed the slot capacity {cap}, got {int(self.slot_tokens.max())}")

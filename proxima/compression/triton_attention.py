@@ -1,16 +1,29 @@
 """Triton split-K decode attention over one segment (one format) of paged slots.
 
 One program handles (sequence, KV head, split): all G query heads of the KV head at once (the
-GQA group padded to 16 rows so `tl.dot` applies), and a contiguous range of the sequence's
-entries, a few slots per iteration (SLOTS_PER_IT * C tokens, gathered through the slot table).
-Keys and values are dequantized in registers (nothing is written back), so a compressed format
-moves only its own bytes plus metadata: that is where the decode speed-up comes from.
-Outputs per split: normalised output and log-sum-exp; per entry: the log-sum-exp of its
-logits, from which `attention.decode_attention` derives the entry's attention mass after the
-merge.
+GQA group padded to 16 rows so `tl.dot` runs on the tensor cores) and a contiguous range of the
+sequence's entries, `EPT` entries (slots) per iteration. Each row's slot id and valid-token count
+are loaded as vectors the software pipeliner prefetches together with the data tiles that
+depend on them; KIVI key scales are loaded once per group of `RS` tokens and broadcast.
+
+Dequantization happens in registers and never goes through an int -> float conversion
+instruction (a unit at an eighth of the FMA rate on the H200): int4 / int2 codes become float16
+through the hardware e4m3 -> f16 convert (`_small_codes_f16`), int8 codes by the f16 magic
+number (`_bytes_f16`), fp8 by the e4m3 convert. Compressed formats multiply in f16, the hot path
+in bf16. Per-token scales (fp8 keys and values, int8 values) are not applied per element: a key
+scale multiplies the score column, a value scale the probability column before P @ V.
+
+The launch configuration (tokens per iteration, warps, pipeline stages) is per format
+(`DECODE_CONFIGS`, chosen by `bench/kernels.py --sweep` on the H200), and the split count follows
+the compiled kernel's occupancy (`choose_splits`). Outputs per split: normalised output and
+log-sum-exp; per entry: the log-sum-exp of its logits, from which `attention.decode_attention`
+derives the entry's attention mass after the merge.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -18,122 +31,70 @@ import triton.language as tl
 
 from proxima.compression.segment import KVSegment
 from proxima.compression.spec import QUANT_CODE, VALUES_PER_BYTE
-from proxima.compression.triton_ops import INTERPRET, _load_dequant, _p2, _round_to_bf16
+from proxima.compression.triton_ops import INTERPRET, _p2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+LN2_C = tl.constexpr(LN2)
+LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _unpack_tile(
-    d_ptr,
-    rows,
-    mask_r,  # code tensor, int64 row offsets [R] (slot, token, head), row mask [R]
-    R: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr,
-    PER: tl.constexpr,
-):
-    """float32 codes [R, BLOCK_D] from packed bytes. The bytes are loaded as a dense [R, D / PER]
-    tile (wide, coalesced loads) and split in registers: one load per byte, not one per code
-    (the per-code gather ran int4 decode at 50 GB/s on the H200, run 1 in bench/results)."""
-    BP: tl.constexpr = BLOCK_D // PER
-    op = tl.arange(0, BP)
-    byte = tl.load(d_ptr + rows[:, None] + op[None, :], mask=mask_r[:, None] & (op < D // PER)[None, :], other=0)
-    byte = byte.to(tl.int32)
-    if PER == 1:
-        return byte.to(tl.float32)
+def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
+    """uint8 [..., P] packed int4 / int2 codes -> float16 code * 2^-9 [..., P * PER], channel order.
+
+    A code below 16 placed alone in a byte *is* the float8 e4m3 encoding of code * 2^-9 (e4m3's
+    subnormals and first binade are linear: bits 0..15 encode 0..15 * 2^-9), so each byte of codes
+    becomes float16 by the hardware e4m3 -> f16 convert, two codes per instruction; no integer to
+    float conversion is needed. `tl.join` adds an in-thread axis, so a byte's codes stay in the
+    thread that loaded it and the reshape to channel order (byte j holds channels j*PER ..
+    j*PER+PER-1, lowest bits first) moves no data.
+    """
+    if PER == 2:
+        lo = (b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = (b >> 4).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return tl.reshape(tl.join(lo, hi), *b.shape[:-1], b.shape[-1] * 2)
     else:
-        sh = tl.arange(0, PER) * BITS
-        codes = (byte[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
-        return tl.reshape(codes, (R, BLOCK_D)).to(tl.float32)
+        c0 = (b & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c1 = ((b >> 2) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c2 = ((b >> 4) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c3 = (b >> 6).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        # join(join(c0, c2), join(c1, c3))[..., i, o] = c[2 * i + o]: flattening gives channel order
+        return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), *b.shape[:-1], b.shape[-1] * 4)
 
 
 @triton.jit
-def _kivi_keys_tile(
-    k_ptr,
-    ks_ptr,
-    kz_ptr,
-    tab_ptr,
-    seq,
-    E,
-    e0,
-    e_end,
-    slot,
-    t,
-    h,
-    valid,
-    sk_slot,
-    sk_t,
-    sk_h,
-    sks_slot,
-    sks_t,
-    sks_h,
-    BLOCK_N: tl.constexpr,
-    C: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr,
-    PER: tl.constexpr,
-    GROUP: tl.constexpr,
-    EG: tl.constexpr,
-):
-    """Dequantized keys [BLOCK_N, BLOCK_D]: scale and zero are loaded once per token group
-    (EG = min(GROUP, C) rows share them) and broadcast, not gathered per element."""
-    codes = _unpack_tile(
-        k_ptr, slot * sk_slot + t.to(tl.int64) * sk_t + h * sk_h, valid, BLOCK_N, D, BLOCK_D, BITS, PER
-    )
-    NGT: tl.constexpr = BLOCK_N // EG
-    row0 = tl.arange(0, NGT) * EG
-    eg = e0 + row0 // C
-    mg = eg < e_end
-    slot_g = tl.load(tab_ptr + seq * E + eg, mask=mg, other=0).to(tl.int64)
-    slot_g = tl.where(mg, slot_g, 0)
-    grp = (row0 % C) // GROUP
-    od = tl.arange(0, BLOCK_D)
-    moff = slot_g[:, None] * sks_slot + grp[:, None] * sks_t + h * sks_h + od[None, :]
-    mm = mg[:, None] & (od < D)[None, :]
-    sc = tl.load(ks_ptr + moff, mask=mm, other=0.0).to(tl.float32)
-    zp = tl.load(kz_ptr + moff, mask=mm, other=0.0).to(tl.float32)
-    k3 = tl.reshape(codes, (NGT, EG, BLOCK_D)) * sc[:, None, :] + zp[:, None, :]
-    return tl.reshape(k3, (BLOCK_N, BLOCK_D))
+def _int4_words_f16(w):
+    """int32 words [..., W] of packed int4 codes (word m holds channels 8m .. 8m+7, nibble i is
+    channel 8m+i) -> exact float16 codes [..., 8W] in channel order, two codes per 32-bit op:
+    nibbles i and i+4 go into the mantissas of both halves of 1024.0 (0x64006400) at once."""
+    t0 = (w & 0x000F000F) | 0x64006400  # channels 8m+0 (low half) and 8m+4 (high half)
+    t1 = ((w >> 4) & 0x000F000F) | 0x64006400  # 8m+1, 8m+5
+    t2 = ((w >> 8) & 0x000F000F) | 0x64006400  # 8m+2, 8m+6
+    t3 = ((w >> 12) & 0x000F000F) | 0x64006400  # 8m+3, 8m+7
+    # v[half][i1][i0] is channel 8m + 4*half + 2*i1 + i0; a join appends the fastest axis, so join
+    # over half first, then i1, then i0
+    j0 = tl.join(_half_f16(t0, 0), _half_f16(t0, 16))
+    j1 = tl.join(_half_f16(t1, 0), _half_f16(t1, 16))
+    j2 = tl.join(_half_f16(t2, 0), _half_f16(t2, 16))
+    j3 = tl.join(_half_f16(t3, 0), _half_f16(t3, 16))
+    x = tl.join(tl.join(j0, j2), tl.join(j1, j3))
+    return tl.reshape(x, *w.shape[:-1], w.shape[-1] * 8) - 1024.0
 
 
 @triton.jit
-def _kivi_values_tile(
-    v_ptr,
-    vs_ptr,
-    vz_ptr,
-    slot,
-    t,
-    h,
-    valid,
-    sv_slot,
-    sv_t,
-    sv_h,
-    svs_slot,
-    svs_t,
-    svs_h,
-    BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr,
-    PER: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    """Dequantized values [BLOCK_N, BLOCK_D]: one scale and zero per (token, channel group)."""
-    codes = _unpack_tile(
-        v_ptr, slot * sv_slot + t.to(tl.int64) * sv_t + h * sv_h, valid, BLOCK_N, D, BLOCK_D, BITS, PER
-    )
-    NG: tl.constexpr = BLOCK_D // GROUP
-    og = tl.arange(0, NG)
-    moff = slot[:, None] * svs_slot + t[:, None].to(tl.int64) * svs_t + h * svs_h + og[None, :]
-    mm = valid[:, None] & (og < D // GROUP)[None, :]
-    sc = tl.load(vs_ptr + moff, mask=mm, other=0.0).to(tl.float32)
-    zp = tl.load(vz_ptr + moff, mask=mm, other=0.0).to(tl.float32)
-    v3 = tl.reshape(codes, (BLOCK_N, NG, GROUP)) * sc[:, :, None] + zp[:, :, None]
-    return tl.reshape(v3, (BLOCK_N, BLOCK_D))
+def _half_f16(t, SHIFT: tl.constexpr):
+    """The float16 in bits [SHIFT, SHIFT + 16) of int32 t."""
+    return (t >> SHIFT).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _bytes_f16(b, OFFSET: tl.constexpr):
+    """uint8 / int8 codes -> exact float16 (code + OFFSET must lie in [0, 1024)) without an integer
+    to float conversion: OR code + OFFSET into the mantissa of 1024.0 (bits 0x6400), subtract
+    1024 + OFFSET."""
+    x = (b.to(tl.int16) + OFFSET) & 0x3FF
+    return (x | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFFSET)
 
 
 @triton.jit
@@ -144,7 +105,7 @@ def _decode_kernel(
     k_ptr,
     sk_slot,
     sk_t,
-    sk_h,  # key pool [slots, C, H, P] (P contiguous)
+    sk_h,  # key pool [slots, C, H, P] (P contiguous); fp8 pools are passed as uint8
     v_ptr,
     sv_slot,
     sv_t,
@@ -171,134 +132,297 @@ def _decode_kernel(
     S,
     E,
     Hq,
-    E_PER_SPLIT,
+    E_PER_SPLIT,  # entries per split, a multiple of EPT
     sm_scale_log2,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr,  # spec.QUANT_CODE: 0 bf16, 1 fp8, 2 int8, 3 int4, 4 int2
     HAS_COUNT: tl.constexpr,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
-    PER: tl.constexpr,
-    G: tl.constexpr,
-    G_PAD: tl.constexpr,
+    PER: tl.constexpr,  # codes per byte (1 for bf16 / fp8 / int8)
+    G: tl.constexpr,  # query heads per KV head
+    G_PAD: tl.constexpr,  # G padded to >= 16 (tl.dot's minimum)
     D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    C: tl.constexpr,
-    SLOTS_PER_IT: tl.constexpr,
-    DOT_F32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9), so dot in f32
-    EG: tl.constexpr,  # rows sharing one key scale: min(GROUP, C)
+    BLOCK_D: tl.constexpr,  # next power of two >= D
+    C: tl.constexpr,  # slot capacity (tokens), a power of two
+    EPT: tl.constexpr,  # entries per iteration
+    RS: tl.constexpr,  # tokens per row group: min(GROUP, C) for KIVI keys, else C
+    DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
+    SCALE_V: tl.constexpr,  # fp8 / int8: per-token value scales on the value rows, not on P
+    WORDS: tl.constexpr,  # int4: load 32-bit words and unpack two codes per op (f16 magic, no 2^-9)
 ):
+    """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
+    float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
+    tensor-core dots: q is scaled by a power of two into [-1, 1] first, so f16's range is never
+    at stake. int4 / int2 tiles carry a factor 2^-9 (see `_small_codes_f16`), removed from the
+    scores and the output in float32."""
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    BLOCK_N: tl.constexpr = SLOTS_PER_IT * C
+    BLOCK_N: tl.constexpr = EPT * C
+    NR: tl.constexpr = BLOCK_N // RS  # row groups per tile (KIVI key scales)
+    RPE: tl.constexpr = C // RS  # row groups per entry
+    BP: tl.constexpr = BLOCK_D // PER  # stored elements per row, padded to a power of two
+    P: tl.constexpr = D // PER
+    W4: tl.constexpr = WORDS and PER == 2
+    SMALL: tl.constexpr = QUANT >= 3 and not W4  # e4m3-unpacked int4 / int2: tiles hold code * 2^-9
+    BW: tl.constexpr = BP // 4  # 32-bit words per row (W4)
+    ow = tl.arange(0, BW)
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
-    on = tl.arange(0, BLOCK_N)
-    md = od < D
     mg = og < G
+    md = od < D
     qh = h * G + og  # query heads of this KV head
     q = tl.load(q_ptr + seq * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+    score_scale = sm_scale_log2
+    if SMALL:
+        score_scale = score_scale * 512.0
+    if DOT_F32:
+        q = q.to(tl.float32)
+        dot_t: tl.constexpr = tl.float32
+    elif QUANT == 0:
+        dot_t: tl.constexpr = q_ptr.dtype.element_ty  # type: ignore[no-redef]  # constexpr branches
+    else:
+        # q / 2^ceil(log2 max|q|) lies in [-1, 1]: exact in f16 down to 2^-14 of the largest element
+        qmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+        qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
+        q = (q.to(tl.float32) * (1.0 / qn)).to(tl.float16)
+        score_scale = score_scale * qn
+        dot_t: tl.constexpr = tl.float16  # type: ignore[no-redef]
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
     e_begin = split * E_PER_SPLIT
     e_end = tl.minimum(e_begin + E_PER_SPLIT, E)
-    t = on % C
-    el = on // C
-    for e0 in range(e_begin, e_end, SLOTS_PER_IT):
-        e = e0 + el
-        me = e < e_end
-        slot = tl.load(tab_ptr + seq * E + e, mask=me, other=0).to(tl.int64)
-        nt = tl.load(ntok_ptr + seq * E + e, mask=me, other=0)
-        valid = me & (t < nt)
-        slot = tl.where(valid, slot, 0)  # padding entries may hold any id; read slot 0 instead
-        m2 = valid[:, None] & md[None, :]
+    orr = tl.arange(0, NR)
+    op = tl.arange(0, BP)
+    t0 = (orr % RPE) * RS  # first token of each row group within its slot
+    col_entry = tl.arange(0, BLOCK_N) // C  # tile entry of each row / score column
+    tn = tl.arange(0, BLOCK_N) % C  # token of each row within its slot
+    oe = tl.arange(0, EPT)
+    for e0 in range(e_begin, e_end, EPT):
+        # ---- per-row metadata: the slot id and valid-token count of each row's entry (EPT
+        # distinct values per tile; the repeats hit L1). The software pipeliner prefetches these
+        # and the data tiles that depend on them.
+        en = e0 + col_entry
+        men = en < e_end
+        slot_n = tl.load(tab_ptr + seq * E + en, mask=men, other=0).to(tl.int64)
+        nt_n = tl.load(ntok_ptr + seq * E + en, mask=men, other=0)
+        valid_n = men & (tn < nt_n)
+        if P == BP:  # noqa: SIM108 - constexpr branch: Triton compiles one side
+            m2 = valid_n[:, None]
+        else:
+            m2 = valid_n[:, None] & (op < P)[None, :]
+        k_ptrs = k_ptr + (slot_n * sk_slot + tn * sk_t + h * sk_h)[:, None] + op[None, :]
+        v_ptrs = v_ptr + (slot_n * sv_slot + tn * sv_t + h * sv_h)[:, None] + op[None, :]
+        # ---- keys -> scores [G_PAD, BLOCK_N] in log2 units
         if QUANT == 0:
-            k = tl.load(
-                k_ptr + slot[:, None] * sk_slot + t[:, None] * sk_t + h * sk_h + od[None, :], mask=m2, other=0.0
-            )
-            v = tl.load(
-                v_ptr + slot[:, None] * sv_slot + t[:, None] * sv_t + h * sv_h + od[None, :], mask=m2, other=0.0
-            )
-        else:
-            if QUANT == 1:
-                k = _load_dequant(
-                    k_ptr, ks_ptr, kz_ptr, slot, t, h, od, m2, sk_slot, sk_t, sk_h,
-                    sks_slot, sks_t, sks_h, QUANT, True, GROUP, BITS, PER,
-                )  # fmt: skip
-            else:  # int8 / int4 / int2 keys are KIVI-grouped
-                k = _kivi_keys_tile(
-                    k_ptr, ks_ptr, kz_ptr, tab_ptr, seq, E, e0, e_end, slot, t, h, valid,
-                    sk_slot, sk_t, sk_h, sks_slot, sks_t, sks_h,
-                    BLOCK_N, C, D, BLOCK_D, BITS, PER, GROUP, EG,
-                )  # fmt: skip
-            if QUANT <= 2:  # fp8 / int8 values: one scale per token
-                v = _load_dequant(
-                    v_ptr, vs_ptr, vz_ptr, slot, t, h, od, m2, sv_slot, sv_t, sv_h,
-                    svs_slot, svs_t, svs_h, QUANT, False, GROUP, BITS, PER,
-                )  # fmt: skip
+            k = tl.trans(tl.load(k_ptrs, mask=m2, other=0.0).to(dot_t))
+        elif QUANT == 1:  # fp8 e4m3 is exact in f16; the per-token scale goes on the score column
+            k = tl.trans(tl.load(k_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t))
+        else:  # KIVI keys: per channel, one scale / zero row per row group of RS tokens
+            if W4:
+                kw_ptrs = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                kw_ptrs = kw_ptrs + ((slot_n * sk_slot + tn * sk_t + h * sk_h) // 4)[:, None] + ow[None, :]
+                kc = _int4_words_f16(tl.load(kw_ptrs, mask=valid_n[:, None] & (ow < P // 4)[None, :], other=0))
+            elif SMALL:
+                kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), BITS, PER)
             else:
-                v = _kivi_values_tile(
-                    v_ptr, vs_ptr, vz_ptr, slot, t, h, valid, sv_slot, sv_t, sv_h, svs_slot, svs_t, svs_h,
-                    BLOCK_N, D, BLOCK_D, BITS, PER, GROUP,
-                )  # fmt: skip
-            # the tensor cores take q's dtype; dequantized values are rounded to it, as the
-            # reference does when it decompresses to the cache dtype
-            if DOT_F32:
-                k = _round_to_bf16(k)
-                v = _round_to_bf16(v)
-            else:
-                k = k.to(q_ptr.dtype.element_ty)
-                v = v.to(q_ptr.dtype.element_ty)
-        if DOT_F32:  # noqa: SIM108 - a constexpr branch: Triton compiles only one side
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+                kc = _bytes_f16(tl.load(k_ptrs, mask=m2, other=0), 0)
+            kc = tl.reshape(kc, (NR, RS, BLOCK_D))
+            er = e0 + orr // RPE
+            mr = er < e_end
+            slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
+            g_off = slot_r[:, None] * sks_slot + (t0 // GROUP)[:, None] * sks_t + h * sks_h + od[None, :]
+            gm = mr[:, None] & md[None, :]
+            sc = tl.load(ks_ptr + g_off, mask=gm, other=0.0)
+            zp = tl.load(kz_ptr + g_off, mask=gm, other=0.0)
+            if SMALL:
+                zp = zp * 0.001953125  # 2^-9, exact
+            k = tl.reshape(kc.to(dot_t) * sc.to(dot_t)[:, None, :] + zp.to(dot_t)[:, None, :], (BLOCK_N, BLOCK_D))
+            k = tl.trans(k)
+        s = tl.dot(q, k)  # k is [BLOCK_D, BLOCK_N]
+        if QUANT == 1:
+            ks = tl.load(ks_ptr + slot_n * sks_slot + tn * sks_t + h * sks_h, mask=valid_n, other=0.0)
+            s = s * (ks * score_scale)[None, :]
         else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * sm_scale_log2  # [G_PAD, BLOCK_N], log2 units
+            s = s * score_scale
         if HAS_COUNT:
-            lc = tl.load(lc_ptr + slot * slc_slot + t * slc_t + h * slc_h, mask=valid, other=0.0)
-            s = s + lc[None, :] * 1.4426950408889634
-        s = tl.where(valid[None, :], s, float("-inf"))
+            lc = tl.load(lc_ptr + slot_n * slc_slot + tn * slc_t + h * slc_h, mask=valid_n, other=0.0)
+            s = s + lc[None, :] * LOG2E_C
+        s = tl.where(valid_n[None, :], s, float("-inf"))
+        # ---- online softmax
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        p_sum = tl.sum(p, axis=1)
+        l_i = l_i * alpha + p_sum
         m_i = m_new
-        # per-entry log-sum-exp, for the block attention mass
-        pe = tl.sum(tl.reshape(p, (G_PAD, SLOTS_PER_IT, C)), axis=2)  # [G_PAD, SLOTS_PER_IT]
-        ent = tl.where(pe > 0, tl.math.log2(tl.maximum(pe, 1e-30)) + m_use[:, None], float("-inf")) * 0.6931471805599453
-        oe = e0 + tl.arange(0, SLOTS_PER_IT)
-        ment = mg[:, None] & (oe < e_end)[None, :]
-        tl.store(ent_ptr + (seq * E + oe[None, :]) * Hq + qh[:, None], ent, mask=ment)
+        # ---- values
+        if QUANT == 0:
+            v = tl.load(v_ptrs, mask=m2, other=0.0).to(dot_t)
+        elif QUANT == 1:
+            v = tl.load(v_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t)
+        elif QUANT == 2:  # int8 values: symmetric codes in [-127, 127], exact in f16
+            v = _bytes_f16(tl.load(v_ptrs, mask=m2, other=0), 128).to(dot_t)
+        else:  # int4 / int2 values: scale and zero per (token, GROUP channels)
+            NG: tl.constexpr = BLOCK_D // GROUP
+            ogr = tl.arange(0, NG)
+            if W4:
+                vw_ptrs = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                vw_ptrs = vw_ptrs + ((slot_n * sv_slot + tn * sv_t + h * sv_h) // 4)[:, None] + ow[None, :]
+                vc = _int4_words_f16(tl.load(vw_ptrs, mask=valid_n[:, None] & (ow < P // 4)[None, :], other=0))
+            else:
+                vc = _small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER)
+            vc = tl.reshape(vc, (BLOCK_N, NG, GROUP))
+            vg_off = (slot_n * svs_slot + tn * svs_t + h * svs_h)[:, None] + ogr[None, :]
+            vgm = valid_n[:, None] & (ogr < D // GROUP)[None, :]
+            vsc = tl.load(vs_ptr + vg_off, mask=vgm, other=0.0)
+            vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0)
+            if SMALL:
+                vzp = vzp * 0.001953125  # 2^-9, exact
+            v = tl.reshape(vc.to(dot_t) * vsc.to(dot_t)[:, :, None] + vzp.to(dot_t)[:, :, None], (BLOCK_N, BLOCK_D))
+        if QUANT == 1 or QUANT == 2:
+            # per-token value scale relative to the tile's largest (so f16 operands stay in range);
+            # the dot is scaled back in f32
+            vs = tl.load(vs_ptr + slot_n * svs_slot + tn * svs_t + h * svs_h, mask=valid_n, other=0.0)
+            vmax = tl.maximum(tl.max(vs, axis=0), 1e-30)
+            if SCALE_V:
+                # on the value rows (one f16 multiply per code); this also keeps the compiler from
+                # reading the 8-bit tile from shared memory byte by byte in the dot-operand layout
+                # (compile-only: no byte loads, fp8 / int8 at 244 / 188 registers instead of 255)
+                pv = tl.dot(p.to(dot_t), v * (vs * (1.0 / vmax)).to(dot_t)[:, None]) * vmax
+            else:  # on the probability column (measured default on the H200)
+                pv = tl.dot((p * (vs * (1.0 / vmax))[None, :]).to(dot_t), v) * vmax
+        else:
+            pv = tl.dot(p.to(dot_t), v)
+        acc = acc * alpha[:, None] + pv
+        # ---- per-entry log-sum-exp, for the block attention mass
+        if EPT == 1:
+            pe = p_sum[:, None]  # [G_PAD, 1]
+        else:
+            pe = tl.zeros((G_PAD, EPT), tl.float32)
+            for j in tl.static_range(EPT):
+                pj = tl.sum(tl.where((col_entry == j)[None, :], p, 0.0), axis=1)
+                pe = tl.where((oe == j)[None, :], pj[:, None], pe)
+        ent = tl.where(pe > 0, (tl.math.log2(tl.maximum(pe, 1e-30)) + m_use[:, None]) * LN2_C, float("-inf"))
+        me = mg[:, None] & (e0 + oe < e_end)[None, :]
+        tl.store(ent_ptr + (seq * E + e0 + oe[None, :]) * Hq + qh[:, None], ent, mask=me)
     has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out_scale = 512.0 if SMALL else 1.0
+    o = acc * (out_scale / tl.where(has, l_i, 1.0))[:, None]
+    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * LN2_C, float("-inf"))
     row = (split * S + seq) * Hq + qh
     tl.store(o_ptr + row[:, None] * D + od[None, :], o, mask=mg[:, None] & md[None, :])
     tl.store(lse_ptr + row, lse, mask=mg)
 
 
-def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
-    return (0, 0, 0) if t is None else tuple(t.stride()[:3])  # type: ignore[return-value]
+# ============================================================================================
+# launch configuration
 
 
-def default_splits(s: int, h: int, entries: int, slots_per_it: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU about 4 times over (split-K), each with >= 2 iterations."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = triton.cdiv(4 * sms, max(1, s * h))
-    return max(1, min(want, triton.cdiv(entries, 2 * slots_per_it)))
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of `_decode_kernel` for one format."""
+
+    tokens: int
+    """Tokens per iteration (EPT = tokens / slot capacity entries, at least one entry)."""
+    num_warps: int
+    num_stages: int
+    scale_values: bool = False
+    """fp8 / int8: apply per-token value scales to the value rows instead of the probabilities
+    (fewer instructions and registers when compiled; not yet timed on the H200)."""
+    word_unpack: bool = False
+    """int4: unpack 32-bit words, two codes per integer op (compile-only: fewer instructions per
+    code than the e4m3 path; not yet timed on the H200). Pools must be 4-byte aligned."""
+
+
+DECODE_CONFIGS: dict[str, DecodeConfig] = {
+    "bf16": DecodeConfig(64, 4, 2),
+    "fp8": DecodeConfig(128, 4, 3),
+    "int8": DecodeConfig(128, 4, 3),
+    "int4": DecodeConfig(64, 4, 2),
+    "int2": DecodeConfig(128, 4, 3),
+}
+"""Per quantization; bench/kernels.py --sweep measures alternatives on the H200."""
+
+KERNEL_INFO: dict[tuple, dict[str, int]] = {}
+"""Registers, spills, shared memory and programs per SM of each compiled decode specialization
+(filled on the GPU after a specialization's first launch; read by bench/kernels.py)."""
+_OCCUPANCY: dict[tuple, int] = {}
+"""Programs per SM of each compiled specialization, read from the compiled kernel after its
+first launch (registers, shared memory, warps); the split count is planned from it."""
+_DEFAULT_OCCUPANCY = 2
+
+
+def _occupancy_of(kernel, num_warps: int, device: torch.device) -> int:  # type: ignore[no-untyped-def]
+    """Resident programs per SM for a compiled Triton kernel (0 if unknown, e.g. interpreter)."""
+    n_regs = getattr(kernel, "n_regs", None)
+    if kernel is None or n_regs is None:
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * num_warps
+    # registers are allocated per warp in units of 256
+    regs_per_warp = -(-max(int(n_regs), 1) * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * num_warps)
+    by_threads = props.max_threads_per_multi_processor // threads
+    smem = int(kernel.metadata.shared) + 1024  # the driver reserves 1 KiB per block
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // smem if smem else 32
+    return max(1, min(by_regs, by_threads, by_smem, 32))
+
+
+def _launch_key(seg: KVSegment, q: torch.Tensor, cfg: DecodeConfig) -> tuple:
+    st = seg.store
+    return (st.fmt.quant, st.slot_tokens, q.shape[-1], q.shape[1] // st.num_kv_heads, st.log_count is not None, cfg)
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_splits(programs_per_split: int, tiles: int, slots: int) -> int:
+    """Split count minimising the modelled time waves x (tiles per program + 2): a program that
+    waits for a second wave costs a whole program's time, and a program's fixed cost (queries in,
+    partials out) is about two tiles. Ties go to fewer splits (less merging).
+
+    Only split counts that just fill a whole number of waves (up to 8) can be optimal, so only
+    those are scored: a few dozen candidates, cached, since the CUDA backend asks once per
+    segment, layer and step.
+    """
+    cands = {1, max(1, tiles)}
+    for waves in range(1, 9):
+        full = waves * slots // max(1, programs_per_split)
+        cands.update(x for x in (full, full + 1) if 1 <= x <= max(1, tiles))
+    best, best_t = 1, None
+    for sp in sorted(cands):
+        waves = -(-(programs_per_split * sp) // slots)
+        cost = waves * (-(-tiles // sp) + 2)
+        if best_t is None or cost < best_t:
+            best, best_t = sp, cost
+    return best
+
+
+def _entries_per_it(seg: KVSegment, cfg: DecodeConfig) -> int:
+    return max(1, cfg.tokens // seg.store.slot_tokens)
 
 
 def plan_splits(q: torch.Tensor, seg: KVSegment, num_splits: int | None) -> int:
-    c = seg.store.slot_tokens
-    return num_splits or default_splits(
-        q.shape[0], seg.store.num_kv_heads, seg.slot_table.shape[1], max(1, 64 // c), q.device
-    )
+    if num_splits:
+        return num_splits
+    cfg = DECODE_CONFIGS[seg.store.fmt.quant]
+    ept = _entries_per_it(seg, cfg)
+    tiles = -(-max(int(seg.slot_table.shape[1]), 1) // ept)
+    if q.device.type != "cuda":
+        return max(1, min(4, tiles))
+    occ = _OCCUPANCY.get(_launch_key(seg, q, cfg), _DEFAULT_OCCUPANCY)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return choose_splits(q.shape[0] * seg.store.num_kv_heads, tiles, sms * occ)
+
+
+def _word_aligned(*ts: torch.Tensor) -> bool:
+    """Every tensor's base address and leading strides allow 32-bit loads of its packed bytes."""
+    return all(t.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in t.stride()[:3]) for t in ts)
+
+
+def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if t is None else tuple(t.stride()[:3])  # type: ignore[return-value]
 
 
 def segment_partial(
@@ -317,25 +441,28 @@ def segment_partial(
     for name, t in (("k_data", st.k_data), ("v_data", st.v_data), ("q", q)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-    slots_per_it = max(1, 64 // c)
-    # whole iterations per split, so SLOTS_PER_IT groups never straddle a split boundary
-    e_per_split = triton.cdiv(triton.cdiv(max(e, 1), splits), slots_per_it) * slots_per_it
+    quant = st.fmt.quant
+    cfg = DECODE_CONFIGS[quant]
+    ept = _entries_per_it(seg, cfg)
+    # whole iterations per split, so an iteration's entries never straddle a split boundary
+    e_per_split = triton.cdiv(triton.cdiv(max(e, 1), splits), ept) * ept
     dev = q.device
     # every entry lies in exactly one split's range and is written there: no fill needed
     ent = torch.empty((s, e, hq), device=dev, dtype=torch.float32)
     tab = seg.slot_table.to(device=dev, dtype=torch.int32).contiguous()
     ntok = seg.slot_tokens.to(device=dev, dtype=torch.int32).contiguous()
-    # fp32 queries (tests) go through tf32 dots on the GPU: about 1e-3 relative error
-    q_ = q
-    quant = st.fmt.quant
     per = VALUES_PER_BYTE.get(quant, 1)
     g = hq // h
+    kivi = quant in ("int8", "int4", "int2")
+    k_data, v_data = st.k_data, st.v_data
+    if quant == "fp8":  # loaded as bytes (a masked fp8 load has no `other`), bitcast in the kernel
+        k_data, v_data = k_data.view(torch.uint8), v_data.view(torch.uint8)
     dummy = st.k_data
     lc = st.log_count
-    _decode_kernel[(s, h, splits)](
-        q_, *q_.stride()[:2],
-        st.k_data, *st.k_data.stride()[:3],
-        st.v_data, *st.v_data.stride()[:3],
+    kernel = _decode_kernel[(s, h, splits)](
+        q, *q.stride()[:2],
+        k_data, *k_data.stride()[:3],
+        v_data, *v_data.stride()[:3],
         st.k_scale if st.k_scale is not None else dummy, st.k_zero if st.k_zero is not None else dummy,
         *_strides3(st.k_scale),
         st.v_scale if st.v_scale is not None else dummy, st.v_zero if st.v_zero is not None else dummy,
@@ -344,9 +471,20 @@ def segment_partial(
         tab, ntok, o, lse, ent,
         s, e, hq, e_per_split, sm_scale * LOG2E,
         QUANT=QUANT_CODE[quant], HAS_COUNT=lc is not None, GROUP=st.group_size,
-        BITS=8 // per if per > 1 else 8, PER=per, G=g, G_PAD=_p2(g, 16), D=d,
-        BLOCK_D=_p2(d, 16), C=c, SLOTS_PER_IT=slots_per_it, DOT_F32=INTERPRET, EG=min(st.group_size, c),
+        BITS=8 // per, PER=per, G=g, G_PAD=_p2(g, 16), D=d, BLOCK_D=_p2(d, 16), C=c, EPT=ept,
+        RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET, SCALE_V=cfg.scale_values,
+        WORDS=cfg.word_unpack and _word_aligned(k_data, v_data),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    key = _launch_key(seg, q, cfg)
+    if dev.type == "cuda" and key not in _OCCUPANCY:
+        occ = _occupancy_of(kernel, cfg.num_warps, dev)
+        if occ:
+            _OCCUPANCY[key] = occ
+            KERNEL_INFO[key] = {
+                "regs": int(kernel.n_regs), "spills": int(kernel.n_spills),
+                "smem": int(kernel.metadata.shared), "occupancy": occ,
+            }  # fmt: skip
     return ent
 
 

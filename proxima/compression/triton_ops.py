@@ -35,12 +35,17 @@ def _round_to_e4m3(y):
     (3.9) mis-rounds fp32 -> fp8 when the mantissa carries into the exponent (124.3 -> 64), and it
     costs nothing measurable in a memory-bound kernel. Normal range: keep 3 mantissa bits by an
     integer add of half an ulp (+1 if the kept lsb is odd); subnormals (|y| < 2^-6) sit on a
-    fixed 2^-9 grid (ties there round up, not to even: exact ties never occur on real data).
+    fixed 2^-9 grid, rounded half to even as well (z = y * 2^9 is exact; a tie that floor(z + 0.5)
+    rounded to an odd integer goes one down), keeping the sign of zero, so the codes equal torch's
+    bit for bit.
     """
     bits = y.to(tl.int32, bitcast=True)
     r = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
     normal = r.to(tl.float32, bitcast=True)
-    sub = tl.floor(y * 512.0 + 0.5) / 512.0
+    z = y * 512.0
+    t = tl.floor(z + 0.5)
+    t = tl.where((t - z == 0.5) & (t - 2.0 * tl.floor(t * 0.5) != 0.0), t - 1.0, t)
+    sub = tl.where(y < 0, -tl.abs(t), t) / 512.0  # a negative value that rounds to zero is -0, as in torch
     return tl.where(tl.abs(y) < 0.015625, sub, normal)
 
 

@@ -30,7 +30,13 @@ def test_triton_matches_reference(quant, shape, device):
         if x is None:
             continue
         assert x.shape == y.shape and x.dtype == y.dtype, name
-        if x.dtype in (torch.uint8, torch.int8):
+        if x.dtype == torch.float8_e4m3fn:
+            # bit for bit: same scale (true division in both, reference._true_div), same product,
+            # round half to even with the sign of zero kept (triton_ops._round_to_e4m3). The
+            # one-e4m3-step mismatches once seen on the H200 came from the reference dividing by
+            # a Python float, which CUDA turns into a reciprocal multiply (bench/kernels.py fp8_diag)
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+        elif x.dtype in (torch.uint8, torch.int8):
             # codes: identical except where x / scale lands within rounding of a .5 tie
             mismatch = (x.view(torch.uint8) != y.view(torch.uint8)).float().mean().item()
             assert mismatch <= 1e-3, (name, mismatch)

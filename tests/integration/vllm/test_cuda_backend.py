@@ -19,6 +19,7 @@ import torch
 if not torch.cuda.is_available():  # before anything imports triton (vLLM does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.triton_attn import (
@@ -31,9 +32,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from proxima.formats import Format
 from proxima.integration.vllm import cuda_backend as cb
+from proxima.integration.vllm.connector import ProximaConnector
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
 from proxima.integration.vllm.worker import WorkerStore
-from proxima.policy.schema import Policy
 
 NB, H, HQ, B, D = 16, 2, 4, 16, 32
 LAYER = "layer.0"
@@ -68,19 +69,24 @@ def test_register_cuda_backend() -> None:
         AttentionBackendEnum.CUSTOM.clear_override()
 
 
-def _world(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerStore, torch.Tensor, CommonAttentionMetadata]:
-    """The worker compresses the requests' blocks (real executor), frees their sources."""
+def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, CommonAttentionMetadata]:
+    """The worker's connector compresses the requests' blocks (real executor) and the sources are
+    freed and reused. The connector is the process's KV transfer group (`worker_connector`), so
+    the backend finds its store as in a vLLM worker."""
     torch.manual_seed(0)
     kv = torch.randn(NB, H, B, 2 * D).bfloat16()
-    store = WorkerStore()
-    store.register({LAYER: kv})
+    # The model's attention layer, built before the connector (as vLLM does): Proxima's, a reader.
+    connector._vllm_config.compilation_config.static_forward_context[LAYER] = SimpleNamespace(impl=_impl())
+    connector.register_kv_caches({LAYER: kv})
+    store = connector.store
+    assert store is not None and store.active  # PROXIMA_POLICY names a policy (`off`) in this worker
     todo = [(rid, j, blocks[j], *place) for rid, (blocks, _, _, comp) in REQUESTS.items() for j, place in comp.items()]
     acts = [
         CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=fmt)
         for i, (rid, j, src, fmt, dst, slot) in enumerate(todo)
     ]
-    store.apply(ProximaPlan(actions=acts))
-    assert store.take_report().ok == list(range(len(acts)))  # type: ignore[union-attr]
+    connector.bind_connector_metadata(ProximaPlan(actions=acts))
+    assert connector.build_connector_worker_meta().ok == list(range(len(acts)))  # type: ignore[union-attr]
     tables = torch.zeros(len(REQUESTS), 4, dtype=torch.int32)
     qsl, seq_lens, slots, key_blocks = [0], [], [], {}
     for r, (rid, (blocks, n, ql, comp)) in enumerate(REQUESTS.items()):
@@ -94,9 +100,7 @@ def _world(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerStore, torch.Tensor, 
         slots += [blocks[p // B] * B + p % B for p in pos]
         key_blocks[blocks[(n - ql) // B]] = rid
     kv[0] = 1e4  # vLLM's null block
-    store.key_blocks = key_blocks
-    store.policy = Policy(enabled=False)  # Proxima is configured in this worker (any policy)
-    monkeypatch.setattr(cb, "STORE", store)
+    connector.bind_connector_metadata(ProximaPlan(key_blocks=key_blocks))  # this step's plan
     cm = CommonAttentionMetadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(REQUESTS), num_actual_tokens=qsl[-1],
@@ -153,9 +157,9 @@ def _reference(store: WorkerStore, kv: torch.Tensor, q: torch.Tensor, rid: str) 
 
 @pytest.mark.parametrize("kernels", ["triton", "torch"])
 def test_compressed_rows_read_slots_and_other_rows_stay_the_parents(
-    monkeypatch: pytest.MonkeyPatch, kernels: str
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch, kernels: str
 ) -> None:
-    store, kv, cm = _world(monkeypatch)
+    store, kv, cm = _world(worker_connector)
     monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
     meta = _builder().build(0, cm)
     assert isinstance(meta, cb.ProximaTritonMetadata) and meta.px_plan is None  # resolved at the first layer
@@ -180,8 +184,10 @@ def test_compressed_rows_read_slots_and_other_rows_stay_the_parents(
     assert all(x > 0 for x in imp["a"][2:]) and sum(imp["a"][2:]) >= 1 - 1e-3
 
 
-def test_no_compressed_row_is_the_parent_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    store, kv, cm = _world(monkeypatch)
+def test_no_compressed_row_is_the_parent_path(
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, kv, cm = _world(worker_connector)
     monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
     store.remap.clear()
     meta = _builder().build(0, cm)
@@ -189,25 +195,32 @@ def test_no_compressed_row_is_the_parent_path(monkeypatch: pytest.MonkeyPatch) -
     out = torch.empty_like(q)
     _impl().forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, out)
     assert meta.px_plan is None and torch.all(out == SENTINEL)  # every row: the parent's output
-    store.policy = None  # Proxima not configured in this process: the parent's own metadata object
+    store.policy = None  # Proxima's connector without a policy (no PROXIMA_POLICY): the parent's metadata
+    assert type(_builder().build(0, cm)) is TritonAttentionMetadata
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)  # vLLM without Proxima's connector
     assert type(_builder().build(0, cm)) is TritonAttentionMetadata
 
 
-def test_the_split_uses_the_plan_bound_after_build(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_split_uses_the_plan_bound_after_build(
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """vLLM binds the step's connector metadata after building attention metadata: the rows with
     compressed blocks must be found from the maps as they are at the forward, not at build."""
-    store, kv, cm = _world(monkeypatch)
+    store, kv, cm = _world(worker_connector)
     monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
-    keys, store.key_blocks = store.key_blocks, {}  # the previous step's plan: nothing compressed
+    keys = dict(store.key_blocks)
+    worker_connector.bind_connector_metadata(ProximaPlan())  # the previous step's plan: no key blocks
     meta = _builder().build(0, cm)
-    store.key_blocks = keys  # this step's plan, bound before the forward
+    worker_connector.bind_connector_metadata(ProximaPlan(key_blocks=keys))  # this step's, bound before the forward
     q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
     _impl().forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, torch.empty_like(q))
     assert meta.px_request_ids == ["a", "c"]
 
 
-def test_unsupported_features_raise_for_compressed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, kv, cm = _world(monkeypatch)
+def test_unsupported_features_raise_for_compressed_rows(
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, kv, cm = _world(worker_connector)
     monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
     meta = _builder().build(0, cm)
     impl = _impl()
@@ -217,8 +230,8 @@ def test_unsupported_features_raise_for_compressed_rows(monkeypatch: pytest.Monk
         impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, torch.empty_like(q))
 
 
-def test_side_table_on_another_device_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    store, _, _ = _world(monkeypatch)
+def test_side_table_on_another_device_is_an_error(worker_connector: ProximaConnector) -> None:
+    store, _, _ = _world(worker_connector)
     p = store.pool(LAYER, Format.parse("int8"))
     p.meta = {k: torch.empty(v.shape, device="meta") for k, v in p.meta.items()}
     with pytest.raises(RuntimeError, match="side table"):

@@ -191,6 +191,8 @@ def _provides_vllm_package(dist: Distribution) -> bool:
     return any(str(f) == f"{ALIASED_DISTRIBUTION}/__init__.py" for f in dist.files or ())
 
 
+# A memo, not state: the scan reads every installed distribution and runs on each lookup of the
+# name `vllm`; what is installed does not change under a running process (a new path is a new key).
 @functools.lru_cache(maxsize=8)
 def _find_provider(path: tuple[str, ...]) -> Distribution | None:
     """The installed `vllm-<variant>` distribution that provides the `vllm` package, if any.

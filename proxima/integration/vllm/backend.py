@@ -10,7 +10,11 @@ Rows (requests) of the batch split in two once per step, in the metadata builder
   ones decompressed in one batched call per format, sparse blocks' kept tokens packed, cluster
   centroids repeated by count) and vLLM's own kernel reads it through a scratch block table.
 
-Importance: in one layer (`STORE.observe_layer`), the scheduled rows' observation-window queries
+The worker's maps and slot pools are the `WorkerStore` of Proxima's KV connector
+(`connector.worker_store()`); without that connector (or with Proxima not configured in it) every
+method is the parent's.
+
+Importance: in one layer (`WorkerStore.observe_layer`), the scheduled rows' observation-window queries
 (the last `observation_window` prompt tokens of a prefill chunk, the new token of a decode row)
 are scored against their hot keys with torch; the attention mass per token feeds the worker's
 token importance (sparse and cluster use it) and, per block, the scheduler's policy engine.
@@ -30,10 +34,11 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from proxima.integration.vllm.connector import worker_store
 from proxima.integration.vllm.debug import reads_sources
 from proxima.integration.vllm.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.scratch import ScratchPlan, ScratchRow, fill_scratch, plan_scratch, store_reader
-from proxima.integration.vllm.worker import STORE
+from proxima.integration.vllm.worker import SlotReader, WorkerStore
 
 
 @dataclass
@@ -58,6 +63,8 @@ class ProximaCPUMetadata(CPUAttentionMetadata):
     px_builder: ProximaCPUAttentionMetadataBuilder | None = None
     """Set until the step's first layer resolves the split (then None)."""
     px_num_reqs: int = 0
+    px_store: WorkerStore | None = None
+    """The worker's store (an active one: metadata of this type is built only then)."""
 
 
 class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -81,31 +88,33 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # type: ignore[no-untyped-def]
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if not STORE.active or self.is_cross_attention or self.is_encoder_only_attention:
+        store = worker_store()
+        if store is None or not store.active or self.is_cross_attention or self.is_encoder_only_attention:
             return meta
         # vLLM builds attention metadata *before* it binds this step's connector metadata (the
         # plan that tells which rows have compressed blocks), so the split waits for the first
-        # layer's forward (`resolve`), when STORE holds this step's plan.
+        # layer's forward (`resolve`), when the store holds this step's plan.
         px = ProximaCPUMetadata(**{f: getattr(meta, f) for f in CPUAttentionMetadata.__dataclass_fields__})
-        px.px_builder = self
+        px.px_builder, px.px_store = self, store
         px.px_num_reqs = common_attn_metadata.num_reqs
         return px
 
     def resolve(self, m: ProximaCPUMetadata) -> None:
         """Split the batch for this step's plan (once per step, at the first layer)."""
         m.px_builder = None
-        if not STORE.key_blocks:
+        store = m.px_store
+        if store is None or not store.key_blocks:
             return
         b = self.block_size
         n = m.px_num_reqs  # vLLM's tensors may be padded past the batch's requests
         qsl = m.query_start_loc[: n + 1].tolist()
         first_slots = m.slot_mapping[torch.tensor(qsl[:n], dtype=torch.long)].tolist()
-        rids = [STORE.key_blocks.get(first_slots[r] // b) for r in range(n)]
+        rids = [store.key_blocks.get(first_slots[r] // b) for r in range(n)]
         seq_lens = m.seq_lens[:n].tolist()
         bt = m.block_table
         nblk = [-(-sl // b) for sl in seq_lens]
-        remaps = [STORE.remap.get(rid) or {} if rid is not None else {} for rid in rids]
-        m.px_obs = plan_observation(rids, remaps, qsl, seq_lens, bt, b, STORE.observation_window)
+        remaps = [store.remap.get(rid) or {} if rid is not None else {} for rid in rids]
+        m.px_obs = plan_observation(rids, remaps, qsl, seq_lens, bt, b, store.observation_window)
         comp_rows = [r for r in range(n) if remaps[r]]
         if not comp_rows:
             return
@@ -122,11 +131,7 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             m.px_rest = self._subset_meta(rest_rows, qsl, m.seq_lens[rest_rows], bt[rest_rows], causal)
 
 
-class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        STORE.readers.add(type(self).__name__)
-
+class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
     def _run(self, layer, query, key_cache, value_cache, output, sub: _Subset, causal: bool) -> None:  # type: ignore[no-untyped-def]
         q = query.index_select(0, sub.tokens)
         out = output.new_empty((len(sub.tokens), *output.shape[1:]))
@@ -149,8 +154,10 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         m = attn_metadata
         if m.px_builder is not None:
             m.px_builder.resolve(m)
-        if m.px_obs is not None and layer.layer_name == STORE.observe_layer:
-            observe_safely(STORE, kv_cache, query, m.px_obs, self.scale)
+        store = m.px_store
+        assert store is not None  # set by build() together with the metadata's type
+        if m.px_obs is not None and layer.layer_name == store.observe_layer:
+            observe_safely(store, kv_cache, query, m.px_obs, self.scale)
         if m.px_comp is None or m.px_plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
@@ -163,8 +170,8 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         if m.px_scratch is None:  # first layer of the step: one buffer for every layer
             m.px_scratch = kv_cache.new_empty((m.px_plan.num_blocks, h, 2 * b, d))
         name = layer.layer_name
-        fill_scratch(m.px_plan, kv_cache, lambda f, dst, slot: STORE.read_with_counts(name, f, dst, slot),
-                     m.px_scratch, raw=store_reader(STORE, name), layout=STORE.page_layout(kv_cache))
+        fill_scratch(m.px_plan, kv_cache, lambda f, dst, slot: store.read_with_counts(name, f, dst, slot),
+                     m.px_scratch, raw=store_reader(store, name), layout=store.page_layout(kv_cache))
         kc, vc = m.px_scratch.chunk(2, dim=2)
         self._run(layer, query, kc, vc, output, m.px_comp, causal)
         return output

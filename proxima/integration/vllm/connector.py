@@ -6,8 +6,12 @@ scheduling are unchanged. It uses the connector's *channel*:
 * scheduler: `bind_kv_cache_manager` (install the manager subclass), `build_connector_meta`
   (end of schedule: plan), `update_connector_output` (commit), `has_pending_block_frees`
   (wait instead of preempting while a commit is in flight);
-* worker: `register_kv_caches`, `start_load_kv` (before the forward: execute the plan),
-  `build_connector_worker_meta` (report).
+* worker: `register_kv_caches`, `bind_connector_metadata` (before the forward: execute the
+  plan), `build_connector_worker_meta` (report).
+
+The worker role owns the process's `WorkerStore` (the compressed blocks' maps and slot pools).
+vLLM keeps the worker's connector as the process's KV transfer group, so the attention backends
+find the store through vLLM's accessor (`worker_store()`), with no global of Proxima's own.
 
 With the runtime API enabled, the scheduler side also drives `live.LiveControl` (policy swaps,
 fallback level, stats, step reports); without it `self.live` stays None and nothing changes.
@@ -25,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
 
 from proxima.integration.vllm.plan import ProximaPlan, ProximaReport
 
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 
     from proxima.integration.vllm.live import LiveControl
     from proxima.integration.vllm.manager import ProximaKVCacheManager
+    from proxima.integration.vllm.worker import WorkerStore
 
 logger = logging.getLogger("proxima.vllm")
 STATS_ENV = "PROXIMA_STATS_FILE"
@@ -55,6 +61,11 @@ class ProximaConnector(KVConnectorBase_V1):
         self.policy = load_policy(path) if path else Policy(enabled=False)
         self.manager: ProximaKVCacheManager | None = None  # scheduler role, set in bind_kv_cache_manager
         self.live: LiveControl | None = None  # scheduler role, only when the runtime API is enabled
+        self.store: WorkerStore | None = None  # worker role
+        if role == KVConnectorRole.WORKER:
+            from proxima.integration.vllm.worker import WorkerStore
+
+            self.store = WorkerStore()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -123,20 +134,31 @@ class ProximaConnector(KVConnectorBase_V1):
 
     # --- worker role ------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from proxima.integration.vllm.worker import STORE
+    def _worker_store(self) -> WorkerStore:
+        if self.store is None:
+            raise RuntimeError(f"proxima: a worker-side connector hook ran on the {self.role.name} role's connector")
+        return self.store
 
-        STORE.register(kv_caches)
-        STORE.require_reader = True  # a real worker: compress only if a Proxima backend reads it
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from proxima.integration.vllm.worker import SlotReader
+
+        store = self._worker_store()
+        store.register(kv_caches)
+        store.require_reader = True  # a real worker: compress only if a Proxima backend reads it
+        # The model (and with it every layer's attention implementation) is built before vLLM
+        # creates this connector, so the readers are found on the layers, not announced by them.
+        layers = self._vllm_config.compilation_config.static_forward_context
+        store.readers = {
+            type(impl).__name__ for name in kv_caches
+            if isinstance(impl := getattr(layers.get(name), "impl", None), SlotReader)
+        }
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls start_load_kv *after* the forward when no sync load is pending, but binds
         # the metadata before it: this is the last point before attention reads the blocks.
         super().bind_connector_metadata(connector_metadata)
-        from proxima.integration.vllm.worker import STORE
-
         if isinstance(connector_metadata, ProximaPlan):
-            STORE.apply(connector_metadata)
+            self._worker_store().apply(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
@@ -151,6 +173,15 @@ class ProximaConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        from proxima.integration.vllm.worker import STORE
+        return self._worker_store().take_report()
 
-        return STORE.take_report()
+
+def worker_store() -> WorkerStore | None:
+    """This worker process's store: the one of the KV connector vLLM runs here, if it is Proxima's.
+
+    None when vLLM runs without a connector or with another one: the attention backends then
+    behave exactly as their vLLM parents."""
+    if not has_kv_transfer_group():
+        return None
+    connector = get_kv_transfer_group()
+    return connector.store if isinstance(connector, ProximaConnector) else None

@@ -36,7 +36,9 @@ from numba import njit, prange  # type: ignore[import-untyped]
 numba.config.THREADING_LAYER = "workqueue"
 
 HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-"""float32 value of every float16 bit pattern (the exact widening torch's `.float()` does)."""
+"""float32 value of every float16 bit pattern (the exact widening torch's `.float()` does).
+A constant: read-only, so no caller can change what the kernels read."""
+HALF_TO_FLOAT.flags.writeable = False
 
 
 @njit(cache=True, inline="always")

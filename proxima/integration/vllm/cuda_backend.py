@@ -14,6 +14,10 @@ Why TRITON_ATTN and not FLASH_ATTN:
   place from vLLM's cache plus one segment per compressed format read from its slot pool, each
   yielding partial (output, log-sum-exp), merged in one launch.
 
+The worker's maps and slot pools are the `WorkerStore` of Proxima's KV connector
+(`connector.worker_store()`); without that connector (or with Proxima not configured in it) every
+method is the parent's.
+
 Importance: in the observed layer every scheduled row's observation-window queries are scored
 against its hot keys (`importance.py`, the same code as the CPU backend), so the scheduler gets
 per-block attention mass on CUDA as it does on CPU.
@@ -51,9 +55,10 @@ from proxima.compression.blocks import Backend, CompressedBlocks
 from proxima.compression.layout import KVLayout, hot_store
 from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
 from proxima.formats import Format
+from proxima.integration.vllm.connector import worker_store
 from proxima.integration.vllm.debug import reads_sources
 from proxima.integration.vllm.importance import Observation, observe_safely, plan_observation
-from proxima.integration.vllm.worker import STORE, WorkerStore
+from proxima.integration.vllm.worker import SlotReader, WorkerStore
 
 BACKEND_PATH = "proxima.integration.vllm.cuda_backend.ProximaTritonAttentionBackend"
 
@@ -89,6 +94,8 @@ class ProximaTritonMetadata(TritonAttentionMetadata):
     """Set until the step's first layer resolves the split (then None)."""
     px_common: Any = None
     """vLLM's CommonAttentionMetadata of the step, kept for `resolve`."""
+    px_store: WorkerStore | None = None
+    """The worker's store (an active one: metadata of this type is built only then)."""
 
 
 def request_of_rows(store: WorkerStore, first_slots: list[int], block_size: int) -> list[str | None]:
@@ -105,31 +112,32 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # type: ignore[no-untyped-def]
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if not STORE.active or common_attn_metadata.causal is False:
+        store = worker_store()
+        if store is None or not store.active or common_attn_metadata.causal is False:
             return meta
         # vLLM builds attention metadata *before* it binds this step's connector metadata (the
         # plan saying which rows have compressed blocks): the split waits for the first layer.
         px = ProximaTritonMetadata(**{f.name: getattr(meta, f.name) for f in fields(TritonAttentionMetadata)})
-        px.px_builder, px.px_common = self, common_attn_metadata
+        px.px_builder, px.px_common, px.px_store = self, common_attn_metadata, store
         return px
 
     def resolve(self, m: ProximaTritonMetadata) -> None:
         """Find this step's rows (importance observation, compressed rows) and plan the compressed
         rows' segments (once per step, first layer)."""
-        cm = m.px_common
+        cm, store = m.px_common, m.px_store
         m.px_builder = m.px_common = None
-        if not STORE.key_blocks or cm is None:
+        if store is None or not store.key_blocks or cm is None:
             return
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: n + 1].tolist()
         # one device-to-host copy: the slot of every row's first query token
         first_slots = cm.slot_mapping[torch.tensor(qsl[:n], device=cm.slot_mapping.device)].tolist()
-        rids = request_of_rows(STORE, first_slots, self.block_size)
-        remaps = [STORE.remap.get(rid) or {} if rid is not None else {} for rid in rids]
+        rids = request_of_rows(store, first_slots, self.block_size)
+        remaps = [store.remap.get(rid) or {} if rid is not None else {} for rid in rids]
         seq_lens_all = cm.seq_lens[:n].tolist()
-        if STORE.observe_layer is not None:
+        if store.observe_layer is not None:
             m.px_obs = plan_observation(rids, remaps, qsl, seq_lens_all, cm.block_table_tensor[:n], self.block_size,
-                                        STORE.observation_window)
+                                        store.observation_window)
         rows = [r for r in range(n) if remaps[r]]
         if not rows:
             return
@@ -144,13 +152,9 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         m.px_request_ids = [rids[r] for r in rows]  # type: ignore[misc]
 
 
-class ProximaTritonAttentionImpl(TritonAttentionImpl):
+class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
     kernel_backend: Backend = "auto"
     """Proxima's kernels: Triton on CUDA tensors; tests on CPU force "triton" (the interpreter)."""
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        STORE.readers.add(type(self).__name__)
 
     def _check_compressed_rows_supported(self) -> None:
         unsupported = {
@@ -168,14 +172,19 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[no-untyped-def]
                 output_scale=None, output_block_scale=None):
         m = attn_metadata
-        if isinstance(m, ProximaTritonMetadata) and m.px_builder is not None:
+        if not isinstance(m, ProximaTritonMetadata):  # Proxima is not active in this worker
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if m.px_builder is not None:
             m.px_builder.resolve(m)
-        if isinstance(m, ProximaTritonMetadata) and m.px_obs is not None and layer.layer_name == STORE.observe_layer:
-            observe_safely(STORE, kv_cache, query.view(query.shape[0], self.num_heads, self.head_size), m.px_obs,
+        store = m.px_store
+        assert store is not None  # set by build() together with the metadata's type
+        if m.px_obs is not None and layer.layer_name == store.observe_layer:
+            observe_safely(store, kv_cache, query.view(query.shape[0], self.num_heads, self.head_size), m.px_obs,
                            self.scale)
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                               output_scale, output_block_scale)
-        if not isinstance(m, ProximaTritonMetadata) or m.px_plan is None or m.px_tokens is None:
+        if m.px_plan is None or m.px_tokens is None:
             return out
         self._check_compressed_rows_supported()
         if output_scale is not None:
@@ -183,7 +192,7 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl):
         q = query.view(query.shape[0], self.num_heads, self.head_size).index_select(0, m.px_tokens)
         hot = hot_store(kv_cache, KVLayout.FLASH_ATTN, num_kv_heads=self.num_kv_heads, head_dim=self.head_size)
         pools = {
-            s.fmt: slot_pool_of(STORE, layer.layer_name, s.fmt, kv_cache.device)
+            s.fmt: slot_pool_of(store, layer.layer_name, s.fmt, kv_cache.device)
             for s in m.px_plan.segments
             if not s.fmt.is_hot
         }
@@ -193,8 +202,8 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl):
         if reads_sources():
             theirs = flat.index_select(0, m.px_tokens).float()  # vLLM's kernel, same full batch
             err = float((mine.float() - theirs).norm() / theirs.norm().clamp_min(1e-30))
-            STORE.split_errors.add(layer.layer_name, err, len(m.px_request_ids))
-            STORE.split_errors.dump()
+            store.split_errors.add(layer.layer_name, err, len(m.px_request_ids))
+            store.split_errors.dump()
         flat.index_copy_(0, m.px_tokens, mine)
         return output
 

@@ -8,8 +8,9 @@
 This module keeps vLLM's hooks (`allocate_slots`, `free`, `pop_blocks_for_free`), planning
 (`build_plan`) and the commit (`apply_report`). What it knows per request is in the ledger
 (`ledger.py`), where compressed blocks live in the placement model (`proxima.placement`, over
-vLLM's block pool: `blocks.py`), admission estimates in `admission.py`, counters in `stats.py`,
-pool usage and the accounting check in `pool_usage.py`.
+vLLM's block pool: `blocks.py`), what the policy engine sees in `snapshot.py`, admission estimates
+in `admission.py`, counters in `stats.py`, pool usage and the accounting check in `pool_usage.py`,
+the rest of Proxima's per-engine state (in-flight actions, releasing a request) in `state.py`.
 
 Physical accounting (the invariants of `proxima.placement.model`, asserted by
 `check_accounting`): every non-null block is either in vLLM's free queue or owned: referenced by
@@ -34,12 +35,12 @@ from proxima.formats import HOT, Format
 from proxima.integration.vllm import _patches, admission, pool_usage
 from proxima.integration.vllm.ledger import CompressedSlot, RequestEntry
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.snapshot import build_snapshot, check_protected, finishing_requests
 from proxima.integration.vllm.state import ProximaState
 from proxima.integration.vllm.stats import summary
 from proxima.placement import DEST_RESERVE_BLOCKS, BlockId, SlotIndex
 from proxima.policy.engine import decide
 from proxima.policy.schema import Policy
-from proxima.policy.snapshot import RequestBlocks, Snapshot
 
 logger = logging.getLogger("proxima.vllm")
 CHECK_ENV = "PROXIMA_CHECK_ACCOUNTING"
@@ -125,13 +126,13 @@ class ProximaKVCacheManager(KVCacheManager):
     def free(self, request: Request) -> None:
         if request.request_id in self.px.ledger and not request.is_finished():
             self.px.stats.preemptions += 1
-        self._release_request(request.request_id)
+        self.px.release(request.request_id)
         super().free(request)
         if self.px.on_change is not None:
             self.px.on_change()
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        dests = self._release_request(request.request_id, free_now=False)
+        dests = self.px.release(request.request_id, free_now=False)
         return super().pop_blocks_for_free(request) + self.px.blocks.blocks(dests)
 
     # --- Proxima ------------------------------------------------------------------------------
@@ -156,55 +157,13 @@ class ProximaKVCacheManager(KVCacheManager):
     def has_pending(self) -> bool:
         return bool(self.px.pending)
 
-    def _release_request(self, req_id: str, *, free_now: bool = True) -> list[BlockId]:
-        """A request's entry and destinations go (its in-flight actions with them)."""
-        px = self.px
-        entry = px.ledger.pop(req_id, None)
-        if entry is None:
-            return []
-        for ca in entry.in_flight.values():
-            px.pending.pop(ca.action_id, None)
-        px.dropped.append(req_id)
-        return px.packer.release_request(req_id, free_now=free_now)
-
-    def snapshot(self, pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset()
-                 ) -> tuple[Snapshot, list[RequestEntry]]:
-        """The pool and every resident request's blocks for the policy engine; requests in
-        `finishing` are left out (none of their blocks is eligible)."""
-        b = self.block_size
-        reqs: list[RequestBlocks] = []
-        entries: list[RequestEntry] = []
-        req_to_blocks = self._stm.req_to_blocks
-        for rid, entry in self.px.ledger.items():
-            blocks = req_to_blocks.get(rid)
-            if not blocks or rid in finishing:
-                continue
-            r = entry.request
-            computed = r.num_computed_tokens
-            n = len(blocks)
-            tokens = [max(0, min(b, computed - i * b)) for i in range(n)]
-            formats = [entry.compressed[i].fmt if i in entry.compressed else HOT for i in range(n)]
-            shared = [
-                (i in entry.in_flight) or (i not in entry.compressed and blocks[i].ref_cnt > 1) for i in range(n)
-            ]
-            reqs.append(RequestBlocks(request_id=rid, importance=entry.importance_of(n), formats=formats,
-                                      tokens=tokens, shared=shared, in_prefill=computed < r.num_prompt_tokens))
-            entries.append(entry)
-        snap = Snapshot.build(
-            total_blocks=pool_usage.total_blocks(self.block_pool),
-            free_blocks=self.block_pool.get_num_free_blocks(),
-            block_size=b,
-            requests=reqs,
-            pending_blocks=pending_blocks,
-        )
-        return snap, entries
-
     def _plan(self, pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset()) -> int:
         """Run the policy engine and reserve destinations for its actions; returns actions planned."""
         px = self.px
         if px.policy.is_off or px.disabled:
             return 0
-        snap, _ = self.snapshot(pending_blocks, finishing)
+        snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
+                              pending_blocks, finishing)
         decision = decide(snap, px.effective, px.engine)
         px.engine = decision.state
         planned = 0
@@ -221,7 +180,8 @@ class ProximaKVCacheManager(KVCacheManager):
             if prev is not None and (prev.fmt.pack_ratio >= fmt.pack_ratio or not px.policy.recompressible(prev.fmt)):
                 continue
             if px.check:
-                self._check_protected(entry, act.block_index)
+                check_protected(entry, act.block_index, len(blocks_of[act.request_id]), self.block_size,
+                                px.policy.protect)
             res = px.packer.reserve(act.request_id, fmt)
             if res is None:
                 break
@@ -241,25 +201,6 @@ class ProximaKVCacheManager(KVCacheManager):
         px.stats.planned += planned
         return planned
 
-    def _check_protected(self, entry: RequestEntry, index: int) -> None:
-        """DESIGN.md invariants, re-checked on every action (tests): never the hot tail, never a
-        protected window, never a block not fully computed, nor one of a request still in prefill
-        unless the policy allows it (`protect.prefilling: false`)."""
-        b, prot = self.block_size, self.px.policy.protect
-        r = entry.request
-        n = len(self._stm.req_to_blocks[r.request_id])
-        ok = (
-            index < n - 1
-            and index * b >= prot.sink_tokens
-            and (index + 1) * b <= r.num_computed_tokens - prot.recent_tokens
-            and (r.num_computed_tokens >= r.num_prompt_tokens or not prot.prefilling)
-        )
-        if not ok:
-            raise AssertionError(
-                f"proxima would compress block {index} of {r.request_id} ({n} blocks, "
-                f"{r.num_computed_tokens} computed, protect={prot}): this indicates a bug in the engine's eligibility"
-            )
-
     def build_plan(self, scheduled_req_ids: Iterable[str]) -> ProximaPlan:
         """Called at the end of each `schedule()`: this step's actions for the worker."""
         px = self.px
@@ -269,7 +210,7 @@ class ProximaKVCacheManager(KVCacheManager):
         scheduled_req_ids = list(scheduled_req_ids)
         if not px.pending:
             self._plan(pending_blocks=min(px.waiting_need, pool_usage.total_blocks(self.block_pool)),
-                       finishing=self._finishing(scheduled_req_ids))
+                       finishing=finishing_requests(px.ledger, scheduled_req_ids))
         px.waiting_need = 0
         plan = ProximaPlan(
             actions=[a for a in px.pending.values() if a.action_id not in px.sent],
@@ -287,19 +228,6 @@ class ProximaKVCacheManager(KVCacheManager):
             key = blocks_of[rid][entry.request.num_computed_tokens // b]
             plan.key_blocks[key.block_id] = rid
         return plan
-
-    def _finishing(self, scheduled_req_ids: Iterable[str]) -> set[str]:
-        """Scheduled requests that decode their last token this step (`max_tokens`; a stop string
-        or EOS cannot be foreseen). vLLM frees a request that finished in a step before it applies
-        the step's connector report, so compressing their blocks would be wasted work. (A request
-        recomputing after preemption is not decoding: `num_computed_tokens` is behind.)"""
-        out = set()
-        for rid in scheduled_req_ids:
-            entry = self.px.ledger.get(rid)
-            r = entry.request if entry is not None else None
-            if r is not None and r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens + 1 >= r.max_tokens:
-                out.add(rid)
-        return out
 
     def apply_report(self, report: ProximaReport) -> None:
         """Second phase: commit successful compressions (free sources), undo failed ones; and
@@ -321,10 +249,7 @@ class ProximaKVCacheManager(KVCacheManager):
             entry = px.ledger[ca.req_id]
             entry.in_flight.pop(ca.index, None)
             entry.compressed[ca.index] = CompressedSlot(Format.parse(ca.fmt), ca.dst, ca.slot)
-            px.stats.committed += 1
-            if aid in px.prefill_actions:
-                px.stats.committed_in_prefill += 1
-            px.stats.committed_by_format[ca.fmt] = px.stats.committed_by_format.get(ca.fmt, 0) + 1
+            px.stats.record_commit(ca.fmt, in_prefill=aid in px.prefill_actions)
             if ca.from_fmt != HOT.name:  # recompression: release the old slot
                 px.packer.release(ca.req_id, ca.from_dst, ca.from_slot)
                 continue

@@ -31,6 +31,7 @@ Both give the same bits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -278,23 +279,24 @@ def _fill_groups(plan: ScratchPlan, read: Reader, raw: RawReader | None, s5: tor
 
 # --- fused CPU path ----------------------------------------------------------------------------
 
-_LUTS: dict[str, np.ndarray] = {}
-_IDENTITY: dict[int, np.ndarray] = {}
+# Memoized constants, not state: each depends only on its argument (a few page sizes, two
+# dtypes), is computed once per process and is read-only, so no caller can change what another sees.
 
 
+@functools.lru_cache(maxsize=16)
 def _identity(n: int) -> np.ndarray:
-    """int64 [n]: page positions of the canonical order."""
-    if n not in _IDENTITY:
-        _IDENTITY[n] = np.arange(n, dtype=np.int64)
-    return _IDENTITY[n]
+    """int64 [n] (read-only): page positions of the canonical order."""
+    out = np.arange(n, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
+@functools.lru_cache(maxsize=4)
 def _byte_lut(dtype: torch.dtype) -> np.ndarray:
-    """float32 [256]: the exact value of each byte read as `dtype` (float8_e4m3fn or int8)."""
-    key = str(dtype)
-    if key not in _LUTS:
-        _LUTS[key] = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
-    return _LUTS[key]
+    """float32 [256] (read-only): the exact value of each byte read as `dtype` (float8_e4m3fn or int8)."""
+    out = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
+    out.flags.writeable = False
+    return out
 
 
 def _token_map(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int) -> tuple[np.ndarray, np.ndarray]:

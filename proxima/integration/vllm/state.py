@@ -20,7 +20,7 @@ from proxima.integration.vllm.blocks import VllmBlockSource
 from proxima.integration.vllm.ledger import RequestLedger
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.integration.vllm.stats import MetaSizes, ProximaStats
-from proxima.placement import SlotPacker
+from proxima.placement import BlockId, SlotPacker
 from proxima.policy.engine import EngineState
 from proxima.policy.schema import Policy
 
@@ -91,3 +91,14 @@ class ProximaState:
 
     def next_action_id(self) -> ActionId:
         return ActionId(next(self.action_ids))
+
+    def release(self, req_id: str, *, free_now: bool = True) -> list[BlockId]:
+        """A request's entry and destinations go (its in-flight actions with them); returns its
+        destinations (with `free_now=False` the caller frees them: vLLM's deferred-free path)."""
+        entry = self.ledger.pop(req_id, None)
+        if entry is None:
+            return []
+        for ca in entry.in_flight.values():
+            self.pending.pop(ca.action_id, None)
+        self.dropped.append(req_id)
+        return self.packer.release_request(req_id, free_now=free_now)

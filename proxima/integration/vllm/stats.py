@@ -50,6 +50,12 @@ class ProximaStats:
         self.running_sum += resident
         self.side_bytes_peak = max(self.side_bytes_peak, side_bytes)
 
+    def record_commit(self, fmt: str, *, in_prefill: bool) -> None:
+        """One compression the worker reported written; `in_prefill`: planned during its prefill."""
+        self.committed += 1
+        self.committed_in_prefill += in_prefill
+        self.committed_by_format[fmt] = self.committed_by_format.get(fmt, 0) + 1
+
 
 class MetaSizes:
     """Side-table bytes (scales, zero points) per compressed slot and format, all layers.

@@ -77,8 +77,18 @@ class _LayerPool:
     meta: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [num_blocks * r, ...]
 
 
+class SlotReader:
+    """Marks an attention implementation that reads compressed blocks through the `WorkerStore`.
+
+    The connector looks for it on every KV layer's implementation when the caches are registered
+    (`WorkerStore.readers`): any other implementation would read the freed source blocks."""
+
+
 class WorkerStore:
-    """Everything the worker knows about compressed blocks (one per worker process)."""
+    """Everything the worker knows about compressed blocks.
+
+    Owned by the worker role of `ProximaConnector` (one per worker process, as vLLM creates one
+    connector there); the attention backends reach it through `connector.worker_store()`."""
 
     def __init__(self) -> None:
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -104,8 +114,9 @@ class WorkerStore:
         self.aggregate = "max"
         self.observation_window = 32
         self.readers: set[str] = set()
-        """Proxima attention backends constructed in this process (they add themselves): the
-        only readers of compressed blocks. vLLM's own backends would read the freed sources."""
+        """Class names of the `SlotReader` attention implementations of this worker's KV layers
+        (set by the connector): the only readers of compressed blocks. vLLM's own backends would
+        read the freed sources."""
         self.require_reader = False
         """Set by the KV connector (a real vLLM worker): refuse to compress without a reader."""
         self.split_errors = SplitErrors()
@@ -339,6 +350,3 @@ class WorkerStore:
         )
         return decompress_blocks(cb, backend=_kernels(p.k))
 
-
-STORE = WorkerStore()
-"""The worker process's store, shared by the connector (writer) and the attention backend (reader)."""

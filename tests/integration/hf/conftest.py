@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: F401  (the [quality] extra: a missing one fails the run, never skips it)
 
 
 def tiny_llama(seed: int = 0):

@@ -10,20 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
-
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-
-from proxima.formats import Format  # noqa: E402
-from proxima.integration.vllm.manager import ProximaKVCacheManager, install  # noqa: E402
-from proxima.integration.vllm.plan import NO_READER, ProximaReport  # noqa: E402
-from proxima.policy.loader import load_policy  # noqa: E402
-from proxima.policy.schema import Policy  # noqa: E402
+from proxima.formats import Format
+from proxima.integration.vllm.manager import ProximaKVCacheManager, install
+from proxima.integration.vllm.plan import NO_READER, ProximaReport
+from proxima.policy.loader import load_policy
+from proxima.policy.schema import Policy
 
 ROOT = Path(__file__).resolve().parents[3]
 B = 32

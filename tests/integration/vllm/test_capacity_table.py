@@ -5,9 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
-pytest.importorskip("vllm")
-
 from vllm.logprobs import Logprob
 
 from proxima.integration.vllm.capacity import common_prefix, prompt_scores, table_markdown, tabulate

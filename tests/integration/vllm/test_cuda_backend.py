@@ -14,27 +14,26 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():  # before anything imports triton (vLLM does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("vllm")
 
-from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
-from vllm.v1.attention.backends.triton_attn import (  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
     TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from proxima.formats import Format  # noqa: E402
-from proxima.integration.vllm import cuda_backend as cb  # noqa: E402
-from proxima.integration.vllm.plan import CompressAction, ProximaPlan  # noqa: E402
-from proxima.integration.vllm.worker import WorkerStore  # noqa: E402
-from proxima.policy.schema import Policy  # noqa: E402
+from proxima.formats import Format
+from proxima.integration.vllm import cuda_backend as cb
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan
+from proxima.integration.vllm.worker import WorkerStore
+from proxima.policy.schema import Policy
 
 NB, H, HQ, B, D = 16, 2, 4, 16, 32
 LAYER = "layer.0"

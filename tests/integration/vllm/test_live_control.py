@@ -9,22 +9,19 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import httpx
 import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
-httpx = pytest.importorskip("httpx")
-
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-
-from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV, LiveControl, api_address  # noqa: E402
-from proxima.integration.vllm.manager import ProximaKVCacheManager, install  # noqa: E402
-from proxima.integration.vllm.plan import ProximaReport  # noqa: E402
-from proxima.policy.loader import load_policy  # noqa: E402
-from proxima.policy.schema import Policy  # noqa: E402
+from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV, LiveControl, api_address
+from proxima.integration.vllm.manager import ProximaKVCacheManager, install
+from proxima.integration.vllm.plan import ProximaReport
+from proxima.policy.loader import load_policy
+from proxima.policy.schema import Policy
 
 HERE = Path(__file__).parent
 B = 32  # tokens per block (the KIVI group of the int4 side table needs a multiple of 32)

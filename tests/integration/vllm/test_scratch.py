@@ -9,20 +9,18 @@ mix of formats (quantized, sparse, cluster) in the row.
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
-
-from proxima.formats import Format  # noqa: E402
-from proxima.integration.vllm.plan import CompressAction, ProximaPlan  # noqa: E402
-from proxima.integration.vllm.scratch import (  # noqa: E402
+from proxima.formats import Format
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan
+from proxima.integration.vllm.scratch import (
     ScratchRow,
     expand_centroids,
     fill_scratch,
     plan_scratch,
     store_reader,
 )
-from proxima.integration.vllm.worker import WorkerStore  # noqa: E402
+from proxima.integration.vllm.worker import WorkerStore
 
 NB, H, B, D, HQ = 40, 2, 16, 32, 4
 LAYER = "layer.0"
@@ -123,7 +121,6 @@ ALL_FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)+int4", "sparse(2)", "cl
 
 def test_fused_fill_equals_the_torch_fill_bit_for_bit() -> None:
     """The numba kernels (`cpu_dequant.py`) round the reference's float32 results to the same bf16."""
-    pytest.importorskip("numba")
     # Every format in two rows, mixed with hot blocks, so groups span rows and targets interleave.
     formats: list[list[str | None]] = [[*ALL_FORMATS, None, None], [None, *reversed(ALL_FORMATS), None]]
     st, kv, rows = _scenario(formats, seed=1)

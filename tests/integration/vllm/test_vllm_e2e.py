@@ -21,8 +21,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
 CHURN = 200

@@ -5,14 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
-
-from proxima.formats import Format  # noqa: E402
-from proxima.integration.vllm.faults import FAULT_ENV, FAULT_FILE_ENV, parse_fault  # noqa: E402
-from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan  # noqa: E402
-from proxima.integration.vllm.worker import WorkerStore  # noqa: E402
+from proxima.formats import Format
+from proxima.integration.vllm.faults import FAULT_ENV, FAULT_FILE_ENV, parse_fault
+from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan
+from proxima.integration.vllm.worker import WorkerStore
 
 NB, H, B, D = 12, 3, 128, 64
 TOL = {"int8": 0.02, "fp8": 0.08, "int4": 0.2, "int2": 0.6}

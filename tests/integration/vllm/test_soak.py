@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
-REQUESTS = 160
+REQUESTS = 80
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_churn_and_faults_really_happened(soak: dict) -> None:
 
 def test_server_stays_clean(soak: dict) -> None:
     r = soak["result"]
-    assert r["tracebacks"] == 0, r.get("first_traceback")
+    assert r["tracebacks"] == 0 and r["shutdown_tracebacks_other"] == 0, r.get("first_traceback")
     assert r["shutdown"] == {"exit_code": 0, "left_running": []}
     assert set(r["rss_start_mb"]) >= {"api_server", "engine_core", "worker"}
     assert set(r["rss_end_mb"]) == set(r["rss_start_mb"])

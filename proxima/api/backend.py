@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from proxima.policy.backoff import BackoffEvent
+
 
 @dataclass(frozen=True)
 class BackendStats:
@@ -67,6 +69,8 @@ class StepReport:
     """Compressions the compression-time probe refused."""
     kernel_seconds: float | None = None
     """Wall time of the step's compression kernels (None when no kernel ran)."""
+    backoff: tuple[BackoffEvent, ...] = ()
+    """Formats paused or resumed by the compression backoff (`proxima.policy.backoff`)."""
 
 
 @runtime_checkable

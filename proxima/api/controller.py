@@ -118,6 +118,12 @@ class Controller:
             m.compression_rejected.inc(report.rejected_by_probe)
         if report.kernel_seconds is not None:
             m.kernel_seconds.observe(report.kernel_seconds)
+        for ev in report.backoff:
+            if ev.kind == "paused":
+                m.compression_backoffs.labels(format=ev.fmt).inc()
+            m.compression_backoff_formats.set(ev.backing_off)
+            if ev.episode_start:  # one alert per incident; later pauses and the recovery are counted and logged
+                self.alerts.fire(self.clock(), "compression_backoff", "warning", ev.message, **ev.details())
 
     def on_probe(self, result: ProbeResult) -> None:
         """Record a probe verdict and feed it to the fallback ladder (may step down or up)."""

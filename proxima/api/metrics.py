@@ -67,6 +67,17 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.compression_backoffs = Counter(
+            "proxima_engine_compression_backoffs_total",
+            "Pauses of a format after a failed compression batch (each failure pauses it longer).",
+            ["format"],
+            registry=r,
+        )
+        self.compression_backoff_formats = Gauge(
+            "proxima_engine_compression_backoff_formats",
+            "Formats backing off after failures, not yet committed again (0 = every format healthy).",
+            registry=r,
+        )
         self.kernel_seconds = Histogram(
             "proxima_engine_compression_kernel_seconds",
             "Wall time of one step's compression kernels.",

@@ -203,7 +203,8 @@ class LiveControl:
         errors = {"kernel": self._failed} if self._failed else {}
         kernel = self._kernel_seconds if self._kernel_seconds > 0 else None
         self.controller.on_step(StepReport(decisions_by_format=dict(self._committed), errors_by_reason=errors,
-                                           kernel_seconds=kernel))
+                                           kernel_seconds=kernel,
+                                           backoff=tuple(self.manager.px_backoff.take_events())))
         self._committed = Counter()
         self._failed = 0
         self._kernel_seconds = 0.0

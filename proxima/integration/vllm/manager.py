@@ -164,14 +164,15 @@ class ProximaKVCacheManager(KVCacheManager):
             return 0
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
                               pending_blocks, finishing)
-        decision = decide(snap, px.effective, px.engine)
+        decision = decide(snap, px.backoff.restrict(px.effective, px.stats.steps), px.engine)
         px.engine = decision.state
         planned = 0
         blocks_of = self._stm.req_to_blocks
+        quota = px.backoff.quota(px.stats.steps)  # after failures: small probe batches
         for act in decision.actions:
             fmt = act.to_format
-            if fmt not in px.formats:
-                continue  # filtered out of the ladders by install(); kept as a guard
+            if fmt not in px.formats or not quota.take(fmt.name):
+                continue  # (px.formats: filtered out of the ladders by adopt(); kept as a guard)
             entry = px.ledger[act.request_id]
             src = blocks_of[act.request_id][act.block_index]
             prev = entry.compressed.get(act.block_index)
@@ -233,6 +234,11 @@ class ProximaKVCacheManager(KVCacheManager):
         """Second phase: commit successful compressions (free sources), undo failed ones; and
         take the worker's observed block importance."""
         px = self.px
+        fmt = {aid: ca.fmt for aid, ca in px.pending.items()}  # before the commits below pop them
+        for ev in px.backoff.observe(px.stats.steps, [fmt[a] for a in report.ok if a in fmt],
+                                     [fmt[a] for a in report.failed if a in fmt], (report.errors or [""])[-1],
+                                     {f.name for f in px.formats}):
+            logger.warning("proxima: %s", ev.message)  # one line per pause: growing intervals, not every step
         for rid, imp in report.importance.items():
             entry = px.ledger.get(rid)
             if entry is not None:
@@ -274,9 +280,7 @@ class ProximaKVCacheManager(KVCacheManager):
             px.disabled = NO_READER
             logger.error("proxima: %s", NO_READER)
         if report.errors:
-            px.stats.errors.extend(report.errors[-5:])
-            logger.warning("proxima: %d compressions failed and stay uncompressed: %s",
-                           len(report.failed), report.errors[-1])
+            px.stats.errors[:] = (px.stats.errors + report.errors)[-5:]  # bounded over any run
         if not px.pending:
             px.emergency = False
         if to_free:
@@ -297,7 +301,9 @@ class ProximaKVCacheManager(KVCacheManager):
 
     def summary(self) -> dict[str, object]:
         px = self.px
-        return summary(px.stats, px.ledger, px.packer, self.block_pool, px.meta, px.disabled)
+        out = summary(px.stats, px.ledger, px.packer, self.block_pool, px.meta, px.disabled)
+        out["backoff"] = px.backoff.summary(px.stats.steps)
+        return out
 
 
 def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | None:

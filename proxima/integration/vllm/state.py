@@ -21,6 +21,7 @@ from proxima.integration.vllm.ledger import RequestLedger
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.integration.vllm.stats import MetaSizes, ProximaStats
 from proxima.placement import BlockId, SlotPacker
+from proxima.policy.backoff import FormatBackoff
 from proxima.policy.engine import EngineState
 from proxima.policy.schema import Policy
 
@@ -66,6 +67,8 @@ class ProximaState:
     """An emergency compression is in flight: admit no new request until it commits."""
     waiting_need: int = 0
     """Blocks the largest waiting request needed this step (counted as pressure)."""
+    backoff: FormatBackoff = field(default_factory=FormatBackoff)
+    """Formats whose batches failed are left out of planning for a growing number of steps."""
     disabled: str | None = None
     """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
 

@@ -26,11 +26,11 @@ from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
 from proxima.formats import Format
 from proxima.integration.vllm.cpu_layout import PageLayout, canonical_layout, probe_layout
 from proxima.integration.vllm.debug import SplitErrors
+from proxima.integration.vllm.faults import FaultInjector
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.policy.schema import Policy
 
 logger = logging.getLogger("proxima.vllm")
-FAULT_ENV = "PROXIMA_FAULT_INJECT"
 
 _META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -61,10 +61,6 @@ def layer_index(name: str, position: int) -> int:
 def _kernels(t: torch.Tensor) -> Literal["torch", "auto"]:
     """Proxima's Triton kernels on a GPU; on CPU the torch reference (Triton there is the interpreter)."""
     return "auto" if t.is_cuda else "torch"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the executor when PROXIMA_FAULT_INJECT=compress (tests only)."""
 
 
 @dataclass
@@ -101,7 +97,8 @@ class WorkerStore:
         self.group_size = DEFAULT_GROUP_SIZE
         self.report = ProximaReport()
         self.meta_bytes = 0
-        self.batches = 0
+        self.faults = FaultInjector()
+        """Tests and benchmarks: failures injected into compression batches (`faults`)."""
         self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
         self.policy: Policy | None = None
         """Its `layer_overrides` decide the format each layer stores (same pack ratio, same slot)."""
@@ -208,6 +205,7 @@ class WorkerStore:
             self.sources.pop(rid, None)
             self.token_importance.pop(rid, None)
         self.key_blocks = dict(plan.key_blocks)
+        self.faults.refresh()  # once per step: a benchmark switches faults on and off between steps
         if plan.actions and self.require_reader and not self.readers:
             # e.g. CUDA with vLLM's default backend: compressing would make attention read freed
             # blocks. Every action fails, so every block stays hot and every request stays exact.
@@ -233,13 +231,7 @@ class WorkerStore:
             self.report.ok.extend(a.action_id for a in acts)
 
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
-        fault = os.environ.get(FAULT_ENV, "")
-        if fault.startswith("compress"):
-            # "compress": every batch fails; "compress@N": every Nth batch fails.
-            self.batches += 1
-            every = int(fault.partition("@")[2] or 1)
-            if self.batches % every == 0:
-                raise InjectedFault(f"{FAULT_ENV}={fault}")
+        self.faults.check()
         dev = next(iter(self.kv_caches.values())).device
         src = torch.tensor([a.src for a in acts], dtype=torch.long, device=dev)
         r = fmt.pack_ratio

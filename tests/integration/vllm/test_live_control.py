@@ -164,3 +164,31 @@ def test_every_step_is_reported_once_even_when_reports_arrive_late() -> None:
     live.after_plan()
     live.before_plan()  # the step with no worker report is reported at the next step's start
     assert steps._value.get() == 3
+
+
+def test_failing_compressions_back_off_with_one_alert_then_resume() -> None:
+    """Every batch fails for 60 steps, then the fault clears: the manager stops re-planning the
+    doomed compressions (growing pauses), the controller raises one alert and counts every pause,
+    and compression resumes by itself."""
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    live = LiveControl(m, m.px_policy, "127.0.0.1", 0)  # hooks only, no server
+    _prefilled(m, "a", 6 * B)
+    per_step = [_step(live, m, ["a"], ok=False) for _ in range(60)]
+    attempts = [i for i, n in enumerate(per_step) if n]
+    assert per_step[0] > 1 and attempts == [0, 5, 14, 31], per_step  # pauses of 4, 8, 16, then 32 steps
+    assert sum(per_step) == per_step[0] + 3  # each retry is a one-block probe (instead of 60 x per_step[0])
+    assert m.summary()["backoff"]["formats"]["int4"]["failures"] == len(attempts)
+    alerts = live.controller.alerts.recent()
+    assert [(a.kind, a.severity) for a in alerts] == [("compression_backoff", "warning")]
+    assert alerts[0].details["format"] == "int4" and "paused for 4 steps" in alerts[0].message
+    metrics = live.controller.metrics
+    assert metrics.compression_backoffs.labels(format="int4")._value.get() == len(attempts)
+    assert metrics.compression_backoff_formats._value.get() == 1
+    # The fault is gone: the next probe batch commits, and compression goes on as before.
+    committed = [_step(live, m, ["a"]) for _ in range(40)]
+    first = next(i for i, n in enumerate(committed) if n)
+    assert first == 4 and committed[first:first + 2] == [1, per_step[0] - 1]  # paused to step 65; a probe; the rest
+    assert m.px_stats.committed == sum(committed)
+    assert m.summary()["backoff"]["formats"] == {} and metrics.compression_backoff_formats._value.get() == 0
+    assert len(live.controller.alerts.recent()) == 1
+    m.check_accounting()

@@ -85,7 +85,9 @@ def test_policy_off_is_identical_to_vanilla(runs: dict[str, dict]) -> None:
 def test_compression_frees_blocks_and_every_request_completes(runs: dict[str, dict]) -> None:
     r = runs["mixed"]
     px = r["proxima"]
-    assert px["committed"] > 0 and px["freed_blocks"] == px["committed"]
+    # Each commit from bf16 frees its source; a recompression (e.g. int4 -> cluster(2)+int4, which
+    # the engine picks when a failing format is paused) commits without freeing one.
+    assert px["committed"] > 0 and 0 < px["freed_blocks"] <= px["committed"]
     assert all(len(t) == 20 for t in r["pressure"]) and all(len(t) == 20 for t in r["prefix"])
     assert r["churn_lengths"] == [3] * CHURN
 

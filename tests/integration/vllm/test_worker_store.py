@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from proxima.formats import Format
+from proxima.integration.vllm.faults import FAULT_ENV, FAULT_FILE_ENV, parse_fault
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan
-from proxima.integration.vllm.worker import FAULT_ENV, WorkerStore
+from proxima.integration.vllm.worker import WorkerStore
 
 NB, H, B, D = 12, 3, 128, 64
 TOL = {"int8": 0.02, "fp8": 0.08, "int4": 0.2, "int2": 0.6}
@@ -73,6 +76,47 @@ def test_injected_fault_keeps_blocks_hot(monkeypatch: pytest.MonkeyPatch) -> Non
     assert rep is not None and rep.failed == [7] and not rep.ok and rep.errors
     assert "r" not in st.remap
     assert all(torch.equal(before[k], caches[k]) for k in caches)
+
+
+def test_fault_file_switches_faults_on_and_off_between_steps(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    st, _ = _store()
+    fault = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ENV, "compress")  # the file, once named, replaces the variable
+    monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
+
+    def step(aid: int, spelling: str | None) -> tuple[list[int], list[int]]:
+        if spelling is None:
+            fault.unlink(missing_ok=True)
+        else:
+            fault.write_text(spelling)
+        st.apply(ProximaPlan(actions=[
+            CompressAction(aid, "r", aid, src=1 + aid % 4, dst=6 + aid, slot=0, fmt="int8"),
+            CompressAction(aid + 100, "r", aid + 100, src=1 + aid % 4, dst=6 + aid, slot=0, fmt="int4"),
+        ]))
+        rep = st.take_report()
+        assert rep is not None
+        return rep.ok, rep.failed
+
+    assert step(0, None) == ([0, 100], [])  # no file: no fault
+    assert step(1, "compress\n") == ([], [1, 101])  # both batches of the step fail
+    assert step(2, "") == ([2, 102], [])
+    ok, failed = step(3, "compress@2")  # every second batch: one of the two
+    assert len(ok) == 1 and len(failed) == 1
+    with caplog.at_level("ERROR", logger="proxima.vllm"):
+        assert step(4, "explode") == ([4, 104], [])  # a typo injects nothing and says so
+        assert step(5, "explode") == ([5, 105], [])
+    assert [r.getMessage() for r in caplog.records if "unknown fault" in r.getMessage()] == [
+        f"proxima: {FAULT_FILE_ENV}={fault}: unknown fault 'explode'; expected 'compress' or 'compress@N' "
+        "with N >= 1; no fault injected"]
+    assert st.faults.injected == 3
+
+
+def test_fault_spelling() -> None:
+    assert parse_fault("", "x") is None and parse_fault(" compress ", "x") == 1 and parse_fault("compress@3", "x") == 3
+    for bad in ("compress@0", "compress@", "compress@-1", "kernel"):
+        with pytest.raises(ValueError, match="x: unknown fault"):
+            parse_fault(bad, "x")
 
 
 def test_dropped_request_forgotten() -> None:

@@ -223,7 +223,7 @@ def test_proximas_backend_is_selected_without_a_flag(runs: dict[str, dict]) -> N
 
 def test_compressions_commit_and_injected_faults_keep_blocks_hot(runs: dict[str, dict]) -> None:
     px = _ok(runs, "mixed")["proxima"]
-    assert px["committed"] > 0 and px["freed_blocks"] == px["committed"]
+    assert px["committed"] > 0 and 0 < px["freed_blocks"] <= px["committed"]  # (recompressions free no source)
     assert px["failed"] > 0 and any("InjectedFault" in e for e in px["errors"])
     assert px["committed_in_prefill"] > 0
 

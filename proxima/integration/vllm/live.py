@@ -204,7 +204,7 @@ class LiveControl:
         kernel = self._kernel_seconds if self._kernel_seconds > 0 else None
         self.controller.on_step(StepReport(decisions_by_format=dict(self._committed), errors_by_reason=errors,
                                            kernel_seconds=kernel,
-                                           backoff=tuple(self.manager.px_backoff.take_events())))
+                                           backoff=tuple(self.manager.px.backoff.take_events())))
         self._committed = Counter()
         self._failed = 0
         self._kernel_seconds = 0.0

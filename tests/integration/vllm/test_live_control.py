@@ -171,7 +171,7 @@ def test_failing_compressions_back_off_with_one_alert_then_resume() -> None:
     doomed compressions (growing pauses), the controller raises one alert and counts every pause,
     and compression resumes by itself."""
     m = _manager(load_policy(HERE / "force-int4.yaml"))
-    live = LiveControl(m, m.px_policy, "127.0.0.1", 0)  # hooks only, no server
+    live = LiveControl(m, m.px.policy, "127.0.0.1", 0)  # hooks only, no server
     _prefilled(m, "a", 6 * B)
     per_step = [_step(live, m, ["a"], ok=False) for _ in range(60)]
     attempts = [i for i, n in enumerate(per_step) if n]
@@ -188,7 +188,7 @@ def test_failing_compressions_back_off_with_one_alert_then_resume() -> None:
     committed = [_step(live, m, ["a"]) for _ in range(40)]
     first = next(i for i, n in enumerate(committed) if n)
     assert first == 4 and committed[first:first + 2] == [1, per_step[0] - 1]  # paused to step 65; a probe; the rest
-    assert m.px_stats.committed == sum(committed)
+    assert m.px.stats.committed == sum(committed)
     assert m.summary()["backoff"]["formats"] == {} and metrics.compression_backoff_formats._value.get() == 0
     assert len(live.controller.alerts.recent()) == 1
     m.check_accounting()

@@ -11,21 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request, RequestStatus
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
-
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-
-from proxima.integration.vllm.manager import ProximaKVCacheManager, install  # noqa: E402
-from proxima.integration.vllm.plan import ProximaPlan, ProximaReport  # noqa: E402
-from proxima.policy.loader import load_policy  # noqa: E402
+from proxima.integration.vllm.manager import ProximaKVCacheManager, install
+from proxima.integration.vllm.plan import ProximaPlan, ProximaReport
+from proxima.policy.loader import load_policy
 
 ROOT = Path(__file__).resolve().parents[3]
 B = 32

@@ -15,9 +15,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("vllm")
-
 from backoff_runner import FAULT_STEPS
 from test_vllm_e2e import _free_port, _model
 

@@ -41,6 +41,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.integration.vllm.engine_helpers import free_port as _free_port
+from tests.integration.vllm.engine_helpers import test_model as _model
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(),
@@ -58,23 +61,6 @@ QUALITY_ENGINE: dict[str, Any] = {"async_scheduling": False}
 """The quality rows' engine shape: synchronous scheduling (under async scheduling this workload did
 not finish in 240 s on the H200, vanilla included; see docs/vllm-integration.md, "CUDA")."""
 WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _model() -> str:
-    env = os.environ.get("PX_MODEL")
-    if env:
-        return env
-    from proxima.models import prepare
-
-    return str(prepare("smollm2", progress=lambda *_: None))
 
 
 def _has_weights(model: str) -> bool:

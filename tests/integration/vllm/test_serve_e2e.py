@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,9 @@ import httpx
 import psutil
 import pytest
 
+from tests.integration.vllm.engine_helpers import free_port as _free_port
+from tests.integration.vllm.engine_helpers import test_model as _model
+
 pytestmark = pytest.mark.slow
 
 MODEL_NAME = "smollm2"
@@ -39,21 +41,6 @@ API_HOST = "127.0.0.2"  # any 127/8 address is loopback on Linux; the default wo
 READY_TIMEOUT_S = 600.0  # vLLM's start-up is about 40 s on an idle 2-core host, minutes under load
 STOP_TIMEOUT_S = 120.0
 PROXIMA = Path(sys.executable).with_name("proxima")  # the console script installed next to python
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _model() -> str:
-    env = os.environ.get("PX_MODEL")
-    if env:
-        return env
-    from proxima.models import prepare
-
-    return str(prepare("smollm2", progress=lambda *_: None))
 
 
 @dataclass

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 from backoff_runner import FAULT_STEPS
-from test_vllm_e2e import _free_port, _model
 
 from proxima.policy.backoff import BackoffSchedule
+from tests.integration.vllm.engine_helpers import free_port as _free_port
+from tests.integration.vllm.engine_helpers import test_model as _model
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,26 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.vllm.engine_helpers import free_port as _free_port
+from tests.integration.vllm.engine_helpers import test_model as _model
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
 CHURN = 200
 API_TOKEN = "e2e-token"
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _model() -> str:
-    env = os.environ.get("PX_MODEL")
-    if env:
-        return env
-    from proxima.models import prepare
-
-    return str(prepare("smollm2", progress=lambda *_: None))
 
 
 def _run(tmp: Path, name: str, env_extra: dict[str, str], churn: int = 0) -> dict:

@@ -35,6 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from proxima.integration.vllm.connector import worker_store
+from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout
 from proxima.integration.vllm.debug import reads_sources
 from proxima.integration.vllm.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.scratch import ScratchPlan, ScratchRow, fill_scratch, plan_scratch, store_reader
@@ -132,6 +133,10 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
+    def page_layout(self, kv: torch.Tensor) -> PageLayout:
+        # The CPU kernel's page order depends on its ISA: asked of vLLM's own cache writer.
+        return probe_layout(kv.shape[2], kv.shape[3] // 2, kv.dtype)
+
     def _run(self, layer, query, key_cache, value_cache, output, sub: _Subset, causal: bool) -> None:  # type: ignore[no-untyped-def]
         q = query.index_select(0, sub.tokens)
         out = output.new_empty((len(sub.tokens), *output.shape[1:]))

@@ -148,10 +148,11 @@ class ProximaConnector(KVConnectorBase_V1):
         # The model (and with it every layer's attention implementation) is built before vLLM
         # creates this connector, so the readers are found on the layers, not announced by them.
         layers = self._vllm_config.compilation_config.static_forward_context
-        store.readers = {
-            type(impl).__name__ for name in kv_caches
-            if isinstance(impl := getattr(layers.get(name), "impl", None), SlotReader)
-        }
+        readers = [impl for name in kv_caches
+                   if isinstance(impl := getattr(layers.get(name), "impl", None), SlotReader)]
+        store.readers = {type(impl).__name__ for impl in readers}
+        if readers and kv_caches:  # the kernel that reads the pages says how they are ordered
+            store.layout = readers[0].page_layout(next(iter(kv_caches.values())))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls start_load_kv *after* the forward when no sync load is pending, but binds

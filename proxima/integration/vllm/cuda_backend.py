@@ -56,6 +56,7 @@ from proxima.compression.layout import KVLayout, hot_store
 from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
 from proxima.formats import Format
 from proxima.integration.vllm.connector import worker_store
+from proxima.integration.vllm.cpu_layout import PageLayout, token_interleaved_layout
 from proxima.integration.vllm.debug import reads_sources
 from proxima.integration.vllm.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.worker import SlotReader, WorkerStore
@@ -155,6 +156,10 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
 class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
     kernel_backend: Backend = "auto"
     """Proxima's kernels: Triton on CUDA tensors; tests on CPU force "triton" (the interpreter)."""
+
+    def page_layout(self, kv: torch.Tensor) -> PageLayout:
+        # vLLM's forward splits the content axis: kv_cache.split(head_size, dim=-1) (key, value).
+        return token_interleaved_layout(kv.shape[2], kv.shape[3] // 2)
 
     def _check_compressed_rows_supported(self) -> None:
         unsupported = {

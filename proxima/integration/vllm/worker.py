@@ -24,7 +24,7 @@ import torch
 from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
 from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
 from proxima.formats import Format
-from proxima.integration.vllm.cpu_layout import PageLayout, canonical_layout, probe_layout
+from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.debug import SplitErrors
 from proxima.integration.vllm.faults import FaultInjector
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
@@ -45,11 +45,12 @@ def _startup_policy() -> Policy | None:
 
 
 def _page_layout(kv: torch.Tensor) -> PageLayout:
-    """vLLM's CPU kernel has its own order inside a page (probed); CUDA caches are canonical here."""
+    """The page order of a cache no `SlotReader` claimed (stores built by hand in tests): that of
+    the reader this device would have (vLLM's CPU kernel's, probed; on CUDA TRITON_ATTN's)."""
     _, _, b, d2 = kv.shape
     if kv.device.type == "cpu":
         return probe_layout(b, d2 // 2, kv.dtype)
-    return canonical_layout(b, d2 // 2)
+    return token_interleaved_layout(b, d2 // 2)
 
 
 def layer_index(name: str, position: int) -> int:
@@ -77,7 +78,13 @@ class SlotReader:
     """Marks an attention implementation that reads compressed blocks through the `WorkerStore`.
 
     The connector looks for it on every KV layer's implementation when the caches are registered
-    (`WorkerStore.readers`): any other implementation would read the freed source blocks."""
+    (`WorkerStore.readers`): any other implementation would read the freed source blocks. The
+    reader also says where its kernel keeps keys and values inside a page (`page_layout`): the
+    worker compresses and observes importance in that order."""
+
+    def page_layout(self, kv: torch.Tensor) -> PageLayout:
+        """The order of keys and values inside a page of `kv` ([N, H, B, 2D]) for this kernel."""
+        raise NotImplementedError
 
 
 class WorkerStore:

@@ -121,6 +121,36 @@ def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, Comm
     return store, kv, cm
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_worker_compresses_cuda_pages_in_the_order_vllms_kernel_reads_them(
+    worker_connector: ProximaConnector, fmt: str
+) -> None:
+    """A block written the way vLLM's TRITON_ATTN reads it (`triton_attn.py`: per token, the
+    content axis holds the key then the value: `kv_cache.split(head_size, dim=-1)`) decompresses
+    to its own keys and values, and importance reads its keys. The worker takes that order from
+    the attention implementation that reads the pages (the CUDA one here), not from the device:
+    with the CPU kernel's order the worker compressed a mix of keys and values on the H200."""
+    torch.manual_seed(1)
+    kv = torch.zeros(NB, H, B, 2 * D).bfloat16()
+    key_cache, value_cache = kv.split(D, dim=-1)  # vLLM's views: [NB, H, B, D] each
+    k, v = torch.randn(B, H, D), torch.randn(B, H, D) + 3.0  # values offset: a mix-up cannot hide
+    key_cache[4] = k.transpose(0, 1).bfloat16()
+    value_cache[4] = v.transpose(0, 1).bfloat16()
+    worker_connector._vllm_config.compilation_config.static_forward_context[LAYER] = SimpleNamespace(impl=_impl())
+    worker_connector.register_kv_caches({LAYER: kv})
+    store = worker_connector.store
+    assert store is not None
+    act = CompressAction(0, "r", 0, src=4, dst=9, slot=0, fmt=fmt)
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=[act]))
+    assert worker_connector.build_connector_worker_meta().ok == [0]  # type: ignore[union-attr]
+    kh, vh = store.read(LAYER, Format.parse(fmt), torch.tensor([9]), torch.tensor([0]))  # [1, B, H, D]
+    tol = {"int8": 0.02, "int4": 0.2}[fmt]  # relative error of the format itself
+    for got, want in ((kh[0].float(), k), (vh[0].float(), v)):
+        assert float((got - want).norm() / want.norm()) < tol
+    keys = store.page_layout(kv).read_keys(kv, torch.tensor([4]))[0]  # [H, B, D]: importance reads these
+    assert torch.equal(keys.float(), k.transpose(0, 1).bfloat16().float())
+
+
 def _builder() -> cb.ProximaTritonMetadataBuilder:
     """The builder without its __init__ (which needs a whole VllmConfig): only what build() reads."""
     b = object.__new__(cb.ProximaTritonMetadataBuilder)

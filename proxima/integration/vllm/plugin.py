@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from proxima.integration.vllm import POLICY_ENV
 
@@ -23,10 +24,18 @@ def register() -> None:
 
     from proxima import __version__
     from proxima.integration.vllm import _patches
-    from proxima.policy.loader import load_policy
+    from proxima.policy.loader import PolicyError, load_policy
 
     _patches.check_vllm_version(vllm.__version__)
-    policy = load_policy(path)  # raises PolicyError with file:line on a bad file
+    try:
+        policy = load_policy(path)
+    except PolicyError as e:
+        if not _in_vllms_command_line():
+            raise  # vllm.LLM(...) in Python: the caller gets the exception (file:line in its text)
+        # `vllm serve` loads plugins while it builds its argument parser: a traceback there would
+        # bury the one line an operator needs. Same message and status as `proxima serve`.
+        print(f"proxima: {POLICY_ENV}={path}: invalid policy\n{e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
@@ -39,3 +48,9 @@ def register() -> None:
         register_cuda_backend()
     _patches.install(policy)
     logger.warning("proxima %s active in pid %d: policy %r (%s)", __version__, os.getpid(), policy.name, path)
+
+
+def _in_vllms_command_line() -> bool:
+    """True in the process of vLLM's `vllm` console script (not in the engine processes it
+    starts, nor in a Python program that builds `vllm.LLM`)."""
+    return os.path.basename(sys.argv[0]) == "vllm"

@@ -52,6 +52,19 @@ def test_serve_reports_an_invalid_policy_file_by_line_and_exits_2(
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
+def test_plain_vllm_serve_reports_an_invalid_policy_file_by_line_and_exits_2(tmp_path: Path) -> None:
+    """`PROXIMA_POLICY=bad.yaml vllm serve MODEL`: the plugin stops vLLM's command line with the
+    same message as `proxima serve` (the plugin loads while vLLM builds its parser)."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("schema_version: 1\nname: x\nbands: 7\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")} | {"PROXIMA_POLICY": str(path)}
+    vllm = Path(sys.executable).with_name("vllm")
+    r = subprocess.run([str(vllm), "serve", "/m"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{path}:3:8: bands: Input should be a valid list" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def test_serve_refuses_an_api_port_out_of_range() -> None:
     r = _proxima("serve", "--model", "/m", "--api-port", "70000")
     assert r.returncode == 2, r.stderr

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -131,6 +132,8 @@ def equal_bytes_main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="each engine's slice")
     ap.add_argument("--deadline-s", type=float, default=None, help="per batch: stop generating after this")
     ap.add_argument("--timeout-s", type=float, default=None, help="per batch: kill its engines after this")
+    ap.add_argument("--budget-s", type=float, default=430.0,
+                    help="the whole run: later batches' generation is cut to fit (a device call of ~8 min)")
     ap.add_argument("--logs", type=Path, default=None, help="keep every row's engine log here")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -154,7 +157,7 @@ def equal_bytes_main() -> None:
                                  args.layers))
     batches = [b.split(",") for b in spec.pop("batches").split(";")]
     wl = Workload(model, block_size=args.block_size, **spec)
-    timeout = args.timeout_s or wl.start_wait_s + (wl.deadline_s or 1800) + 60
+    timeout = args.timeout_s or wl.start_wait_s + (wl.deadline_s or 1800) + 90
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -179,8 +182,10 @@ def equal_bytes_main() -> None:
     def write(table: dict[str, dict]) -> None:
         write_equal_bytes(args.out, document(table))
 
+    # `timeout` sends SIGTERM: leave through SystemExit so that every engine is killed (run_batch)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     table = run_rows(wl, batches, timeout, log=lambda m: print(m, file=sys.stderr, flush=True), on_row=write,
-                     logs_dir=args.logs)
+                     logs_dir=args.logs, budget_s=args.budget_s)
     write(table)
     print(markdown(table, wl.score_prompts))
 

@@ -166,14 +166,23 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, go_file: str | None) -> d
         enforce_eager=True, block_size=wl.block_size, num_gpu_blocks_override=num_gpu_blocks, seed=0,
         max_num_seqs=wl.requests, max_num_batched_tokens=max(wl.chunk_tokens, wl.requests),
         disable_log_stats=False, **extra)
+    deadline = wl.deadline_s
     t_build = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[_step_logger()])
     build_s = time.perf_counter() - t_build
+    # Warm-up (not measured): the first real step JIT-compiles vLLM's Triton attention kernels
+    # (vLLM's profiling run skips attention), seconds that would land in one row's TTFT.
+    engine.add_request("warmup", TokensPrompt(prompt_token_ids=ids[: 2 * wl.block_size]),
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
     if go_file:  # start generating with the rest of the batch
         Path(go_file + f".ready.{os.getpid()}").touch()
         waited = time.perf_counter()
         while not Path(go_file).exists() and time.perf_counter() - waited < wl.start_wait_s:
             time.sleep(0.1)
+        with contextlib.suppress(OSError, ValueError):  # the parent's generation budget for this batch
+            deadline = float(Path(go_file).read_text() or 0)
     sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
                         prompt_logprobs=0 if wl.score_prompts else None, output_kind=RequestOutputKind.FINAL_ONLY)
     log = _STEP_LOGS[-1]
@@ -187,7 +196,7 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, go_file: str | None) -> d
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
-        if wl.deadline_s and time.perf_counter() - t0 > wl.deadline_s:
+        if deadline and time.perf_counter() - t0 > deadline:
             engine.abort_request([str(i) for i in range(wl.requests) if str(i) not in finals])
             truncated = True
             break
@@ -198,8 +207,9 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, go_file: str | None) -> d
     for o in done:
         m = o.metrics
         n = len(o.outputs[0].token_ids)
-        if m is not None and m.first_token_latency:
-            ttft.append(float(m.first_token_latency))
+        if m is not None and m.first_token_ts > m.queued_ts > 0:
+            # engine-core clock: from the request's arrival in the scheduler's queue to its first token
+            ttft.append(float(m.first_token_ts - m.queued_ts))
             if n > 1 and m.last_token_ts > m.first_token_ts:
                 tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1))
     scored = [prompt_scores(o.prompt_token_ids, o.prompt_logprobs) for o in done] if wl.score_prompts else []
@@ -218,48 +228,65 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, go_file: str | None) -> d
 
 
 def run_batch(wl: Workload, rows: list[str], row_pools: dict[str, Pool], timeout_s: float,
-              log: Callable[[str], None] = print, logs_dir: Path | None = None) -> dict[str, dict]:
-    """Start every row of the batch side by side, release them together, collect their results."""
+              log: Callable[[str], None] = print, logs_dir: Path | None = None,
+              on_result: Callable[[str, dict], None] | None = None, generate_until: float | None = None
+              ) -> dict[str, dict]:
+    """Start every row of the batch side by side, release them together (each generates for
+    `wl.deadline_s` at most, and not past `generate_until`, a `perf_counter` time), collect their results as they finish
+    (`on_result`). Whatever happens (a timeout, SIGTERM turned into SystemExit), no child and
+    no engine process of theirs outlives this call."""
     work = Path(tempfile.mkdtemp(prefix="px-rows-"))
     go = str(work / "go")
     procs: dict[str, tuple[subprocess.Popen[str], Path]] = {}
-    for row in rows:
-        env = row_env(row, dict(os.environ), str(work / f"{row}.stats.json"))
-        cmd = [sys.executable, "-m", "proxima.integration.vllm.capacity_rows", row,
-               str(row_pools[row].num_gpu_blocks), go, json.dumps(asdict(wl))]
-        out = (logs_dir or work) / f"{row}.log"
-        f = out.open("w")
-        procs[row] = (subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True), out)
-        f.close()
-    t_start = time.perf_counter()
-    # Release the batch once every live child built its engine (or the start wait ran out).
-    while time.perf_counter() - t_start < wl.start_wait_s:
-        ready = len(list(work.glob("go.ready.*")))
-        alive = sum(p.poll() is None for p, _ in procs.values())
-        if ready >= alive:
-            break
-        time.sleep(0.2)
-    Path(go).touch()
-    log(f"[proxima] batch {','.join(rows)}: engines up after {time.perf_counter() - t_start:.0f} s, generating")
     results: dict[str, dict] = {}
-    for row, (proc, out) in procs.items():
-        left = max(1.0, timeout_s - (time.perf_counter() - t_start))
-        try:
-            proc.wait(timeout=left)
-        except subprocess.TimeoutExpired:
+    try:
+        for row in rows:
+            env = row_env(row, dict(os.environ), str(work / f"{row}.stats.json"))
+            cmd = [sys.executable, "-m", "proxima.integration.vllm.capacity_rows", row,
+                   str(row_pools[row].num_gpu_blocks), go, json.dumps(asdict(wl))]
+            out = (logs_dir or work) / f"{row}.log"
+            with out.open("w") as f:
+                procs[row] = (subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                               start_new_session=True), out)
+        t_start = time.perf_counter()
+        # Release the batch once every live child built its engine (or the start wait ran out).
+        while time.perf_counter() - t_start < wl.start_wait_s:
+            ready = len(list(work.glob("go.ready.*")))
+            alive = sum(p.poll() is None for p, _ in procs.values())
+            if ready >= alive:
+                break
+            time.sleep(0.2)
+        gen = wl.deadline_s
+        if generate_until is not None:
+            gen = max(10.0, min(gen or 1e9, generate_until - time.perf_counter()))
+        Path(go).write_text(str(gen))
+        log(f"[proxima] batch {','.join(rows)}: engines up after {time.perf_counter() - t_start:.0f} s, generating")
+        waiting = dict(procs)
+        while waiting:
+            for row, (proc, out) in list(waiting.items()):
+                if proc.poll() is None and time.perf_counter() - t_start < timeout_s:
+                    continue
+                del waiting[row]
+                timed_out = proc.poll() is None
+                _kill_session(proc)  # also engine processes a failed child left behind (GPU memory)
+                results[row] = ({"error": f"timed out after {timeout_s:.0f} s (log: {out.name})"} if timed_out
+                                else _child_result(proc.returncode, out))
+                if on_result is not None:
+                    on_result(row, results[row])
+            time.sleep(0.2)
+    finally:
+        for proc, _ in procs.values():
             _kill_session(proc)
-            results[row] = {"error": f"timed out after {timeout_s:.0f} s (log: {out.name})"}
-            continue
-        _kill_session(proc)  # engine processes a failed child left behind would hold GPU memory
-        text = out.read_text(errors="ignore")
-        last = [ln for ln in text.splitlines() if ln.startswith('{"row"')]
-        if proc.returncode != 0 or not last:
-            err = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
-            results[row] = {"error": f"exit {proc.returncode}: {(err[-1] if err else text[-400:]).strip()[:400]}"}
-            continue
-        results[row] = json.loads(last[-1])
     return results
+
+
+def _child_result(returncode: int | None, out: Path) -> dict:
+    text = out.read_text(errors="ignore")
+    last = [ln for ln in text.splitlines() if ln.startswith('{"row"')]
+    if returncode != 0 or not last:
+        err = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
+        return {"error": f"exit {returncode}: {(err[-1] if err else text[-400:]).strip()[:400]}"}
+    return dict(json.loads(last[-1]))
 
 
 def _kill_session(proc: subprocess.Popen[str]) -> None:
@@ -347,20 +374,33 @@ def _mean(xs: list[float] | None) -> float | None:
 
 
 def run_rows(wl: Workload, batches: list[list[str]], timeout_s: float, log: Callable[[str], None] = print,
-             on_row: Callable[[dict[str, dict]], None] | None = None, logs_dir: Path | None = None) -> dict[str, dict]:
-    """Every batch in turn; the table so far goes to `on_row` after each batch."""
+             on_row: Callable[[dict[str, dict]], None] | None = None, logs_dir: Path | None = None,
+             budget_s: float | None = None) -> dict[str, dict]:
+    """Every batch in turn; the table so far goes to `on_row` after every finished row. With
+    `budget_s`, each batch's generation is cut so that the later batches still fit (each is
+    assumed to need its build wait plus `wl.deadline_s`)."""
     all_rows = [r for b in batches for r in b]
     row_pools = pools(wl, all_rows)
     table: dict[str, dict] = {}
+    t0 = time.perf_counter()
     for i, rows in enumerate(batches):
         log(f"[proxima] batch {i}: {rows} ({wl.requests} requests x {wl.prompt_tokens}+{wl.output_tokens}; "
             + ", ".join(f"{r} {row_pools[r].blocks} blocks" for r in rows) + ")")
-        res = run_batch(wl, rows, row_pools, timeout_s, log, logs_dir)
+        until = None
+        if budget_s:  # leave the later batches their build wait (~60 s) and generation, and 30 s to exit
+            until = t0 + budget_s - (len(batches) - 1 - i) * (60 + wl.deadline_s) - 30
+
+        def one(row: str, r: dict, batch: int = i) -> None:
+            table[row] = summarize(row, r, row_pools[row], batch, None)
+            if on_row is not None:
+                on_row(table)
+
+        res = run_batch(wl, rows, row_pools, timeout_s, log, logs_dir, one, until)
         rates = window_rates(res)
         for row in rows:
             table[row] = summarize(row, res[row], row_pools[row], i, rates.get(row))
-            if on_row is not None:
-                on_row(table)
+        if on_row is not None:
+            on_row(table)
     return table
 
 

@@ -56,6 +56,13 @@ class Workload:
     score_prompts: bool = True
     """Teacher-forced quality: vLLM's `prompt_logprobs` of the second half of every prompt (the
     tokens that attend to earlier chunks, compressed or not), as mean NLL and top-1 accuracy."""
+    deadline_s: float = 0.0
+    """Equal-bytes rows: stop generating after this many seconds (0: run to the end); the row
+    is marked truncated and its rates count what ran."""
+    start_wait_s: float = 300.0
+    """Equal-bytes rows: how long a batch waits for all its engines to be built."""
+    gpu_memory_utilization: float = 0.0
+    """Equal-bytes rows on CUDA: each engine's slice of the GPU (0: vLLM's default)."""
 
     @property
     def pool_blocks(self) -> int:

@@ -159,7 +159,10 @@ class ProximaConnector(KVConnectorBase_V1):
         # the metadata before it: this is the last point before attention reads the blocks.
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, ProximaPlan):
-            self._worker_store().apply(connector_metadata)
+            store = self._worker_store()
+            with store.times.span("compress_s", store.device):
+                store.apply(connector_metadata)
+            store.times.begin("forward_s", store.device)  # ends in build_connector_worker_meta
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
@@ -174,7 +177,9 @@ class ProximaConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker_store().take_report()
+        store = self._worker_store()
+        store.times.end("forward_s", store.device)
+        return store.take_report()
 
 
 def worker_store() -> WorkerStore | None:

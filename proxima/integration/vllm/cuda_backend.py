@@ -180,17 +180,26 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
         if not isinstance(m, ProximaTritonMetadata):  # Proxima is not active in this worker
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        if m.px_builder is not None:
-            m.px_builder.resolve(m)
         store = m.px_store
         assert store is not None  # set by build() together with the metadata's type
+        times, dev = store.times, kv_cache.device
+        if m.px_builder is not None:
+            with times.span("row_plan_s"):  # host work (and its small device-to-host copies)
+                m.px_builder.resolve(m)
         if m.px_obs is not None and layer.layer_name == store.observe_layer:
-            observe_safely(store, kv_cache, query.view(query.shape[0], self.num_heads, self.head_size), m.px_obs,
-                           self.scale)
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                              output_scale, output_block_scale)
+            with times.span("importance_s", dev):
+                observe_safely(store, kv_cache, query.view(query.shape[0], self.num_heads, self.head_size),
+                               m.px_obs, self.scale)
+        with times.span("attention_vllm_s", dev):
+            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                  output_scale, output_block_scale)
         if m.px_plan is None or m.px_tokens is None:
             return out
+        with times.span("attention_proxima_s", dev):
+            return self._split_rows(layer, query, kv_cache, m, store, output, output_scale)
+
+    def _split_rows(self, layer, query, kv_cache, m, store, output, output_scale):  # type: ignore[no-untyped-def]
+        """Overwrite the compressed rows' outputs with Proxima's split path."""
         self._check_compressed_rows_supported()
         if output_scale is not None:
             raise NotImplementedError("proxima: fused output quantization with compressed blocks")

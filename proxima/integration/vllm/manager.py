@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 
@@ -205,7 +206,9 @@ class ProximaKVCacheManager(KVCacheManager):
     def build_plan(self, scheduled_req_ids: Iterable[str]) -> ProximaPlan:
         """Called at the end of each `schedule()`: this step's actions for the worker."""
         px = self.px
-        px.stats.record_step(len(px.ledger), self.pool_usage, px.meta.side_table_bytes(px.ledger))
+        t0 = time.perf_counter()
+        side = self._settle_side_tables()
+        px.stats.record_step(len(px.ledger), self.pool_usage, side)
         if px.check:
             self.check_accounting()
         scheduled_req_ids = list(scheduled_req_ids)
@@ -220,6 +223,7 @@ class ProximaKVCacheManager(KVCacheManager):
         )
         px.sent.update(a.action_id for a in plan.actions)
         px.dropped = []
+        px.charge.settle(self.side_table_bytes())  # with this step's reservations in flight
         b = self.block_size
         blocks_of = self._stm.req_to_blocks
         for rid in scheduled_req_ids:
@@ -228,12 +232,16 @@ class ProximaKVCacheManager(KVCacheManager):
                 continue  # (a policy switched off live leaves compressed blocks to read)
             key = blocks_of[rid][entry.request.num_computed_tokens // b]
             plan.key_blocks[key.block_id] = rid
+        px.stats.add_time("plan_s", time.perf_counter() - t0)
         return plan
 
     def apply_report(self, report: ProximaReport) -> None:
         """Second phase: commit successful compressions (free sources), undo failed ones; and
         take the worker's observed block importance."""
         px = self.px
+        t0 = time.perf_counter()
+        for name, seconds in report.timings.items():
+            px.stats.add_time(name, seconds)
         fmt = {aid: ca.fmt for aid, ca in px.pending.items()}  # before the commits below pop them
         for ev in px.backoff.observe(px.stats.steps, [fmt[a] for a in report.ok if a in fmt],
                                      [fmt[a] for a in report.failed if a in fmt], (report.errors or [""])[-1],
@@ -286,22 +294,40 @@ class ProximaKVCacheManager(KVCacheManager):
         if to_free:
             self.block_pool.free_blocks(to_free)
             px.stats.freed_blocks += len(to_free)
+        self._settle_side_tables()  # the freed sources pay for the new slots' metadata first
+        px.stats.add_time("commit_s", time.perf_counter() - t0)
+
+    def side_table_bytes(self) -> int:
+        """Side-table bytes of the committed slots plus the in-flight ones (the worker writes
+        their metadata before the report arrives)."""
+        px = self.px
+        return px.meta.side_table_bytes(px.ledger) + sum(px.meta.per_slot(Format.parse(ca.fmt))
+                                                         for ca in px.pending.values())
+
+    def _settle_side_tables(self) -> int:
+        """Hold back the pool blocks the side tables fill (when charged to the pool); returns their bytes."""
+        side = self.side_table_bytes()
+        self.px.charge.settle(side)
+        return side
 
     # --- views (pool_usage.py, stats.py) ---------------------------------------------------------
 
     def pool_usage(self) -> dict[str, float]:
-        return pool_usage.pool_usage(self.px.ledger, self.px.packer, self._stm.req_to_blocks, self.block_pool)
+        px = self.px
+        return pool_usage.pool_usage(px.ledger, px.packer, self._stm.req_to_blocks, self.block_pool,
+                                     len(px.charge.held) if px.charge.enabled else None)
 
     def blocks_by_format(self) -> dict[str, int]:
         return pool_usage.blocks_by_format(self.px.ledger, self._stm.req_to_blocks)
 
     def check_accounting(self) -> None:
         """The placement invariants over vLLM's pool (`pool_usage.check_accounting`)."""
-        pool_usage.check_accounting(self.px.ledger, self.px.packer, self._stm.req_to_blocks, self.block_pool)
+        px = self.px
+        pool_usage.check_accounting(px.ledger, px.packer, self._stm.req_to_blocks, self.block_pool, px.charge.ids())
 
     def summary(self) -> dict[str, object]:
         px = self.px
-        out = summary(px.stats, px.ledger, px.packer, self.block_pool, px.meta, px.disabled)
+        out = summary(px.stats, px.ledger, px.packer, self.block_pool, px.meta, px.disabled, px.charge)
         out["backoff"] = px.backoff.summary(px.stats.steps)
         return out
 

@@ -71,6 +71,9 @@ class ProximaReport(KVConnectorWorkerMetadata):
     importance: dict[str, list[float]] = field(default_factory=dict)
     """Request -> attention mass of each of its logical blocks (observed this step; blocks the
     worker could not observe, e.g. compressed ones, are NaN)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of this worker's step parts completed since the last report (`timing.py`; empty
+    unless `PROXIMA_TIME_SPLIT=1`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ProximaReport), f"cannot aggregate ProximaReport with {type(other)}"
@@ -82,8 +85,10 @@ class ProximaReport(KVConnectorWorkerMetadata):
         for rid, imp in other.importance.items():
             mine = importance.get(rid)
             importance[rid] = imp if mine is None else [_nanmax(a, b) for a, b in zip(mine, imp, strict=False)]
+        timings = {k: max(self.timings.get(k, 0.0), other.timings.get(k, 0.0))  # the slowest worker bounds the step
+                   for k in self.timings.keys() | other.timings.keys()}
         return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors,
-                             max(self.kernel_seconds, other.kernel_seconds), importance)
+                             max(self.kernel_seconds, other.kernel_seconds), importance, timings)
 
 
 def _nanmax(a: float, b: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -31,15 +32,19 @@ def hot_blocks(ledger: RequestLedger, blocks_of: BlockLists) -> set[BlockId]:
     return {BlockId(b.block_id) for rid in ledger for b in blocks_of.get(rid, ()) if not b.is_null}
 
 
-def pool_usage(ledger: RequestLedger, packer: SlotPacker, blocks_of: BlockLists, pool: BlockPool
-               ) -> dict[str, float]:
+def pool_usage(ledger: RequestLedger, packer: SlotPacker, blocks_of: BlockLists, pool: BlockPool,
+               side: int | None = None) -> dict[str, float]:
     """Blocks held hot (shared prefix blocks once), in destinations (and the fraction of their
-    slots holding a live compressed block: the rest is packing headroom), and free."""
+    slots holding a live compressed block: the rest is packing headroom), free, and (`side`,
+    when the side tables are charged to the pool) held back for the side tables."""
     dests = list(packer.all_destinations())
     slots = sum(d.fmt.pack_ratio for d in dests)
-    return {"resident": len(ledger), "hot": len(hot_blocks(ledger, blocks_of)), "dest": len(dests),
-            "dest_fill": round(sum(len(d.live) for d in dests) / slots, 3) if slots else 0.0,
-            "free": pool.get_num_free_blocks()}
+    usage = {"resident": len(ledger), "hot": len(hot_blocks(ledger, blocks_of)), "dest": len(dests),
+             "dest_fill": round(sum(len(d.live) for d in dests) / slots, 3) if slots else 0.0,
+             "free": pool.get_num_free_blocks()}
+    if side is not None:
+        usage["side"] = side
+    return usage
 
 
 def blocks_by_format(ledger: RequestLedger, blocks_of: BlockLists) -> dict[str, int]:
@@ -57,11 +62,15 @@ def blocks_by_format(ledger: RequestLedger, blocks_of: BlockLists) -> dict[str, 
     return dict(by_format)
 
 
-def check_accounting(ledger: RequestLedger, packer: SlotPacker, blocks_of: BlockLists, pool: BlockPool) -> None:
+def check_accounting(ledger: RequestLedger, packer: SlotPacker, blocks_of: BlockLists, pool: BlockPool,
+                     held: AbstractSet[BlockId] = frozenset()) -> None:
     """The placement invariants (`proxima.placement.model`) over vLLM's pool: the packer agrees
     with the ledger's live slots, and free + owned == total with owned = every block in vLLM's
-    per-request lists (Proxima's or not) plus Proxima's destinations."""
+    per-request lists (Proxima's or not), Proxima's destinations and the blocks `held` back for
+    the side tables (`side_tables.py`)."""
     packer.check(ledger.live_slots())
     hot = {BlockId(b.block_id) for blocks in blocks_of.values() for b in blocks if not b.is_null}
+    assert not hot & held, f"proxima accounting broken: side-table blocks {sorted(hot & held)} are in a request's list"
+    hot |= held
     free = [BlockId(b.block_id) for b in pool.blocks if b.ref_cnt == 0 and not b.is_null]
     check_pool(total_blocks(pool), free, pool.get_num_free_blocks(), hot, packer)

@@ -19,6 +19,7 @@ from proxima.formats import Format
 from proxima.integration.vllm.blocks import VllmBlockSource
 from proxima.integration.vllm.ledger import RequestLedger
 from proxima.integration.vllm.plan import ActionId, CompressAction
+from proxima.integration.vllm.side_tables import SideTableCharge
 from proxima.integration.vllm.stats import MetaSizes, ProximaStats
 from proxima.placement import BlockId, SlotPacker
 from proxima.policy.backoff import FormatBackoff
@@ -47,6 +48,8 @@ class ProximaState:
     packer: SlotPacker
     """Destination blocks of every request (the placement model)."""
     meta: MetaSizes
+    charge: SideTableCharge
+    """Pool blocks held back for the side tables' bytes (`PROXIMA_SIDE_TABLES_IN_POOL=1`)."""
     check: bool
     """Assert the placement invariants at every step (tests: PROXIMA_CHECK_ACCOUNTING=1)."""
     engine: EngineState = field(default_factory=EngineState)
@@ -75,8 +78,9 @@ class ProximaState:
     @classmethod
     def create(cls, policy: Policy, pool: BlockPool, config: KVCacheConfig, check: bool) -> ProximaState:
         blocks = VllmBlockSource(pool)
+        meta = MetaSizes(config)
         st = cls(policy=policy, effective=policy, formats=set(), blocks=blocks, packer=SlotPacker(blocks),
-                 meta=MetaSizes(config), check=check)
+                 meta=meta, charge=SideTableCharge(pool, meta.block_bytes), check=check)
         st.adopt(policy)
         return st
 

@@ -14,6 +14,7 @@ from proxima.compression.spec import SlotSpec
 from proxima.formats import Format
 from proxima.integration.vllm.ledger import RequestLedger
 from proxima.integration.vllm.pool_usage import total_blocks
+from proxima.integration.vllm.side_tables import SideTableCharge
 from proxima.placement import SlotPacker
 
 
@@ -40,6 +41,13 @@ class ProximaStats:
     """Where the pool went at the (first) step of peak residency: hot blocks, destination
     blocks and their filled fraction, free blocks (what bounds the next resident request)."""
     errors: list[str] = field(default_factory=list)
+    time_s: dict[str, float] = field(default_factory=dict)
+    """Seconds summed over the run, by part of a step (`timing.py`): the scheduler's planning
+    (`plan_s`) and commit (`commit_s`), and what the worker reports (forward, compression,
+    attention: with `PROXIMA_TIME_SPLIT=1`)."""
+
+    def add_time(self, name: str, seconds: float) -> None:
+        self.time_s[name] = self.time_s.get(name, 0.0) + seconds
 
     def record_step(self, resident: int, usage: Callable[[], dict[str, float]], side_bytes: int) -> None:
         """Once per engine step: residency, where the pool went at peak residency, side-table peak."""
@@ -58,9 +66,10 @@ class ProximaStats:
 
 
 class MetaSizes:
-    """Side-table bytes (scales, zero points) per compressed slot and format, all layers.
+    """Side-table bytes (scales, zero points, log-counts) per compressed slot and format, all layers.
 
-    They live outside vLLM's KV pool, so an honest capacity comparison adds them to it."""
+    They live outside vLLM's KV pool, so an honest capacity comparison adds them to it or
+    charges them against it (`side_tables.py`)."""
 
     def __init__(self, config: KVCacheConfig) -> None:
         group = config.kv_cache_groups[0]
@@ -87,7 +96,7 @@ class MetaSizes:
 
 
 def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool: BlockPool, meta: MetaSizes,
-            disabled: str | None) -> dict[str, object]:
+            disabled: str | None, charge: SideTableCharge | None = None) -> dict[str, object]:
     s = stats
     return {
         "steps": s.steps, "planned": s.planned, "committed": s.committed, "failed": s.failed,
@@ -104,4 +113,8 @@ def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool
         "dest_blocks_now": len(packer.owned()),
         "free_blocks": pool.get_num_free_blocks(), "total_blocks": total_blocks(pool),
         "errors": s.errors[-3:],
+        "time_split_s": {k: round(v, 4) for k, v in sorted(s.time_s.items())},
+        "side_tables_in_pool": bool(charge and charge.enabled),
+        "side_table_held_peak_blocks": charge.peak_blocks if charge else 0,
+        "side_table_shortfall_peak_bytes": charge.shortfall_peak_bytes if charge else 0,
     }

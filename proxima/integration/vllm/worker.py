@@ -28,6 +28,7 @@ from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_
 from proxima.integration.vllm.debug import SplitErrors
 from proxima.integration.vllm.faults import FaultInjector
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.timing import StepTimes
 from proxima.policy.schema import Policy
 
 logger = logging.getLogger("proxima.vllm")
@@ -125,6 +126,8 @@ class WorkerStore:
         """Set by the KV connector (a real vLLM worker): refuse to compress without a reader."""
         self.split_errors = SplitErrors()
         """read-sources diagnostics (`debug.py`), CUDA backend."""
+        self.times = StepTimes()
+        """This worker's step split (`timing.py`; off unless `PROXIMA_TIME_SPLIT=1`)."""
         self.observe_layer: str | None = None
         """The layer whose attention is observed (the middle one: early layers attend broadly, late
         ones sharply; one layer keeps the cost at ~1/L of attention)."""
@@ -268,9 +271,14 @@ class WorkerStore:
             for name, t in p.meta.items():
                 t[slots] = getattr(cb, name).to(t.dtype)
 
+    @property
+    def device(self) -> torch.device | None:
+        return next(iter(self.kv_caches.values())).device if self.kv_caches else None
+
     def take_report(self) -> ProximaReport | None:
         rep, self.report = self.report, ProximaReport()
-        return rep if (rep.ok or rep.failed or rep.importance) else None
+        rep.timings = self.times.take()
+        return rep if (rep.ok or rep.failed or rep.importance or rep.timings) else None
 
     # --- importance -------------------------------------------------------------------------
 

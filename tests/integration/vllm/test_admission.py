@@ -166,3 +166,40 @@ def test_a_request_sampling_its_last_token_is_not_compressed() -> None:
         assert bool(m.build_plan(["a"]).actions) != last
         if last:
             assert m._plan(pending_blocks=4) > 0  # the emergency path
+
+
+def test_side_tables_charged_to_the_pool_hold_back_their_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PROXIMA_SIDE_TABLES_IN_POOL=1 the manager holds exactly the pool blocks the live side
+    tables (committed and in-flight slots) fill; owned + free still equals the pool; the blocks
+    go back with the request."""
+    from proxima.integration.vllm.side_tables import IN_POOL_ENV, blocks_needed
+
+    monkeypatch.setenv(IN_POOL_ENV, "1")
+    m, req = _pressured(load_policy(ROOT / "configs" / "aggressive.yaml"))
+    assert m.px.charge.enabled and not m.px.charge.held
+    free_before = m.block_pool.get_num_free_blocks()
+    plan = m.build_plan(["a"])
+    assert plan.actions
+    in_flight = m.side_table_bytes()
+    assert in_flight > 0 and len(m.px.charge.held) == blocks_needed(in_flight, m.px.meta.block_bytes)
+    m.check_accounting()
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    side = m.px.meta.side_table_bytes(m.px.ledger)
+    need = blocks_needed(side, m.px.meta.block_bytes)
+    assert need >= 1 and len(m.px.charge.held) == need
+    u = m.pool_usage()
+    assert u["side"] == need and u["hot"] + u["dest"] + u["free"] + u["side"] == 23
+    m.check_accounting()
+    assert m.summary()["side_table_held_peak_blocks"] >= need
+    assert m.block_pool.get_num_free_blocks() < free_before + len(plan.actions)  # the charge is paid
+    m.free(req)
+    m.build_plan([])
+    assert not m.px.charge.held and m.block_pool.get_num_free_blocks() == 23
+    m.check_accounting()
+
+
+def test_side_tables_are_not_charged_by_default() -> None:
+    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    assert m.px.meta.side_table_bytes(m.px.ledger) > 0 and not m.px.charge.held and "side" not in m.pool_usage()

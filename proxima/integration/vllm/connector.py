@@ -153,6 +153,7 @@ class ProximaConnector(KVConnectorBase_V1):
         store.readers = {type(impl).__name__ for impl in readers}
         if readers and kv_caches:  # the kernel that reads the pages says how they are ordered
             store.layout = readers[0].page_layout(next(iter(kv_caches.values())))
+            readers[0].warm_up(store)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls start_load_kv *after* the forward when no sync load is pending, but binds

@@ -38,6 +38,7 @@ neither ALiBi, sliding windows, soft-capping, sinks nor an fp8 KV cache (they ra
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -61,6 +62,7 @@ from proxima.integration.vllm.debug import reads_sources
 from proxima.integration.vllm.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.worker import SlotReader, WorkerStore
 
+logger = logging.getLogger("proxima.vllm")
 BACKEND_PATH = "proxima.integration.vllm.cuda_backend.ProximaTritonAttentionBackend"
 
 
@@ -160,6 +162,46 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
     def page_layout(self, kv: torch.Tensor) -> PageLayout:
         # vLLM's forward splits the content axis: kv_cache.split(head_size, dim=-1) (key, value).
         return token_interleaved_layout(kv.shape[2], kv.shape[3] // 2)
+
+    def warm_up(self, store: WorkerStore) -> None:
+        """Compile the compression, decompression and decode kernels of every format the policy
+        can store, on the real slot pools of a layer storing it (same strides, so the same
+        specializations).
+
+        Why: Triton compiles a kernel on its first launch. Without this, the first steps that
+        compress stalled for seconds each on the H200 (5-7x vanilla's step time over a 30 s
+        window of the 8B-shaped capacity run), and a server would stall its first requests under
+        pressure. A policy changed later through the API may still compile a new format once.
+        Writes nothing that vLLM reads: the compressed dummy block is discarded, the decode reads
+        slot 0 of the null block (whatever it holds) and its output is dropped."""
+        formats = store.stored_formats() if self.kernel_backend != "torch" else {}
+        if not formats:
+            return
+        import time
+
+        from proxima.compression import compress_blocks, decompress_blocks
+
+        t0 = time.perf_counter()
+        for fmt, layer in formats.items():
+            kv = store.kv_caches[layer]
+            _n, h, b, d = store.geometry(layer)
+            k = torch.zeros(1, b, h, d, dtype=kv.dtype, device=kv.device)
+            imp = torch.ones(1, b, h, device=kv.device) if fmt.reduction is not None else None
+            cb = compress_blocks(fmt, k, k, token_importance=imp, group_size=store.group_size,
+                                 backend=self.kernel_backend)
+            decompress_blocks(cb, backend=self.kernel_backend)
+            store.dtypes.setdefault(fmt, (cb.k_data.dtype, cb.v_data.dtype))
+            hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=h, head_dim=d)
+            pools = {fmt: slot_pool_of(store, layer, fmt, kv.device)}
+            # Two rows, each reading a compressed slot and a hot block: the launches of a step.
+            plan = plan_rows([PagedRow([0, 0], b + 1, 1, {0: (fmt, 0, 0)}),
+                              PagedRow([0, 0], b + 2, 1, {0: (fmt, 0, 0)})], b).to(kv.device)
+            q = torch.zeros(2, self.num_heads, self.head_size, dtype=kv.dtype, device=kv.device)
+            paged_attention(q, plan, hot, pools, sm_scale=self.scale, backend=self.kernel_backend)
+            if kv.is_cuda:
+                torch.cuda.synchronize(kv.device)
+        logger.info("proxima: kernels compiled for %s in %.1f s", ", ".join(map(str, formats)),
+                    time.perf_counter() - t0)
 
     def _check_compressed_rows_supported(self) -> None:
         unsupported = {

@@ -87,6 +87,10 @@ class SlotReader:
         """The order of keys and values inside a page of `kv` ([N, H, B, 2D]) for this kernel."""
         raise NotImplementedError
 
+    def warm_up(self, store: WorkerStore) -> None:
+        """Run once when the caches are registered, before the engine serves: compile what the
+        first compression would otherwise compile in the middle of a step. Default: nothing."""
+
 
 class WorkerStore:
     """Everything the worker knows about compressed blocks.
@@ -195,6 +199,17 @@ class WorkerStore:
         if (sub.reduction == "sparse") != (fmt.reduction == "sparse"):
             return fmt
         return sub
+
+    def stored_formats(self) -> dict[Format, str]:
+        """Every format the startup policy can store (its bands' ladders, after each layer's
+        overrides), with the first layer that stores it: what a kernel warm-up must cover."""
+        if self.policy is None or not self.policy.enabled:
+            return {}
+        out: dict[Format, str] = {}
+        for layer in self.kv_caches:
+            for f in self.policy.all_formats():
+                out.setdefault(self.layer_format(layer, f), layer)
+        return out
 
     def page_layout(self, kv: torch.Tensor) -> PageLayout:
         if self.layout is None:

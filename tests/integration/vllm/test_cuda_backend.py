@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -149,6 +150,28 @@ def test_the_worker_compresses_cuda_pages_in_the_order_vllms_kernel_reads_them(
         assert float((got - want).norm() / want.norm()) < tol
     keys = store.page_layout(kv).read_keys(kv, torch.tensor([4]))[0]  # [H, B, D]: importance reads these
     assert torch.equal(keys.float(), k.transpose(0, 1).bfloat16().float())
+
+
+def test_warm_up_runs_every_stored_format_and_changes_nothing_vllm_reads() -> None:
+    """The kernels a serving step launches for each format the policy can store (compress,
+    decompress, decode over the real slot pools of a layer storing it) run once at registration;
+    on a GPU that is when Triton compiles them. Nothing vLLM reads changes, nothing is reported."""
+    from proxima.integration.vllm.cpu_layout import token_interleaved_layout
+    from proxima.policy.loader import load_policy
+
+    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(NB, H, B, 2 * D).bfloat16() for i in (0, 5)}
+    before = {n: t.clone() for n, t in layers.items()}
+    store = WorkerStore()
+    store.register(layers, policy=load_policy(Path(__file__).parents[3] / "configs" / "balanced.yaml"))
+    store.layout = token_interleaved_layout(B, D)
+    formats = store.stored_formats()
+    # balanced stores cluster(2)+int4 where it chose int2 in layers 0 and 1: int2 lives in layer 5
+    assert {str(f): n.split(".")[2] for f, n in formats.items()} == {
+        "int8": "0", "int4": "0", "cluster(2)+int4": "0", "int2": "5"}
+    _impl("triton").warm_up(store)
+    assert set(store.dtypes) == set(formats)  # every format went through compress -> pool -> decode
+    assert all(torch.equal(layers[n], before[n]) for n in layers)
+    assert not store.remap and store.take_report() is None
 
 
 def _builder() -> cb.ProximaTritonMetadataBuilder:

@@ -13,6 +13,10 @@ The worker role owns the process's `WorkerStore` (the compressed blocks' maps an
 vLLM keeps the worker's connector as the process's KV transfer group, so the attention backends
 find the store through vLLM's accessor (`worker_store()`), with no global of Proxima's own.
 
+With tensor parallelism there is one scheduler-side connector and one worker-side connector per
+rank: every rank gets the same plan, and vLLM merges the ranks' reports into one before
+`update_connector_output` (`ranks.py`).
+
 With the runtime API enabled, the scheduler side also drives `live.LiveControl` (policy swaps,
 fallback level, stats, step reports); without it `self.live` stays None and nothing changes.
 """

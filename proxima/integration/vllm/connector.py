@@ -13,6 +13,10 @@ The worker role owns the process's `WorkerStore` (the compressed blocks' maps an
 vLLM keeps the worker's connector as the process's KV transfer group, so the attention backends
 find the store through vLLM's accessor (`worker_store()`), with no global of Proxima's own.
 
+With tensor parallelism there is one scheduler-side connector and one worker-side connector per
+rank: every rank gets the same plan, and vLLM merges the ranks' reports into one before
+`update_connector_output` (`ranks.py`).
+
 With the runtime API enabled, the scheduler side also drives `live.LiveControl` (policy swaps,
 fallback level, stats, step reports); without it `self.live` stays None and nothing changes.
 """
@@ -32,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
 
 from proxima.integration.vllm.plan import ProximaPlan, ProximaReport
+from proxima.integration.vllm.ranks import settle
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -62,10 +67,12 @@ class ProximaConnector(KVConnectorBase_V1):
         self.manager: ProximaKVCacheManager | None = None  # scheduler role, set in bind_kv_cache_manager
         self.live: LiveControl | None = None  # scheduler role, only when the runtime API is enabled
         self.store: WorkerStore | None = None  # worker role
+        self.ranks = int(vllm_config.parallel_config.tensor_parallel_size)
+        """Worker ranks of this engine, each with its shard's KV heads (`ranks.py`)."""
         if role == KVConnectorRole.WORKER:
             from proxima.integration.vllm.worker import WorkerStore
 
-            self.store = WorkerStore()
+            self.store = WorkerStore(rank=_tensor_parallel_rank())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -77,7 +84,11 @@ class ProximaConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         from proxima.integration.vllm.manager import install
 
-        self.manager = install(kv_cache_manager, self.policy)
+        pp = int(self._vllm_config.parallel_config.pipeline_parallel_size)
+        if pp > 1:  # each stage would report only its layers' writes: untested, so not offered
+            logger.warning("proxima: pipeline_parallel_size %d is not supported; Proxima stays inactive", pp)
+            return
+        self.manager = install(kv_cache_manager, self.policy, ranks=self.ranks)
         if self.manager is not None and os.environ.get(STATS_ENV):
             self.manager.px.on_change = self.dump_stats
         if self.manager is not None:
@@ -106,6 +117,7 @@ class ProximaConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         rep = connector_output.kv_connector_worker_meta
         if self.manager is not None and isinstance(rep, ProximaReport):
+            rep = settle(rep, self.ranks)  # every rank's report merged by vLLM (ProximaReport.aggregate)
             if self.live is not None:
                 self.live.commit(rep)  # applies the report, then tells the controller about the step
             else:
@@ -181,6 +193,15 @@ class ProximaConnector(KVConnectorBase_V1):
         store = self._worker_store()
         store.times.end("forward_s", store.device)
         return store.take_report()
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's rank in its tensor-parallel group (0 outside vLLM's distributed setup: tests)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return int(parallel_state.get_tensor_model_parallel_rank())
 
 
 def worker_store() -> WorkerStore | None:

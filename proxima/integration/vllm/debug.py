@@ -40,7 +40,7 @@ class SplitErrors:
         path = os.environ.get(DEBUG_FILE_ENV)
         if not path or not self.per_layer:
             return
-        tmp = f"{path}.tmp"
+        tmp = f"{path}.{os.getpid()}.tmp"  # every rank of a tensor-parallel engine writes here (last wins)
         with open(tmp, "w") as f:
             json.dump({"max_rel_err_per_layer": self.per_layer, "rows_checked": self.rows_checked,
                        "max_rel_err": max(self.per_layer.values())}, f)

@@ -3,7 +3,8 @@
 Two switches, both read by the worker process:
 
 * `PROXIMA_FAULT_INJECT`, fixed at startup: `compress` (every batch fails) or `compress@N`
-  (every Nth batch fails);
+  (every Nth batch fails); either may end in `,rank=R`: only tensor-parallel rank R fails
+  (the other ranks write the same batches, which the scheduler must then undo everywhere);
 * `PROXIMA_FAULT_FILE`, a path: the file holds the same spelling and is re-read once per engine
   step, before the step's compressions (missing or empty: no fault). Writing it switches faults
   on and off while the engine runs, which is how `bench/soak.py` and the backoff test inject
@@ -33,11 +34,13 @@ class InjectedFault(RuntimeError):
 
 
 def parse_fault(text: str, source: str) -> int | None:
-    """Every how many batches one fails (1: all of them), or None for no fault."""
+    """Every how many batches one fails (1: all of them), or None for no fault (`,rank=R` ignored:
+    `parse_rank`)."""
     spelling = text.strip()
     if not spelling:
         return None
-    name, at, every = spelling.partition("@")
+    name, at, every = spelling.partition(",")[0].partition("@")
+    parse_rank(spelling, source)
     if name == "compress" and not at:
         return 1
     if name == "compress" and every.isdigit() and int(every) >= 1:
@@ -45,11 +48,24 @@ def parse_fault(text: str, source: str) -> int | None:
     raise ValueError(f"{source}: unknown fault {spelling[:40]!r}; expected 'compress' or 'compress@N' with N >= 1")
 
 
+def parse_rank(text: str, source: str) -> int | None:
+    """The one tensor-parallel rank a fault hits (`...,rank=R`), or None: every rank."""
+    _, comma, tail = text.strip().partition(",")
+    if not comma:
+        return None
+    key, _, value = tail.partition("=")
+    if key.strip() != "rank" or not value.strip().isdigit():
+        raise ValueError(f"{source}: unknown fault option {tail[:40]!r}; expected 'rank=R' with R >= 0")
+    return int(value)
+
+
 class FaultInjector:
     """The worker's fault switch: `refresh()` once per step, `check()` before each batch."""
 
-    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, environ: Mapping[str, str] = os.environ, rank: int = 0) -> None:
         self._environ = environ
+        self.rank = rank
+        """This worker's tensor-parallel rank (a `,rank=R` fault hits rank R only)."""
         self.every: int | None = None
         self.spelling = ""
         self.batches = 0
@@ -81,7 +97,9 @@ class FaultInjector:
                 self.every, self.spelling = None, text
                 return
             raise
-        self.every, self.spelling = every, text
+        only = parse_rank(text, source)
+        self.every = every if only is None or only == self.rank else None
+        self.spelling = text
 
     def check(self) -> None:
         """Raise `InjectedFault` if the fault hits this batch."""

@@ -36,6 +36,7 @@ from proxima.formats import HOT, Format
 from proxima.integration.vllm import _patches, admission, pool_usage
 from proxima.integration.vllm.ledger import CompressedSlot, RequestEntry
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.ranks import expected_remap
 from proxima.integration.vllm.snapshot import build_snapshot, check_protected, finishing_requests
 from proxima.integration.vllm.state import ProximaState
 from proxima.integration.vllm.stats import summary
@@ -220,9 +221,11 @@ class ProximaKVCacheManager(KVCacheManager):
             actions=[a for a in px.pending.values() if a.action_id not in px.sent],
             dropped=px.dropped,
             scrub=list(px.blocks.take_scrub()),
+            revoked=px.revoked,
+            check_remap=expected_remap(px.ledger) if px.check else None,
         )
         px.sent.update(a.action_id for a in plan.actions)
-        px.dropped = []
+        px.dropped, px.revoked = [], []
         px.charge.settle(self.side_table_bytes())  # with this step's reservations in flight
         b = self.block_size
         blocks_of = self._stm.req_to_blocks
@@ -282,6 +285,7 @@ class ProximaKVCacheManager(KVCacheManager):
         px.sent.difference_update(report.failed)
         # Latest slots first, so that an open destination can take its failed slots back.
         for ca in sorted((c for c in failed if c is not None), key=lambda c: (c.dst, -c.slot)):
+            px.revoked.append(ca)  # (tensor parallelism: another rank may have written it)
             px.ledger[ca.req_id].in_flight.pop(ca.index, None)
             px.packer.release(ca.req_id, ca.dst, SlotIndex(ca.slot), undo=True)
         if NO_READER in report.errors and not px.disabled:
@@ -332,12 +336,14 @@ class ProximaKVCacheManager(KVCacheManager):
         return out
 
 
-def install(manager: KVCacheManager, policy: Policy) -> ProximaKVCacheManager | None:
-    """Turn vLLM's manager instance into a `ProximaKVCacheManager` (None if unsupported)."""
+def install(manager: KVCacheManager, policy: Policy, ranks: int = 1) -> ProximaKVCacheManager | None:
+    """Turn vLLM's manager instance into a `ProximaKVCacheManager` (None if unsupported); `ranks`:
+    the engine's tensor-parallel workers (`ranks.py`)."""
     if len(manager.coordinator.single_type_managers) != 1:
         logger.warning("proxima: %d KV cache groups (hybrid model); Proxima supports one and stays inactive",
                        len(manager.coordinator.single_type_managers))
         return None
     m = _patches.adopt_kv_manager(manager, ProximaKVCacheManager)
-    m.px = ProximaState.create(policy, m.block_pool, m.kv_cache_config, check=os.environ.get(CHECK_ENV) == "1")
+    m.px = ProximaState.create(policy, m.block_pool, m.kv_cache_config, check=os.environ.get(CHECK_ENV) == "1",
+                                ranks=ranks)
     return m

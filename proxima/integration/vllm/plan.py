@@ -6,7 +6,6 @@ They ride vLLM's KV-connector channel: `ProximaPlan` is the scheduler's per-step
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -59,6 +58,12 @@ class ProximaPlan(KVConnectorMetadata):
     """Physical block receiving this step's first token -> request, for every scheduled request
     (exclusively owned, so it identifies the batch row without request ids in attention
     metadata): attention finds the rows with compressed blocks, and the rows to observe."""
+    revoked: list[CompressAction] = field(default_factory=list)
+    """Actions that failed on some rank since the last plan: a rank that wrote one points its block
+    map back to where the block was (first, before anything else in this plan reuses the slot)."""
+    check_remap: dict[str, dict[int, list[tuple[str, int, int]]]] | None = None
+    """With PROXIMA_CHECK_ACCOUNTING=1: the slots the scheduler holds (`ranks.expected_remap`);
+    every rank asserts its block map points nowhere else."""
 
 
 @dataclass
@@ -67,30 +72,20 @@ class ProximaReport(KVConnectorWorkerMetadata):
     failed: list[ActionId] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     kernel_seconds: float = 0.0
-    """Wall time of this step's compressions (all formats and layers)."""
+    """Wall time of this step's compressions (all formats and layers; summed over merged ranks)."""
     importance: dict[str, list[float]] = field(default_factory=dict)
     """Request -> attention mass of each of its logical blocks (observed this step; blocks the
     worker could not observe, e.g. compressed ones, are NaN)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds of this worker's step parts completed since the last report (`timing.py`; empty
-    unless `PROXIMA_TIME_SPLIT=1`)."""
+    unless `PROXIMA_TIME_SPLIT=1`; the slowest rank's when merged)."""
+    ranks: int = 1
+    """Worker ranks merged into this report (tensor parallelism: `ranks.merge_reports`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, ProximaReport), f"cannot aggregate ProximaReport with {type(other)}"
-        # With several workers (tensor parallel) an action succeeded only if it did everywhere.
-        failed = set(self.failed) | set(other.failed)
-        ok = (set(self.ok) | set(other.ok)) - failed
-        # Every worker holds all layers' heads of its shard; the scheduler wants one number per block.
-        importance = dict(self.importance)
-        for rid, imp in other.importance.items():
-            mine = importance.get(rid)
-            importance[rid] = imp if mine is None else [_nanmax(a, b) for a, b in zip(mine, imp, strict=False)]
-        timings = {k: max(self.timings.get(k, 0.0), other.timings.get(k, 0.0))  # the slowest worker bounds the step
-                   for k in self.timings.keys() | other.timings.keys()}
-        return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors,
-                             max(self.kernel_seconds, other.kernel_seconds), importance, timings)
+        """vLLM merges the ranks' reports pairwise with this (tensor parallelism)."""
+        from proxima.integration.vllm.ranks import merge_reports
 
-
-def _nanmax(a: float, b: float) -> float:
-    """The larger of two masses, a NaN (not observed) losing to any number (Python's max is order-dependent)."""
-    return b if math.isnan(a) else a if math.isnan(b) else max(a, b)
+        if not isinstance(other, ProximaReport):
+            raise TypeError(f"proxima: cannot merge a ProximaReport with a {type(other).__name__}")
+        return merge_reports(self, other)

@@ -63,6 +63,8 @@ class ProximaState:
     """Action ids planned while their request was in prefill (counted when they commit)."""
     dropped: list[str] = field(default_factory=list)
     """Requests freed since the last plan (the worker forgets their remap)."""
+    revoked: list[CompressAction] = field(default_factory=list)
+    """Actions that failed since the last plan: a rank that wrote one undoes it (`ranks.py`)."""
     action_ids: Iterator[int] = field(default_factory=itertools.count)
     on_change: Callable[[], None] | None = None
     """Called after a request's blocks were freed (the connector dumps its counters)."""
@@ -76,9 +78,10 @@ class ProximaState:
     """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
 
     @classmethod
-    def create(cls, policy: Policy, pool: BlockPool, config: KVCacheConfig, check: bool) -> ProximaState:
+    def create(cls, policy: Policy, pool: BlockPool, config: KVCacheConfig, check: bool, ranks: int = 1
+               ) -> ProximaState:
         blocks = VllmBlockSource(pool)
-        meta = MetaSizes(config)
+        meta = MetaSizes(config, ranks)
         st = cls(policy=policy, effective=policy, formats=set(), blocks=blocks, packer=SlotPacker(blocks),
                  meta=meta, charge=SideTableCharge(pool, meta.block_bytes), check=check)
         st.adopt(policy)

@@ -69,25 +69,28 @@ class MetaSizes:
     """Side-table bytes (scales, zero points, log-counts) per compressed slot and format, all layers.
 
     They live outside vLLM's KV pool, so an honest capacity comparison adds them to it or
-    charges them against it (`side_tables.py`)."""
+    charges them against it (`side_tables.py`). With tensor parallelism vLLM's spec describes one
+    rank's heads; every rank holds its heads' blocks and side table, so both sizes are the spec's
+    times `ranks` (all ranks together)."""
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, ranks: int = 1) -> None:
         group = config.kv_cache_groups[0]
         self.spec = group.kv_cache_spec
         self.layers = len(group.layer_names)
+        self.ranks = ranks
         self._cache: dict[Format, int] = {}
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one physical block, all layers."""
-        return int(self.spec.page_size_bytes) * self.layers
+        """Bytes of one physical block, all layers, all ranks."""
+        return int(self.spec.page_size_bytes) * self.layers * self.ranks
 
     def per_slot(self, fmt: Format) -> int:
         cached = self._cache.get(fmt)
         if cached is None:
             s = self.spec
             ss = SlotSpec(fmt, s.block_size, s.head_size, s.num_kv_heads)  # type: ignore[attr-defined]
-            cached = self._cache[fmt] = ss.meta_bytes_per_slot * self.layers
+            cached = self._cache[fmt] = ss.meta_bytes_per_slot * self.layers * self.ranks
         return cached
 
     def side_table_bytes(self, ledger: RequestLedger) -> int:
@@ -108,7 +111,7 @@ def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool
         "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
         "resident_now": len(ledger),
         "side_table_peak_bytes": s.side_bytes_peak,
-        "block_bytes": meta.block_bytes,
+        "block_bytes": meta.block_bytes, "ranks": meta.ranks,
         "compressed_slots_now": sum(len(e.compressed) for e in ledger.values()),
         "dest_blocks_now": len(packer.owned()),
         "free_blocks": pool.get_num_free_blocks(), "total_blocks": total_blocks(pool),

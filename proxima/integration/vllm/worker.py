@@ -23,11 +23,12 @@ import torch
 
 from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
 from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
-from proxima.formats import Format
+from proxima.formats import HOT, Format
 from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.debug import SplitErrors
 from proxima.integration.vllm.faults import FaultInjector
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.ranks import check_remap
 from proxima.integration.vllm.timing import StepTimes
 from proxima.policy.schema import Policy
 
@@ -98,7 +99,9 @@ class WorkerStore:
     Owned by the worker role of `ProximaConnector` (one per worker process, as vLLM creates one
     connector there); the attention backends reach it through `connector.worker_store()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        """This worker's tensor-parallel rank (its KV heads are the shard's; `ranks.py`)."""
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.pools: dict[tuple[str, Format], _LayerPool] = {}
         self.remap: dict[str, dict[int, tuple[Format, int, int]]] = {}
@@ -109,7 +112,7 @@ class WorkerStore:
         self.group_size = DEFAULT_GROUP_SIZE
         self.report = ProximaReport()
         self.meta_bytes = 0
-        self.faults = FaultInjector()
+        self.faults = FaultInjector(rank=rank)
         """Tests and benchmarks: failures injected into compression batches (`faults`)."""
         self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
         self.policy: Policy | None = None
@@ -219,8 +222,10 @@ class WorkerStore:
     # --- executor ---------------------------------------------------------------------------
 
     def apply(self, plan: ProximaPlan) -> None:
-        """Zero released destinations, drop freed requests, then run this step's compressions
-        (before the forward pass, so before this step writes into a reused block)."""
+        """Undo writes that failed on another rank, zero released destinations, drop freed requests,
+        then run this step's compressions (before the forward pass, so before this step writes
+        into a reused block)."""
+        self.revoke(plan.revoked)
         if plan.scrub and self.kv_caches:
             ids = torch.tensor(plan.scrub, dtype=torch.long, device=next(iter(self.kv_caches.values())).device)
             for kv in self.kv_caches.values():
@@ -229,6 +234,8 @@ class WorkerStore:
             self.remap.pop(rid, None)
             self.sources.pop(rid, None)
             self.token_importance.pop(rid, None)
+        if plan.check_remap is not None:
+            check_remap(self.remap, plan.check_remap, self.rank)
         self.key_blocks = dict(plan.key_blocks)
         self.faults.refresh()  # once per step: a benchmark switches faults on and off between steps
         if plan.actions and self.require_reader and not self.readers:
@@ -254,6 +261,20 @@ class WorkerStore:
                 self.sources.setdefault(a.req_id, {})[a.index] = a.src
             self.report.kernel_seconds += time.perf_counter() - t0
             self.report.ok.extend(a.action_id for a in acts)
+
+    def revoke(self, actions: list[CompressAction]) -> None:
+        """Point the block map back where it was for actions that failed on some rank (tensor
+        parallelism: the scheduler kept the block where it was and released the slot). A rank that
+        did not write an action (it failed here too) has nothing to undo."""
+        for a in actions:
+            blocks = self.remap.get(a.req_id)
+            if blocks is None or blocks.get(a.index) != (Format.parse(a.fmt), a.dst, a.slot):
+                continue
+            if a.from_fmt == HOT.name:
+                del blocks[a.index]
+                self.sources.get(a.req_id, {}).pop(a.index, None)
+            else:  # a recompression: the old slot was not touched (a new slot is always another one)
+                blocks[a.index] = (Format.parse(a.from_fmt), a.from_dst, a.from_slot)
 
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
         self.faults.check()

@@ -60,6 +60,9 @@ def main() -> None:
     t0 = time.perf_counter()
     res = llm.generate([TokensPrompt(prompt_token_ids=toks(s, 150)) for s in range(8)], sp, use_tqdm=False)
     out["pressure"] = [list(r.outputs[0].token_ids) for r in res]
+    # Teacher-forced: the log-probability of each prompt token (after the first), for comparing engines.
+    out["pressure_prompt_logprobs"] = [[d[t].logprob for t, d in zip(r.prompt_token_ids[1:], r.prompt_logprobs[1:],
+                                                                      strict=True)] for r in res]
     count_nonfinite(res)
 
     prefix = toks(999, 128)

@@ -13,17 +13,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.integration.vllm.engine_helpers import free_port as _free_port
-from tests.integration.vllm.engine_helpers import test_model as _model
+from tests.integration.vllm.engine_helpers import run_engine
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
@@ -32,27 +28,13 @@ API_TOKEN = "e2e-token"
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp: Path, name: str, env_extra: dict[str, str], churn: int = 0) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
-    env.update(env_extra)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the pool is num_gpu_blocks_override; cap the RAM reserve
-    if "PROXIMA_POLICY" in env_extra:
-        env["PROXIMA_STATS_FILE"] = str(tmp / f"{name}-stats.json")
-    proc = subprocess.run([sys.executable, str(HERE / "engine_runner.py"), _model(), str(churn)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"{name} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
-
-
 @pytest.fixture(scope="session")
 def runs() -> dict[str, dict]:
     tmp = Path(tempfile.mkdtemp(prefix="proxima-e2e-"))
     return {
-        "vanilla": _run(tmp, "vanilla", {}),
-        "off": _run(tmp, "off", {"PROXIMA_POLICY": str(ROOT / "configs" / "off.yaml")}),
-        "mixed": _run(tmp, "mixed", {
+        "vanilla": run_engine(tmp, "vanilla", {}),
+        "off": run_engine(tmp, "off", {"PROXIMA_POLICY": str(ROOT / "configs" / "off.yaml")}),
+        "mixed": run_engine(tmp, "mixed", {
             "PROXIMA_POLICY": str(HERE / "force-mixed.yaml"),
             "PROXIMA_CHECK_ACCOUNTING": "1",
             "PROXIMA_FAULT_INJECT": "compress@3",

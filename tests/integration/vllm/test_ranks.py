@@ -1,0 +1,208 @@
+"""Tensor parallelism without an engine: the product's KV manager plans for several worker stores,
+each holding its shard of the KV heads; their reports go through vLLM's own `KVOutputAggregator`
+(the executor's merge) and back to the manager, as in a `tensor_parallel_size` N engine.
+
+The engine runs are in `test_vllm_tp.py`; this module covers what an engine run rarely reaches:
+a write that succeeded on one rank and failed on another."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+
+from proxima.formats import Format
+from proxima.integration.vllm.faults import FAULT_ENV, FaultInjector, parse_fault
+from proxima.integration.vllm.manager import ProximaKVCacheManager, install
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.ranks import check_remap, merge_reports, settle
+from proxima.integration.vllm.worker import WorkerStore
+from proxima.policy.loader import load_policy
+
+HERE = Path(__file__).parent
+B, D, H_TOTAL, NB = 32, 64, 4, 24
+
+
+def _merged(reports: list[ProximaReport | None]) -> ProximaReport | None:
+    """What the scheduler receives: the ranks' outputs merged by vLLM's executor aggregator."""
+    outs = []
+    for rep in reports:
+        out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=rep)
+        outs.append(out)
+    merged = KVOutputAggregator(expected_finished_count=len(reports)).aggregate(outs)  # type: ignore[arg-type]
+    assert merged is not None and merged.kv_connector_output is not None
+    rep = merged.kv_connector_output.kv_connector_worker_meta
+    assert rep is None or isinstance(rep, ProximaReport)
+    return rep
+
+
+def test_vllms_aggregator_merges_reports_all_or_nothing() -> None:
+    nan = float("nan")
+    r0 = ProximaReport(ok=[1, 2, 3], errors=["InjectedFault: x"], kernel_seconds=0.5,
+                       importance={"a": [1.0, nan, 0.2], "b": [0.5]})
+    r1 = ProximaReport(ok=[1, 3], failed=[2], errors=["InjectedFault: x"], kernel_seconds=0.25,
+                       importance={"a": [0.5, 0.7, nan, 0.1]})
+    r2 = ProximaReport(ok=[1], failed=[], kernel_seconds=0.25)  # did not confirm 3 (nor fail it)
+    rep = _merged([r0, r1, r2])
+    assert rep is not None
+    assert rep.ok == [1] and rep.failed == [2, 3] and rep.ranks == 3
+    assert rep.kernel_seconds == 1.0  # every rank's compression time, summed
+    assert rep.errors == ["InjectedFault: x"]  # the same fault on two ranks, said once
+    # Each rank saw its own heads: the block's mass is the larger one; NaN (not seen) loses.
+    assert rep.importance["a"] == [1.0, 0.7, 0.2, 0.1] and rep.importance["b"] == [0.5]
+    with pytest.raises(TypeError, match="cannot merge a ProximaReport with a"):
+        r0.aggregate(object())  # type: ignore[arg-type]
+
+
+def test_a_report_missing_a_rank_commits_nothing() -> None:
+    """vLLM leaves a rank without a report out of the merge; its writes are unproven."""
+    rep = _merged([ProximaReport(ok=[4], importance={"a": [1.0]}), None])
+    assert rep is not None and rep.ranks == 1
+    settled = settle(rep, ranks=2)
+    assert settled.ok == [] and settled.failed == [4] and "1 of 2 ranks sent no report" in settled.errors[-1]
+    assert settled.importance == {"a": [1.0]}
+    assert settle(rep, ranks=1) is rep
+    assert settle(ProximaReport(importance={"a": [1.0]}), ranks=2).importance == {"a": [1.0]}
+    with pytest.raises(RuntimeError, match="merged 2 rank reports, but the engine has 1"):
+        settle(merge_reports(ProximaReport(), ProximaReport()), ranks=1)
+
+
+def test_a_fault_can_hit_one_rank_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_fault("compress@3,rank=1", "x") == 3
+    for bad in ("compress,rank=", "compress,rank=-1", "compress,node=1"):
+        with pytest.raises(ValueError, match="x: unknown fault option"):
+            parse_fault(bad, "x")
+    monkeypatch.setenv(FAULT_ENV, "compress,rank=1")
+    hit, spared = FaultInjector(rank=1), FaultInjector(rank=0)
+    hit.refresh()
+    spared.refresh()
+    assert hit.every == 1 and spared.every is None
+
+
+# --- the manager and N worker stores ------------------------------------------------------------
+
+
+def _manager(ranks: int) -> ProximaKVCacheManager:
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=H_TOTAL // ranks, head_size=D, dtype=torch.bfloat16)
+    cfg = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+    m = install(KVCacheManager(cfg, max_model_len=2048, scheduler_block_size=B, hash_block_size=B,
+                               enable_caching=False), load_policy(HERE / "force-int8.yaml"), ranks=ranks)
+    assert m is not None
+    m.px.check = True  # what PROXIMA_CHECK_ACCOUNTING=1 sets: plans carry the scheduler's slots
+    return m
+
+
+def _ranks(ranks: int, monkeypatch: pytest.MonkeyPatch, fault: str) -> tuple[list[WorkerStore], torch.Tensor]:
+    """One store per rank over its heads of one full KV tensor [layer][N, H, B, 2D] (vLLM's CPU
+    layout), so that rank r's view is exactly heads [r * H/N, (r + 1) * H/N)."""
+    monkeypatch.setenv(FAULT_ENV, fault)
+    torch.manual_seed(0)
+    full = torch.randn(2, NB, H_TOTAL, B, 2 * D).bfloat16()
+    h = H_TOTAL // ranks
+    stores = []
+    for r in range(ranks):
+        st = WorkerStore(rank=r)
+        st.register({f"model.layers.{i}.self_attn.attn": full[i, :, r * h:(r + 1) * h].clone() for i in range(2)})
+        stores.append(st)
+    return stores, full
+
+
+def _step(m: ProximaKVCacheManager, stores: list[WorkerStore], scheduled: list[str]) -> tuple[ProximaPlan,
+                                                                                             ProximaReport | None]:
+    """One engine step: the plan goes to every rank unchanged; the merged report is committed."""
+    plan = m.build_plan(scheduled)
+    for st in stores:
+        st.apply(plan)
+    rep = _merged([st.take_report() for st in stores])
+    if rep is not None:
+        m.apply_report(settle(rep, m.px.meta.ranks))
+    m.check_accounting()
+    return plan, rep
+
+
+def _admit(m: ProximaKVCacheManager, name: str, blocks: int) -> Request:
+    req = Request(name, list(range(1, blocks * B + 1)), SamplingParams(max_tokens=64), None)
+    assert m.allocate_slots(req, blocks * B) is not None
+    req.num_computed_tokens = blocks * B
+    req.append_output_token_ids([7])
+    assert m.allocate_slots(req, 1) is not None
+    return req
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_write_failed_on_one_rank_is_undone_on_every_rank(ranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _manager(ranks)
+    stores, full = _ranks(ranks, monkeypatch, "compress,rank=1")
+    reqs = [_admit(m, f"r{i}", 8) for i in range(2)]
+    ids = [r.request_id for r in reqs]
+    free_before = m.block_pool.get_num_free_blocks()
+    plan, rep = _step(m, stores, ids)
+    assert plan.actions and rep is not None
+    # Rank 1 failed every write, so no write counts, although the other ranks made theirs.
+    assert rep.ok == [] and sorted(rep.failed) == sorted(a.action_id for a in plan.actions)
+    assert stores[0].remap and not stores[1].remap
+    assert m.px.stats.committed == 0 and m.block_pool.get_num_free_blocks() == free_before
+    assert all(not e.compressed for e in m.px.ledger.values())
+    # The next plan revokes them first: rank 0 reads its hot blocks again, and its map agrees
+    # with the scheduler's (the plan's check), which would have raised otherwise.
+    monkeypatch.setenv(FAULT_ENV, "")
+    for st in stores:
+        st.faults.refresh()
+    plan2 = m.build_plan(ids)
+    assert {a.action_id for a in plan2.revoked} == {a.action_id for a in plan.actions}
+    assert plan2.check_remap is not None
+    with pytest.raises(AssertionError, match="proxima rank 0: request r"):
+        check_remap(stores[0].remap, plan2.check_remap, 0)  # before the revocation
+    for st in stores:
+        st.apply(plan2)
+    assert all(not st.remap.get(rid) for st in stores for rid in ids)
+    m.apply_report(settle(_merged([st.take_report() for st in stores]) or ProximaReport(), ranks))
+    # Without the fault (once the backoff lets int8 be planned again) the same blocks compress on
+    # every rank and commit; each rank holds its own heads of them, and every plan's check passes.
+    for _ in range(8):
+        plan3, _rep = _step(m, stores, ids)
+        if plan3.actions:
+            break
+    assert plan3.actions and m.px.stats.committed == len(plan3.actions)
+    assert m.px.stats.freed_blocks == len(plan3.actions)  # each source went back to vLLM
+    h = H_TOTAL // ranks
+    a = plan3.actions[0]
+    for r, st in enumerate(stores):
+        kh, _ = st.read("model.layers.0.self_attn.attn", Format.parse(a.fmt), torch.tensor([a.dst]),
+                        torch.tensor([a.slot]))
+        assert st.layout is not None
+        k, _ = st.layout.read_blocks(full[0, :, r * h:(r + 1) * h], torch.tensor([a.src]))
+        assert (kh[0].float() - k[0].float()).norm() / k[0].float().norm() < 0.02
+    _step(m, stores, ids)
+
+
+def test_a_failed_recompression_points_back_to_the_old_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    st = WorkerStore(rank=0)
+    torch.manual_seed(0)
+    st.register({"l0": torch.randn(NB, 2, B, 2 * D).bfloat16()})
+    first = CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")
+    again = CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10, from_slot=0)
+    st.apply(ProximaPlan(actions=[first]))
+    st.apply(ProximaPlan(actions=[again]))
+    assert st.remap["r"][0] == (Format.parse("int4"), 11, 0)
+    st.apply(ProximaPlan(revoked=[again, CompressAction(9, "gone", 0, src=1, dst=12, slot=0, fmt="int8")]))
+    assert st.remap["r"][0] == (Format.parse("int8"), 10, 0)
+    st.apply(ProximaPlan(revoked=[again]))  # twice, or on a rank that failed it too: nothing to undo
+    assert st.remap["r"][0] == (Format.parse("int8"), 10, 0)
+    st.apply(ProximaPlan(revoked=[first]))
+    assert 0 not in st.remap["r"]
+
+
+def test_stats_count_every_ranks_side_table() -> None:
+    one, four = _manager(1), _manager(4)
+    assert four.px.meta.per_slot(Format.parse("int4")) == one.px.meta.per_slot(Format.parse("int4"))
+    assert four.px.meta.block_bytes == one.px.meta.block_bytes  # 4 ranks of 1 head = 1 rank of 4
+    assert four.summary()["ranks"] == 4 and one.summary()["ranks"] == 1

@@ -35,8 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
 
-from proxima.integration.vllm.plan import ProximaPlan, ProximaReport
-from proxima.integration.vllm.ranks import settle
+from proxima.integration.vllm.plan import ProximaPlan, ProximaReport, settle
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager

@@ -6,6 +6,7 @@ They ride vLLM's KV-connector channel: `ProximaPlan` is the scheduler's per-step
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -80,12 +81,48 @@ class ProximaReport(KVConnectorWorkerMetadata):
     """Seconds of this worker's step parts completed since the last report (`timing.py`; empty
     unless `PROXIMA_TIME_SPLIT=1`; the slowest rank's when merged)."""
     ranks: int = 1
-    """Worker ranks merged into this report (tensor parallelism: `ranks.merge_reports`)."""
+    """Worker ranks merged into this report (tensor parallelism: `merge_reports`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """vLLM merges the ranks' reports pairwise with this (tensor parallelism)."""
-        from proxima.integration.vllm.ranks import merge_reports
-
         if not isinstance(other, ProximaReport):
             raise TypeError(f"proxima: cannot merge a ProximaReport with a {type(other).__name__}")
         return merge_reports(self, other)
+
+
+def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
+    """One report for the ranks behind `a` and `b` (vLLM calls it pairwise, in rank order)."""
+    ok = set(a.ok) & set(b.ok)
+    failed = set(a.failed) | set(b.failed) | (set(a.ok) ^ set(b.ok))
+    importance = dict(a.importance)
+    for rid, imp in b.importance.items():
+        mine = importance.get(rid)
+        importance[rid] = imp if mine is None else _nanmax_lists(mine, imp)
+    errors = a.errors + [e for e in b.errors if e not in a.errors]
+    # The ranks run a step's parts in parallel: the slowest bounds the step.
+    timings = {k: max(a.timings.get(k, 0.0), b.timings.get(k, 0.0)) for k in a.timings.keys() | b.timings.keys()}
+    return ProximaReport(ok=sorted(ok - failed), failed=sorted(failed), errors=errors,
+                         kernel_seconds=a.kernel_seconds + b.kernel_seconds, importance=importance,
+                         timings=timings, ranks=a.ranks + b.ranks)
+
+
+def settle(report: ProximaReport, ranks: int) -> ProximaReport:
+    """`report` as the scheduler may commit it in an engine of `ranks` worker ranks."""
+    if report.ranks > ranks:
+        raise RuntimeError(f"proxima: a step's report merged {report.ranks} rank reports, but the engine has {ranks} "
+                           "ranks (tensor_parallel_size): vLLM merged reports of different steps")
+    if report.ranks == ranks or not report.ok:
+        return report
+    missing = (f"proxima: {ranks - report.ranks} of {ranks} ranks sent no report for a step with compressions; "
+               "they are undone")
+    return ProximaReport(ok=[], failed=sorted(set(report.failed) | set(report.ok)), errors=[*report.errors, missing],
+                         kernel_seconds=report.kernel_seconds, importance=report.importance, timings=report.timings,
+                         ranks=report.ranks)
+
+
+def _nanmax_lists(a: list[float], b: list[float]) -> list[float]:
+    """Element-wise larger mass, a NaN (not observed) losing to any number; the longer list's tail
+    is kept (a rank may have observed a request one block further, e.g. across a step boundary)."""
+    n = min(len(a), len(b))
+    head = [y if math.isnan(x) else x if math.isnan(y) else max(x, y) for x, y in zip(a[:n], b[:n], strict=True)]
+    return head + (a[n:] if len(a) > n else b[n:])

@@ -4,14 +4,15 @@ With `tensor_parallel_size` N, vLLM runs one scheduler (and one Proxima KV manag
 processes; each worker holds the KV heads of its shard in blocks with the same ids. vLLM sends
 the scheduler's `ProximaPlan` to every rank unchanged, and merges the ranks' `ProximaReport`s
 pairwise through `KVConnectorWorkerMetadata.aggregate` (vLLM's `KVOutputAggregator`, in the
-executor) before the scheduler sees one. This module holds what that needs:
+executor) before the scheduler sees one. The merge itself lives with the report (`plan.merge_reports`,
+`plan.settle`); this module holds the rest:
 
-* `merge_reports`: the pairwise merge. An action is written only if every rank wrote it (`ok` is
+* `merge_reports` (in `plan.py`): the pairwise merge. An action is written only if every rank wrote it (`ok` is
   the intersection, anything one rank failed or did not confirm is failed), so the two-phase
   commit stays all-or-nothing; block importance is the larger mass (each rank saw only its
   heads, and one rank's value is already the max over its heads); kernel time is summed;
   identical errors (the same fault on every rank) are kept once.
-* `settle`: the scheduler's last word on a merged report. vLLM drops a rank's output from the
+* `settle` (in `plan.py`): the scheduler's last word on a merged report. vLLM drops a rank's output from the
   merge when it carries no report, so a report that merged fewer ranks than the engine has cannot
   prove that the missing ranks wrote anything: its writes are failed too.
 * `expected_remap` / `check_remap`: with `PROXIMA_CHECK_ACCOUNTING=1` each plan carries the slots
@@ -22,45 +23,13 @@ executor) before the scheduler sees one. This module holds what that needs:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from proxima.formats import Format
 from proxima.integration.vllm.ledger import RequestLedger
-from proxima.integration.vllm.plan import ProximaReport
 
 SlotKey = tuple[str, int, int]
 """(format spelling, destination block, slot): where a compressed logical block lives."""
-
-
-def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
-    """One report for the ranks behind `a` and `b` (vLLM calls it pairwise, in rank order)."""
-    ok = set(a.ok) & set(b.ok)
-    failed = set(a.failed) | set(b.failed) | (set(a.ok) ^ set(b.ok))
-    importance = dict(a.importance)
-    for rid, imp in b.importance.items():
-        mine = importance.get(rid)
-        importance[rid] = imp if mine is None else _nanmax_lists(mine, imp)
-    errors = a.errors + [e for e in b.errors if e not in a.errors]
-    # The ranks run a step's parts in parallel: the slowest bounds the step.
-    timings = {k: max(a.timings.get(k, 0.0), b.timings.get(k, 0.0)) for k in a.timings.keys() | b.timings.keys()}
-    return ProximaReport(ok=sorted(ok - failed), failed=sorted(failed), errors=errors,
-                         kernel_seconds=a.kernel_seconds + b.kernel_seconds, importance=importance,
-                         timings=timings, ranks=a.ranks + b.ranks)
-
-
-def settle(report: ProximaReport, ranks: int) -> ProximaReport:
-    """`report` as the scheduler may commit it in an engine of `ranks` worker ranks."""
-    if report.ranks > ranks:
-        raise RuntimeError(f"proxima: a step's report merged {report.ranks} rank reports, but the engine has {ranks} "
-                           "ranks (tensor_parallel_size): vLLM merged reports of different steps")
-    if report.ranks == ranks or not report.ok:
-        return report
-    missing = (f"proxima: {ranks - report.ranks} of {ranks} ranks sent no report for a step with compressions; "
-               "they are undone")
-    return ProximaReport(ok=[], failed=sorted(set(report.failed) | set(report.ok)), errors=[*report.errors, missing],
-                         kernel_seconds=report.kernel_seconds, importance=report.importance, timings=report.timings,
-                         ranks=report.ranks)
 
 
 def expected_remap(ledger: RequestLedger) -> dict[str, dict[int, list[SlotKey]]]:
@@ -91,12 +60,4 @@ def check_remap(remap: Mapping[str, Mapping[int, tuple[Format, int, int]]],
                     "rank was not revoked here)")
 
 
-def _nanmax_lists(a: list[float], b: list[float]) -> list[float]:
-    """Element-wise larger mass, a NaN (not observed) losing to any number; the longer list's tail
-    is kept (a rank may have observed a request one block further, e.g. across a step boundary)."""
-    n = min(len(a), len(b))
-    head = [y if math.isnan(x) else x if math.isnan(y) else max(x, y) for x, y in zip(a[:n], b[:n], strict=True)]
-    return head + (a[n:] if len(a) > n else b[n:])
-
-
-__all__ = ["SlotKey", "check_remap", "expected_remap", "merge_reports", "settle"]
+__all__ = ["SlotKey", "check_remap", "expected_remap"]

@@ -21,8 +21,8 @@ from vllm.v1.request import Request
 from proxima.formats import Format
 from proxima.integration.vllm.faults import FAULT_ENV, FaultInjector, parse_fault
 from proxima.integration.vllm.manager import ProximaKVCacheManager, install
-from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
-from proxima.integration.vllm.ranks import check_remap, merge_reports, settle
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport, merge_reports, settle
+from proxima.integration.vllm.ranks import check_remap
 from proxima.integration.vllm.worker import WorkerStore
 from proxima.policy.loader import load_policy
 

@@ -57,6 +57,15 @@ class CompressedBlocks:
     """Tokens per block before reduction (T)."""
 
     @property
+    def held_nbytes(self) -> int:
+        """Bytes a store keeps for these blocks: data, scales, zero points and log-counts
+        (`token_index` is a compress-time diagnostic, not stored). For full blocks this equals
+        N x `slot_spec(...).held_bytes_per_slot` (tested), so byte accounting from a `SlotSpec`
+        and from a payload agree."""
+        kept = (self.k_data, self.v_data, self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.log_count)
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
+    @property
     def num_slots(self) -> int:
         return int(self.k_data.shape[0])
 

@@ -84,7 +84,9 @@ def test_log_count_equals_repeating_the_centroid():
     seeds are tokens 0..7, all distinct.)"""
     torch.manual_seed(0)
     b, h, d, bs = 1, 2, 32, 16
-    base_k, base_v = torch.randn(b, h, bs // 2, d), torch.randn(b, h, bs // 2, d)
+    # bf16-representable, so that the cast to the 16-bit KV dtype before compression is exact.
+    base_k = torch.randn(b, h, bs // 2, d).bfloat16().float()
+    base_v = torch.randn(b, h, bs // 2, d).bfloat16().float()
     k = base_k.repeat(1, 1, 2, 1)
     v = base_v.repeat(1, 1, 2, 1)
     tail_k, tail_v = torch.randn(b, h, 3, d), torch.randn(b, h, 3, d)

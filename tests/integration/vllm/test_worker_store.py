@@ -160,3 +160,46 @@ def test_released_destinations_are_zeroed_before_the_step() -> None:
         k = st.layout.read_blocks(kv, torch.tensor([2]))[0][0].float()
         assert (kh[0].float() - k).norm() / k.norm() < TOL["int8"]
     assert st.remap["q"][0] == (Format.parse("int8"), 10, 0)
+
+
+SAME_PAYLOAD_FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int8", "cluster(2)+int4"]
+
+
+@pytest.mark.parametrize("fmt", SAME_PAYLOAD_FORMATS)
+def test_hf_cache_stores_what_the_vllm_worker_stores(fmt: str) -> None:
+    """One compression API: for the same block and format, the transformers cache and the vLLM
+    worker hold bit-identical payloads (data and every metadata field), so a damage table
+    calibrated on the HF path describes what vLLM stores. The HF side gets the block in float32
+    (the CPU quality harness runs the model in float32) and casts it to the 16-bit cache dtype,
+    as vLLM holds it."""
+    from proxima.compression.spec import slot_spec
+    from proxima.integration.hf import ProximaCache
+
+    st, caches = _store()
+    f = Format.parse(fmt)
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=3, dst=10, slot=1 % f.pack_ratio, fmt=fmt)]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [1], rep and rep.errors
+    assert st.layout is not None
+    layer = "layer.0"
+    k, v = st.layout.read_blocks(caches[layer], torch.tensor([3]))  # [1, B, H, D] bf16, as vLLM holds it
+    hf = ProximaCache(block_size=B)
+    hf.update(k.transpose(1, 2).float(), v.transpose(1, 2).float(), 0)
+    hf.compress_blocks([0], f)
+    slot = hf.proxima_layers[0].slots[0]
+    assert slot is not None
+    cb = slot.cb
+    pool = st.pool(layer, f)
+    sid = 10 * f.pack_ratio + 1 % f.pack_ratio
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8).flatten()
+
+    assert torch.equal(bits(cb.k_data[0]), bits(pool.k[sid]))
+    assert torch.equal(bits(cb.v_data[0]), bits(pool.v[sid]))
+    held = {n for n in ("k_scale", "k_zero", "v_scale", "v_zero", "log_count") if getattr(cb, n) is not None}
+    assert set(pool.meta) == held
+    for name, t in pool.meta.items():
+        assert torch.equal(bits(getattr(cb, name)[0]), bits(t[sid])), name
+    spec = slot_spec(f, block_size=B, head_dim=D, num_kv_heads=H)
+    assert slot.nbytes == cb.held_nbytes == spec.held_bytes_per_slot

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hf_helpers import tiny_llama  # type: ignore[import-not-found]
 
+from proxima.compression.spec import slot_spec
 from proxima.integration.hf import ProximaCache, enable
 from proxima.policy.loader import load_policy
 from proxima.quality import harness, methods, report
@@ -43,6 +44,22 @@ def test_every_method_applies_and_keeps_its_budget(prefilled, method):
     cache = copy.deepcopy(base)
     method.apply(cache)
     ratio = cache.nominal_ratio()
+    # Bytes held include the metadata: the achieved ratio never exceeds the nominal one, and equals
+    # it only where nothing carries metadata (eviction keeps 16-bit tokens).
+    achieved = cache.achieved_ratio()
+    assert achieved <= ratio + 1e-6
+    layer = cache.proxima_layers[0]
+    assert layer.tail_k is not None
+    _, h, _, d = layer.tail_k.shape
+    with_meta = any(
+        slot_spec(f, block_size=cache.block_size, head_dim=d, num_kv_heads=h).meta_bytes_per_slot
+        for f in cache.block_formats()
+        if not f.is_hot
+    )
+    if with_meta:
+        assert achieved < ratio
+    else:
+        assert achieved == pytest.approx(ratio, rel=1e-6)
     if method.family == "reference":
         assert ratio == pytest.approx(method.ratio, rel=0.02)  # exact budgets
     elif method.family == "format":

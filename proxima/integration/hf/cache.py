@@ -144,8 +144,13 @@ class ProximaLayer(CacheLayerMixin):
         self.last_bias = bias
         return keys, values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n_tokens + query_length, 0
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        # transformers >= 5.19 passes the query length; 5.2 passes `cache_position` (one per query).
+        q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.n_tokens + q, 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1  # grows without bound, like DynamicLayer (transformers 5.2 asks)
 
     def get_seq_length(self) -> int:
         return self.n_tokens
@@ -405,9 +410,10 @@ class ProximaCache(Cache):
         attention.set_active(self)
         return keys, values
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:  # type: ignore[override]
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int) -> tuple[int, int]:  # type: ignore[override]
         if layer_idx >= len(self.layers):
-            return query_length, 0
+            q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
+            return q, 0
         return self.proxima_layers[layer_idx].get_mask_sizes(query_length)
 
     def _take_attention_bias(self, layer_idx: int, kv_len: int) -> torch.Tensor | None:

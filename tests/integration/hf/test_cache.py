@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from hf_helpers import tiny_llama  # type: ignore[import-not-found]
 from transformers import DynamicCache
 
 from proxima.formats import Format
@@ -153,3 +156,60 @@ def test_generate_with_pressure_driven_policy(model, ids):
     assert out.shape == (1, 130)
     assert any(not f.is_hot for f in cache.block_formats())
     assert cache.probe_log and all(r.error >= 0 for r in cache.probe_log)
+
+
+def test_supported_transformers_range_is_checked():
+    import transformers
+
+    from proxima.integration.hf.attention import check_transformers_version
+
+    check_transformers_version(transformers.__version__)  # the installed one is inside the range
+    for ok in ("5.2.0", "5.19.0", "5.99.1+local"):
+        check_transformers_version(ok)
+    for bad in ("4.57.1", "5.1.9", "6.0.0"):
+        with pytest.raises(RuntimeError, match=r"transformers .* is not supported .* >= 5\.2, < 6\.0"):
+            check_transformers_version(bad)
+
+
+def test_attention_that_drops_the_bias_fails_loudly(monkeypatch):
+    """transformers 5.2 silently ignored sdpa's `position_bias`: merged and evicted tokens were
+    attended as if whole. Proxima now folds the bias into the mask and checks, when its attention
+    is registered, that the bias reaches the softmax; an SDPA path that drops it (here: one that
+    ignores the mask, as 5.2 ignored `position_bias`) is refused instead of computing wrong attention."""
+    from transformers.integrations import sdpa_attention
+
+    from proxima.integration.hf.attention import check_bias_reaches_softmax, register
+
+    check_bias_reaches_softmax()  # the installed transformers applies it
+    original = sdpa_attention.sdpa_attention_forward
+
+    def drops_the_mask(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop("position_bias", None)
+        return original(module, query, key, value, None, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", drops_the_mask)
+    with pytest.raises(RuntimeError, match="does not apply the per-key bias"):
+        register()
+    with pytest.raises(RuntimeError, match="does not apply the per-key bias"):
+        enable(tiny_llama())
+
+
+@torch.no_grad()
+def test_cluster_bias_reaches_the_model_output(model, ids):
+    """End to end through the model: attention over a cluster(2) block with its log-counts differs
+    from the same centroids attended without them: the bias changes what the model computes."""
+    enable(model)
+    cache = ProximaCache(block_size=32)
+    model(ids[:, :100], past_key_values=cache)
+    cache.compress_blocks([0, 1], Format.parse("cluster(2)"))
+    layer = cache.proxima_layers[0]
+    _, _, bias = layer.materialize()
+    assert bias is not None and torch.isinf(bias).any() and (bias > 0).any()  # -inf slots, log 2 centroids
+    nxt = ids[:, 100:101]
+    with_counts = model(nxt, past_key_values=copy.deepcopy(cache)).logits
+    for lay in cache.proxima_layers:  # the same centroids, counts dropped (empty slots still hidden)
+        wk, wv, wb = lay.materialize()
+        assert wb is not None
+        lay._work = (wk, wv, torch.where(torch.isinf(wb), wb, torch.zeros_like(wb)))
+    without = model(nxt, past_key_values=cache).logits
+    assert not torch.allclose(with_counts, without, atol=1e-4)

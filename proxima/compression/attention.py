@@ -170,6 +170,7 @@ def attention_errors(
     cb: CompressedBlocks,
     *,
     sm_scale: float | None = None,
+    ref_log_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The compression-time probe for N blocks at once (every integration calls this one).
 
@@ -177,6 +178,8 @@ def attention_errors(
     e.g. one batch row's); k, v: [N, T, H, D] the blocks as they were; cb: those N blocks
     compressed. Returns float32 [N]: per block, ||O_hat - O||_F / ||O||_F over its W queries and
     Hq heads (0 where O is zero). Centroids count with their log(count) and empty ones not at all.
+    `ref_log_count` [N, T, H]: the reference rows are themselves centroids (recompressing a
+    merged block: the error is measured against what the block held before this step).
     """
     if k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"need k, v [N, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -203,7 +206,7 @@ def attention_errors(
             logits = logits + bias.repeat_interleave(g, 2).transpose(1, 2).unsqueeze(1)
         return torch.einsum("nwht,nthd->nwhd", torch.softmax(logits, -1), vq)
 
-    o = attend(k, v, None)
+    o = attend(k, v, ref_log_count)
     o_hat = attend(kh, vh, lc)
     num = (o_hat - o).flatten(1).norm(dim=1)
     den = o.flatten(1).norm(dim=1)

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from proxima.compression.attention import attention_errors
-from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
+from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks, recompressible
 from proxima.compression.spec import bytes_ratio, kv16_bytes
 from proxima.formats import HOT, Format
 from proxima.integration.hf import attention
@@ -548,42 +548,69 @@ class ProximaCache(Cache):
         ladder: Sequence[Format] = (),
         probe: bool = False,
     ) -> CompressionReport:
-        """Compress hot `blocks` (logical indices) into `fmt` in every layer (with the policy's
-        layer overrides). With `probe`, a block whose attention-output error, averaged over layers
-        (one block id spans all layers), exceeds the policy's bound for the format is retried with
-        the next milder `ladder` format (lower pack ratio), else left hot and marked ineligible."""
+        """Compress `blocks` (logical indices) into `fmt` in every layer (with the policy's layer
+        overrides), from what each block holds now: hot blocks exactly, quantized ones from their
+        dequantised data, token-reduced ones from their stored rows and counts (centroids merge
+        further, counts add: `proxima.compression.blocks.recompressible` says which moves exist;
+        a reduced block asked for a move it cannot make takes the mildest `ladder` format it can
+        reach at that ratio or more). With `probe`, a block whose attention-output error, averaged
+        over layers (one block id spans all layers), exceeds the policy's bound for the format is
+        retried with the next milder reachable `ladder` format, else left as it is and marked
+        ineligible."""
         report = CompressionReport()
         self._extend_chosen()
-        # Hot blocks, and quantized blocks moving to a harsher format (recompressed from their
-        # dequantised data, as vLLM would). Token-reduced blocks are final: their dropped tokens are gone.
-        todo = [
-            int(i)
-            for i in blocks
-            if self.chosen[int(i)].reduction is None and self.chosen[int(i)].pack_ratio < fmt.pack_ratio
-        ]
-        self.ineligible.update(int(i) for i in blocks if self.chosen[int(i)].reduction is not None)
-        milder = sorted((f for f in ladder if f.pack_ratio < fmt.pack_ratio), key=lambda f: -f.pack_ratio)
-        candidates = [fmt, *milder]
-        for cand in candidates:
-            if not todo:
-                break
-            encs, errs = self._encode_all_layers(todo, cand)
-            err = torch.stack(errs).mean(0)  # [len(todo)]
-            bound = self.policy.probes.compression.bound(cand) if probe else float("inf")
-            ok = (err <= bound).tolist()
-            accepted = [b for b, o in zip(todo, ok, strict=True) if o]
-            if accepted:
-                if len(accepted) != len(todo):
-                    encs = self._reencode(accepted, cand)  # the store holds no rejected rows
-                self._commit(accepted, cand, encs)
-                report.actions += len(accepted)
-                report.formats[cand.name] = report.formats.get(cand.name, 0) + len(accepted)
-            todo = [b for b, o in zip(todo, ok, strict=True) if not o]
-            report.rejected += len(todo)
-            if not probe:
-                break
-        self.ineligible.update(todo)
+        groups: dict[tuple[tuple[Format, ...], Format], list[int]] = {}
+        for raw in blocks:
+            i = int(raw)
+            if self.chosen[i].pack_ratio >= fmt.pack_ratio:
+                continue
+            target = self._reachable(i, fmt, ladder)
+            if target is None:
+                self.ineligible.add(i)
+                continue
+            src = tuple(layer.formats[i] for layer in self.proxima_layers)
+            groups.setdefault((src, target), []).append(i)
+        for (src, target), todo in groups.items():
+            milder = sorted(
+                (f for f in ladder if f.pack_ratio < target.pack_ratio and self._reachable_from(src, f)),
+                key=lambda f: -f.pack_ratio,
+            )
+            for cand in [target, *milder]:
+                if not todo:
+                    break
+                encs, errs = self._encode_all_layers(todo, cand)
+                err = torch.stack(errs).mean(0)  # [len(todo)]
+                bound = self.policy.probes.compression.bound(cand) if probe else float("inf")
+                ok = (err <= bound).tolist()
+                accepted = [b for b, o in zip(todo, ok, strict=True) if o]
+                if accepted:
+                    if len(accepted) != len(todo):
+                        encs = self._reencode(accepted, cand)  # the store holds no rejected rows
+                    self._commit(accepted, cand, encs)
+                    report.actions += len(accepted)
+                    report.formats[cand.name] = report.formats.get(cand.name, 0) + len(accepted)
+                todo = [b for b, o in zip(todo, ok, strict=True) if not o]
+                report.rejected += len(todo)
+                if not probe:
+                    break
+            self.ineligible.update(todo)
         return report
+
+    def _reachable_from(self, src: tuple[Format, ...], fmt: Format) -> bool:
+        """Every layer's stored format can be recompressed into its version of `fmt`."""
+        return all(recompressible(s, self._layer_format(fmt, li)) for li, s in enumerate(src))
+
+    def _reachable(self, i: int, fmt: Format, ladder: Sequence[Format]) -> Format | None:
+        """`fmt` if block i can move there; else the mildest ladder format of at least that ratio it
+        can reach (a merged block asked for a sparse format merges further instead); else None."""
+        src = tuple(layer.formats[i] for layer in self.proxima_layers)
+        if self._reachable_from(src, fmt):
+            return fmt
+        subs = sorted(
+            (f for f in ladder if f.pack_ratio >= fmt.pack_ratio and self._reachable_from(src, f)),
+            key=lambda f: f.pack_ratio,
+        )
+        return subs[0] if subs else None
 
     def _extend_chosen(self) -> None:
         n = self.proxima_layers[0].n_blocks if self.layers else 0
@@ -595,34 +622,73 @@ class ProximaCache(Cache):
     def _encode_all_layers(
         self, blocks: list[int], fmt: Format
     ) -> tuple[list[tuple[Format, CompressedBlocks]], list[torch.Tensor]]:
+        """Compress `blocks` (each layer's stored format the same for all of them) into `fmt`."""
         encs, errs = [], []
         for li, layer in enumerate(self.proxima_layers):
             lf = self._layer_format(fmt, li)
-            # Hot blocks read exactly; quantized ones (being recompressed) read dequantised.
-            wk, wv, _ = layer.materialize()
-            bsz = layer.block_size
-            k = torch.stack([wk[..., i * bsz : (i + 1) * bsz, :] for i in blocks])  # [n, B, H, bs, D]
-            v = torch.stack([wv[..., i * bsz : (i + 1) * bsz, :] for i in blocks])
-            n, b, h, bs, d = k.shape
-            kk = k.reshape(n * b, h, bs, d).transpose(1, 2)  # [N, bs, H, D]
-            vv = v.reshape(n * b, h, bs, d).transpose(1, 2)
-            imp = self.token_importance(li)
-            timp = None
-            if imp is not None:
-                timp = torch.stack([imp[..., i * bs : (i + 1) * bs] for i in blocks])  # [n, B, H, bs]
-                timp = timp.reshape(n * b, h, bs).transpose(1, 2).contiguous()
+            kk, vv, lc, timp = self._block_rows(li, blocks)
+            b = layer.tail_k.shape[0] if layer.tail_k is not None else 1
             # What vLLM holds hot is the 16-bit cache; compress exactly that, with the call its worker makes.
             kk, vv = kk.to(self.kv_dtype or kk.dtype), vv.to(self.kv_dtype or vv.dtype)
-            cb = compress_blocks(lf, kk, vv, token_importance=timp, group_size=self.group_size)
-            err = self._probe(li, kk, vv, cb, b)  # [n]
+            cb = compress_blocks(
+                lf, kk, vv, token_importance=timp, group_size=self.group_size, log_count=lc,
+                source_tokens=layer.block_size,
+            )
+            err = self._probe(li, kk, vv, cb, b, lc)  # [n]
             if self.record_probes:
                 self._record(li, blocks, lf, kk, timp, err, b)
             encs.append((lf, cb))
             errs.append(err)
         return encs, errs
 
+    def _block_rows(
+        self, layer_idx: int, blocks: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What `blocks` hold now in one layer, rows ordered (block, batch element):
+        k, v `[N, C, H, D]`, their log-counts `[N, C, H]` (None unless token-reduced) and token
+        importance `[N, C, H]` (None before any observation). Hot blocks read exactly, quantized
+        ones dequantised (C = block size); token-reduced ones as their stored rows."""
+        layer = self.proxima_layers[layer_idx]
+        bsz = layer.block_size
+        src = layer.formats[blocks[0]]
+        lc: torch.Tensor | None = None
+        if src.reduction is None:
+            wk, wv, _ = layer.materialize()
+            k = torch.stack([wk[..., i * bsz : (i + 1) * bsz, :] for i in blocks])  # [n, B, H, bs, D]
+            v = torch.stack([wv[..., i * bsz : (i + 1) * bsz, :] for i in blocks])
+            n, b, h, c, d = k.shape
+            kk = k.reshape(n * b, h, c, d).transpose(1, 2)  # [N, bs, H, D]
+            vv = v.reshape(n * b, h, c, d).transpose(1, 2)
+        else:
+            c = src.kept_tokens(bsz)
+            decoded: dict[int, Decoded] = {}
+            ks, vs, ls = [], [], []
+            for i in blocks:
+                slot = layer.slots[i]
+                assert slot is not None and layer.formats[i] == src, f"block {i} is not stored as {src}"
+                if id(slot.cb) not in decoded:
+                    decoded[id(slot.cb)] = slot.decode()
+                kh, vh, lh = decoded[id(slot.cb)]
+                ks.append(kh[slot.rows])
+                vs.append(vh[slot.rows])
+                ls.append(lh[slot.rows])
+            kk, vv, lc = torch.cat(ks), torch.cat(vs), torch.cat(ls)
+            h = kk.shape[2]
+        imp = self.token_importance(layer_idx)
+        timp = None
+        if imp is not None:
+            t = torch.stack([imp[..., i * bsz : i * bsz + c] for i in blocks])  # [n, B, H, C]
+            timp = t.reshape(-1, h, c).transpose(1, 2).contiguous()
+        return kk, vv, lc, timp
+
     def _probe(
-        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cb: CompressedBlocks, batch: int
+        self,
+        layer_idx: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cb: CompressedBlocks,
+        batch: int,
+        log_count: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Relative error of the observation window's attention output over each block alone,
         before vs after compression (`proxima.compression.attention_errors`, the probe every
@@ -632,7 +698,7 @@ class ProximaCache(Cache):
         if q is None:
             return torch.zeros(n)
         q_rows = q.transpose(1, 2).repeat(n, 1, 1, 1)  # [N, W, Hq, D], rows ordered (block, batch)
-        return attention_errors(q_rows, k, v, cb).view(n, batch).mean(1).cpu()
+        return attention_errors(q_rows, k, v, cb, ref_log_count=log_count).view(n, batch).mean(1).cpu()
 
     def _record(
         self,

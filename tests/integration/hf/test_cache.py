@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -213,3 +214,60 @@ def test_cluster_bias_reaches_the_model_output(model, ids):
         lay._work = (wk, wv, torch.where(torch.isinf(wb), wb, torch.zeros_like(wb)))
     without = model(nxt, past_key_values=cache).logits
     assert not torch.allclose(with_counts, without, atol=1e-4)
+
+
+@torch.no_grad()
+def test_merged_blocks_merge_further(model, ids):
+    """cluster(2)+int4 blocks recompressed to cluster(4)+int4: centroid pairs merge, counts add (each
+    block still accounts for all its tokens), bytes held fall; a merged block asked for a sparse
+    format merges further instead (the ladder's reachable format of at least that ratio)."""
+    enable(model)
+    cache = ProximaCache(block_size=32)
+    model(ids, past_key_values=cache)
+    cache.compress_all("cluster(2)+int4", protect_sinks=32, protect_recent=32)
+    blocks = [i for i, f in enumerate(cache.block_formats()) if not f.is_hot]
+    assert len(blocks) == 7
+    r8 = cache.achieved_ratio()
+
+    def slot_bytes() -> int:
+        return sum(s.nbytes for layer in cache.proxima_layers for s in layer.slots if s is not None)
+
+    before = slot_bytes()
+    rep = cache.compress_blocks(blocks[:4], Format.parse("cluster(4)+int4"))
+    assert rep.actions == 4 and rep.formats == {"cluster(4)+int4": 4}
+    rep = cache.compress_blocks(
+        blocks[4:], Format.parse("sparse(4)+int4"), ladder=[Format.parse("cluster(4)+int4")]
+    )
+    assert rep.formats == {"cluster(4)+int4": 3}
+    assert not cache.ineligible & set(blocks)
+    assert {f.name for f in cache.block_formats()[1:-1]} == {"cluster(4)+int4"}
+    assert slot_bytes() < 0.6 * before  # half the centroids, their int4 metadata and counts
+    assert cache.achieved_ratio() > r8
+    for layer in cache.proxima_layers:
+        _, _, bias = layer.materialize()
+        assert bias is not None
+        per_block = bias[..., : layer.n_blocks * 32].unflatten(-1, (layer.n_blocks, 32))
+        mass = torch.logsumexp(per_block[..., blocks, :], -1)  # log of the tokens each block stands for
+        assert torch.allclose(mass, torch.full_like(mass, math.log(32)), atol=1e-4)
+    out = model(ids[:, :4], past_key_values=cache).logits
+    assert torch.isfinite(out).all()
+
+
+@torch.no_grad()
+def test_policy_asked_for_more_recompresses_merged_blocks(model, ids):
+    """The engine, asked for 2x then 8x, moves blocks it already merged to 16x formats (before,
+    merged blocks were final and the second request stopped short)."""
+    enable(model)
+    policy = load_policy("configs/aggressive.yaml")
+    no_probe = policy.probes.compression.model_copy(update={"enabled": False})
+    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": no_probe})})
+    cache = ProximaCache(policy, block_size=16)
+    model(ids, past_key_values=cache)
+    cache.apply_policy(target_ratio=2)
+    merged = {i for i, f in enumerate(cache.block_formats()) if f.name == "cluster(2)+int4"}
+    assert merged
+    r2 = cache.achieved_ratio()
+    cache.apply_policy(target_ratio=8)
+    after = cache.block_formats()
+    assert all(after[i].pack_ratio == 16 for i in merged)
+    assert cache.achieved_ratio() > 1.3 * r2

@@ -89,16 +89,21 @@ def test_harness_metrics_and_report(tmp_path):
     needles = [NeedleSample("n", torch.randint(0, 256, (128,), generator=g).tolist(), [1, 2], "7", 0.5)]
     chosen = methods.select(["proxima:balanced@4x", "streaming_llm@4x", "snapkv@4x", "kivi-int4", "format:int8"])
     rows = harness.evaluate(model, _Tok(), chosen, text, needles, block_size=32, greedy_tokens=8, log=lambda _m: None)
+    assert [(r.method, r.setting) for r in rows[:2]] == [("baseline", "after"), ("baseline", "inside")]
+    assert all(r.needle_n == 1 for r in rows)
     base = rows[0]
-    assert base.method == "baseline"
     assert base.tf_top1 == 1.0 and base.kl == pytest.approx(0.0, abs=1e-6) and base.agreement == 1.0
     assert all(0 <= r.tf_top1 <= 1 and r.kl >= 0 and math.isfinite(r.ppl) for r in rows)
     md = report.markdown(rows, {"run": "test"})
-    assert "| baseline | 1 |" in md and "Best policy at 4x" in md
+    assert "| baseline | 1 |" in md and "## Setting `after`" in md and "## Setting `inside`" in md
+    assert "At >= 4x" in md or ">= 4x: no policy reaches it" in md
     report.plot(rows, tmp_path / "q.png")
     assert (tmp_path / "q.png").stat().st_size > 10_000
     as_json = json.loads(json.dumps([r.as_dict() for r in rows]))
-    assert {"method", "ratio", "needle_acc", "ppl", "tf_top1", "kl", "agreement"} <= set(as_json[0])
+    assert {
+        "method", "family", "setting", "ratio", "achieved_ratio", "nominal_ratio", "needle_acc", "needle_n",
+        "ppl", "tf_top1", "kl", "agreement",
+    } <= set(as_json[0])
 
 
 def test_targets_read_the_rows():
@@ -108,4 +113,8 @@ def test_targets_read_the_rows():
         {"method": "snapkv@4x", "ratio": 4, "achieved_ratio": 4.0, "needle_acc": 0.5, "ppl": 10.1, "tf_top1": 0.8},
     ]
     lines = report.check_targets(rows)
-    assert all(line.startswith(("Best", "- PASS")) for line in lines), lines
+    at4 = lines[: lines.index(next(x for x in lines if "6x" in x))]
+    assert at4[0].startswith("At >= 4x: `proxima:x@4x`")
+    assert all(line.startswith("- PASS") for line in at4[1:]), lines
+    assert "- FAIL: >= 6x: no policy reaches it (best achieved 4.00)" in lines
+    assert "- FAIL: >= 8x: no policy reaches it (best achieved 4.00)" in lines

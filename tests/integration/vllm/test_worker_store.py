@@ -203,3 +203,37 @@ def test_hf_cache_stores_what_the_vllm_worker_stores(fmt: str) -> None:
         assert torch.equal(bits(getattr(cb, name)[0]), bits(t[sid])), name
     spec = slot_spec(f, block_size=B, head_dim=D, num_kv_heads=H)
     assert slot.nbytes == cb.held_nbytes == spec.held_bytes_per_slot
+
+
+def test_merged_blocks_recompress_with_counts_adding() -> None:
+    """cluster(2)+int4 -> cluster(4)+int4 in the worker: centroid pairs merge from the stored slot,
+    every (block, head) still accounts for its B tokens, and the slot holds exactly what
+    `compress_blocks` makes of the stored rows (the transformers cache's call); a move that
+    `recompressible` refuses fails the batch and leaves the old slot as it was."""
+    from proxima.compression import compress_blocks
+
+    st, _caches = _store()
+    c2, c4 = Format.parse("cluster(2)+int4"), Format.parse("cluster(4)+int4")
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=c2.name)]))
+    st.take_report()
+    rows = {layer: st.read_with_counts(layer, c2, torch.tensor([10]), torch.tensor([0])) for layer in st.kv_caches}
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=c4.name,
+                                                 from_fmt=c2.name, from_dst=10, from_slot=0)]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [1], rep and rep.errors
+    assert st.remap["r"][0] == (c4, 11, 0)
+    for layer, (k2, v2, lc2) in rows.items():
+        kh, _vh, lc = st.read_with_counts(layer, c4, torch.tensor([11]), torch.tensor([0]))
+        assert kh.shape[1] == B // 4
+        assert torch.allclose(lc.exp().sum(1), torch.full((1, H), float(B)))
+        want = compress_blocks(c4, k2, v2, token_importance=torch.ones(lc2.shape), log_count=lc2,
+                               source_tokens=B, backend="torch")
+        pool = st.pool(layer, c4)
+        sid = 11 * c4.pack_ratio
+        assert torch.equal(want.k_data[0].view(torch.uint8), pool.k[sid])
+        assert want.log_count is not None and torch.equal(want.log_count[0], pool.meta["log_count"][sid])
+    st.apply(ProximaPlan(actions=[CompressAction(2, "r", 0, src=-1, dst=12, slot=0, fmt="sparse(8)+int4",
+                                                 from_fmt=c4.name, from_dst=11, from_slot=0)]))
+    rep = st.take_report()
+    assert rep is not None and rep.failed == [2] and "recompressible" in rep.errors[0]
+    assert st.remap["r"][0] == (c4, 11, 0)  # the block stays where it was

@@ -67,7 +67,7 @@ def test_every_method_applies_and_keeps_its_budget(prefilled, method):
     elif method.family == "proxima":
         # The engine compresses (the pool is sized so the target means pressure) and may overshoot
         # the target (one action frees a whole 8x block), but never beyond its formats' ratios.
-        policy = load_policy(CONFIGS / f"{method.name.split(':')[1].split('@')[0].removesuffix('-cal')}.yaml")
+        policy = load_policy(methods.policy_path(method.name.split(":")[1].split("@")[0].removesuffix("-cal")))
         assert 1.2 < ratio <= max(f.pack_ratio for f in policy.all_formats()) + 1e-6
     with torch.no_grad():
         out = model(torch.randint(0, 256, (1, 5)), past_key_values=cache).logits

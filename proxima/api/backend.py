@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from proxima.compression.spec import bytes_ratio
 from proxima.policy.backoff import BackoffEvent
 
 
@@ -32,19 +33,36 @@ class BackendStats:
     applied_policy_version: int | None = None
     """The policy version the engine planned its last step with (None: not known). It trails the
     store's live version until the engine's next step picks a change up."""
+    meta_bytes: int = 0
+    """Side-table bytes (scales, zero points, log-counts) of the resident compressed slots: held
+    outside the pool, so they count against the compression."""
 
     @property
     def logical_blocks(self) -> int:
         return sum(self.blocks_by_format.values())
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes held for the resident requests: owned physical blocks plus side-table metadata."""
+        return self.owned_blocks * self.block_bytes + self.meta_bytes
+
+    @property
     def saved_bytes(self) -> int:
-        """Bytes the resident requests would need more without compression (packing waste counted)."""
-        return max(0, self.logical_blocks - self.owned_blocks) * self.block_bytes
+        """Bytes the resident requests would need more without compression (packing waste and
+        metadata counted)."""
+        return max(0, self.logical_blocks * self.block_bytes - self.held_bytes)
 
     @property
     def effective_compression(self) -> float:
-        """Logical blocks per owned physical block; 1.0 with nothing resident."""
+        """16-bit KV bytes of the resident logical blocks over the bytes held for them, metadata
+        included (`proxima.compression.spec.bytes_ratio`); 1.0 with nothing resident."""
+        if not self.owned_blocks:
+            return 1.0
+        return bytes_ratio(self.logical_blocks * self.block_bytes, self.held_bytes)
+
+    @property
+    def nominal_compression(self) -> float:
+        """Nominal: logical blocks per owned physical block (metadata not counted)."""
         return self.logical_blocks / self.owned_blocks if self.owned_blocks else 1.0
 
     def to_json(self) -> dict[str, Any]:
@@ -53,6 +71,7 @@ class BackendStats:
             logical_blocks=self.logical_blocks,
             saved_bytes=self.saved_bytes,
             effective_compression=round(self.effective_compression, 6),
+            nominal_compression=round(self.nominal_compression, 6),
         )
         return out
 

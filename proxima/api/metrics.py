@@ -41,10 +41,21 @@ class Metrics:
             "KV bytes the resident requests would need more without compression.",
             registry=r,
         )
-        # Not a 0-1 value, hence no `_ratio` suffix: logical / physical, 1 when nothing is compressed.
+        # Not a 0-1 value, hence no `_ratio` suffix; 1 when nothing is compressed.
         self.compression_factor = Gauge(
             "proxima_pool_effective_compression_factor",
-            "Resident logical blocks per owned physical block (1 = no compression).",
+            "16-bit KV bytes of the resident blocks over bytes held for them (owned blocks plus "
+            "side-table metadata).",
+            registry=r,
+        )
+        self.nominal_compression_factor = Gauge(
+            "proxima_pool_nominal_compression_factor",
+            "Nominal compression: resident logical blocks per owned physical block (metadata not counted).",
+            registry=r,
+        )
+        self.meta_bytes = Gauge(
+            "proxima_pool_metadata_bytes",
+            "Side-table bytes (scales, zero points, log-counts) of the resident compressed slots.",
             registry=r,
         )
         self.fragmentation = Gauge(
@@ -153,4 +164,6 @@ class Metrics:
         self.physical_blocks.labels(state="owned").set(stats.owned_blocks)
         self.saved_bytes.set(stats.saved_bytes)
         self.compression_factor.set(stats.effective_compression)
+        self.nominal_compression_factor.set(stats.nominal_compression)
+        self.meta_bytes.set(stats.meta_bytes)
         self.fragmentation.set(stats.fragmentation_blocks)

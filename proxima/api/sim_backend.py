@@ -16,6 +16,8 @@ import numpy as np
 
 from proxima.api.backend import BackendStats, StepReport
 from proxima.api.controller import Controller
+from proxima.compression.spec import slot_spec
+from proxima.formats import Format
 from proxima.policy.probes import DriftSample, ProbeResult, drift_test, evaluate_canary
 from proxima.policy.schema import CanaryProbe, DriftProbe, Policy
 from proxima.simulator.sim import PoolConfig, Simulator
@@ -24,6 +26,20 @@ from proxima.simulator.workload import RequestSpec, WorkloadConfig, synthetic
 # One uncompressed 16-token block of SmolLM2-135M (K and V, 30 layers, 3 KV heads, head_dim 64,
 # bf16): 2 * 30 * 3 * 64 * 16 * 2 bytes. Only scales `saved_bytes`; nothing else depends on it.
 SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 2
+SMOLLM2_GEOMETRY = {"layers": 30, "num_kv_heads": 3, "head_dim": 64}
+
+
+def side_table_bytes(blocks_by_format: dict[str, int], block_size: int, geometry: dict[str, int]) -> int:
+    """Metadata bytes of compressed blocks held as `blocks_by_format` says (SmolLM2's geometry)."""
+    total = 0
+    for name, n in blocks_by_format.items():
+        fmt = Format.parse(name)
+        if fmt.is_hot:
+            continue
+        spec = slot_spec(fmt, block_size=block_size, head_dim=geometry["head_dim"],
+                         num_kv_heads=geometry["num_kv_heads"])
+        total += n * spec.meta_bytes_per_slot * geometry["layers"]
+    return total
 
 
 DRIFT_EVERY_STEPS = 20
@@ -86,11 +102,12 @@ class SimulatedBackend:
                 total_blocks=self.pool_cfg.total_blocks,
                 free_blocks=free,
                 owned_blocks=self.pool_cfg.total_blocks - free,  # free + owned == total (sim.check)
-                blocks_by_format=sim.blocks_by_format(),
+                blocks_by_format=(by_fmt := sim.blocks_by_format()),
                 block_bytes=self.block_bytes,
                 fragmentation_blocks=sim.packer.fragmentation_blocks(),
                 step=sim.step_no,
                 applied_policy_version=self._version or None,
+                meta_bytes=side_table_bytes(by_fmt, self.pool_cfg.block_size, SMOLLM2_GEOMETRY),
             )
 
 

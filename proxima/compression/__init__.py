@@ -7,7 +7,10 @@ Public API (shapes use named dims: N blocks, T tokens, H KV heads, Hq query head
   `compress_blocks` / `decompress_blocks` over [N, T, H, D].
 - `decode_attention(q [S, Hq, D], segments)`: attention over hot and compressed blocks of
   several formats, with output, log-sum-exp and per-block attention mass.
-- `attention_error(q_obs [W, Hq, D], k, v, cb)`: the compression-time probe.
+- `attention_error(q_obs [W, Hq, D], k, v, cb)`: the compression-time probe; `attention_errors`
+  the same for N blocks (what the transformers cache calls).
+- Bytes: `CompressedBlocks.held_nbytes` (what a store keeps, metadata included),
+  `kv16_bytes` and `bytes_ratio` (`spec.py`): every reported ratio is 16-bit KV bytes over held bytes.
 - `slot_spec(fmt, ...)`: bytes and metadata layout of a format; `layout`: views onto vLLM's KV
   tensor (CPU_ATTN and FlashAttention layouts) and the metadata side table.
 
@@ -18,6 +21,7 @@ from proxima.compression.attention import (
     DecodeOutput,
     KVSegment,
     attention_error,
+    attention_errors,
     decode_attention,
     decode_attention_reference,
     merge_partials,
@@ -32,7 +36,7 @@ from proxima.compression.blocks import (
     kept_count,
 )
 from proxima.compression.layout import KVLayout, SideTable, hot_store, read_slots, slot_pool, write_slots
-from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec, slot_spec
+from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec, bytes_ratio, kv16_bytes, slot_spec
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -44,6 +48,8 @@ __all__ = [
     "SideTable",
     "SlotSpec",
     "attention_error",
+    "attention_errors",
+    "bytes_ratio",
     "compress_block",
     "compress_blocks",
     "decode_attention",
@@ -52,6 +58,7 @@ __all__ = [
     "decompress_blocks",
     "hot_store",
     "kept_count",
+    "kv16_bytes",
     "merge_partials",
     "read_slots",
     "slot_pool",

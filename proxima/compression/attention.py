@@ -152,7 +152,7 @@ def attention_error(
     q_obs: [W, Hq, D] observation-window queries; k, v: [T, H, D] the block as it was; cb: that
     block compressed (N = 1). Each query attends to the block alone (no mask: the block is in
     every query's past). Returns ||O_hat - O||_F / ||O||_F over all W queries and heads, float32
-    arithmetic (0.0 when O is zero).
+    arithmetic (0.0 when O is zero). One block of `attention_errors`.
     """
     if q_obs.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
@@ -160,20 +160,54 @@ def attention_error(
         )
     if cb.num_slots != 1:
         raise ValueError(f"attention_error takes one compressed block, got {cb.num_slots}")
-    hq, h = q_obs.shape[1], k.shape[1]
+    return float(attention_errors(q_obs, k.unsqueeze(0), v.unsqueeze(0), cb, sm_scale=sm_scale)[0])
+
+
+def attention_errors(
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cb: CompressedBlocks,
+    *,
+    sm_scale: float | None = None,
+    ref_log_count: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The compression-time probe for N blocks at once (every integration calls this one).
+
+    q_obs: [W, Hq, D] (the same queries for every block) or [N, W, Hq, D] (each block its own,
+    e.g. one batch row's); k, v: [N, T, H, D] the blocks as they were; cb: those N blocks
+    compressed. Returns float32 [N]: per block, ||O_hat - O||_F / ||O||_F over its W queries and
+    Hq heads (0 where O is zero). Centroids count with their log(count) and empty ones not at all.
+    `ref_log_count` [N, T, H]: the reference rows are themselves centroids (recompressing a
+    merged block: the error is measured against what the block held before this step).
+    """
+    if k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"need k, v [N, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    n, _, h, d = k.shape
+    if q_obs.dim() == 3:
+        q_obs = q_obs.unsqueeze(0).expand(n, *q_obs.shape)
+    if q_obs.dim() != 4 or q_obs.shape[0] != n or q_obs.shape[-1] != d:
+        raise ValueError(f"need q_obs [W, Hq, D] or [N={n}, W, Hq, D={d}], got {tuple(q_obs.shape)}")
+    if cb.num_slots != n:
+        raise ValueError(f"cb holds {cb.num_slots} blocks, k holds {n}")
+    hq = q_obs.shape[2]
     if hq % h:
         raise ValueError(f"Hq={hq} must be a multiple of H={h}")
-    scale = 1.0 / math.sqrt(k.shape[-1]) if sm_scale is None else float(sm_scale)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     g = hq // h
     kh, vh, lc = decompress_blocks(cb, backend="torch")
+    qf = q_obs.float()
 
-    def attend(kk: torch.Tensor, vv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        kq = kk[0 if kk.dim() == 4 else slice(None)].float().repeat_interleave(g, 1)  # [T, Hq, D]
-        vq = vv[0 if vv.dim() == 4 else slice(None)].float().repeat_interleave(g, 1)
-        logits = torch.einsum("whd,thd->wht", q_obs.float(), kq) * scale + bias.repeat_interleave(g, 1).T
-        return torch.einsum("wht,thd->whd", torch.softmax(logits, -1), vq)
+    def attend(kk: torch.Tensor, vv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kq = kk.float().repeat_interleave(g, 2)  # [N, T, Hq, D]: query head i reads KV head i // g
+        vq = vv.float().repeat_interleave(g, 2)
+        logits = torch.einsum("nwhd,nthd->nwht", qf, kq) * scale
+        if bias is not None:
+            logits = logits + bias.repeat_interleave(g, 2).transpose(1, 2).unsqueeze(1)
+        return torch.einsum("nwht,nthd->nwhd", torch.softmax(logits, -1), vq)
 
-    o = attend(k, v, torch.zeros(k.shape[:2], device=k.device))
-    o_hat = attend(kh, vh, lc[0])
-    denom = float(o.norm())
-    return 0.0 if denom == 0 else float((o_hat - o).norm()) / denom
+    o = attend(k, v, ref_log_count)
+    o_hat = attend(kh, vh, lc)
+    num = (o_hat - o).flatten(1).norm(dim=1)
+    den = o.flatten(1).norm(dim=1)
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))

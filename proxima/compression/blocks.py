@@ -57,6 +57,15 @@ class CompressedBlocks:
     """Tokens per block before reduction (T)."""
 
     @property
+    def held_nbytes(self) -> int:
+        """Bytes a store keeps for these blocks: data, scales, zero points and log-counts
+        (`token_index` is a compress-time diagnostic, not stored). For full blocks this equals
+        N x `slot_spec(...).held_bytes_per_slot` (tested), so byte accounting from a `SlotSpec`
+        and from a payload agree."""
+        kept = (self.k_data, self.v_data, self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.log_count)
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
+    @property
     def num_slots(self) -> int:
         return int(self.k_data.shape[0])
 
@@ -110,6 +119,26 @@ def kept_count(fmt: Format, tokens: int) -> int:
     return -(-tokens // fmt.reduction_ratio) if fmt.reduction else tokens
 
 
+def recompressible(src: Format, dst: Format) -> bool:
+    """Whether a block stored as `src` can be compressed further into `dst` from what it holds
+    (both integrations ask this one function).
+
+    Always towards a higher pack ratio. A quantized-only block: into anything (from its
+    dequantised data; its loss is kept). A token-reduced block keeps a reduction of at least its
+    ratio: cluster(R) -> cluster(R' >= R) merges centroids (counts add, so a centroid still stands
+    for the original tokens it holds), sparse(R) -> sparse(R' >= R) drops more of the kept tokens,
+    sparse(R) -> cluster(R' >= R) merges them. A centroid can be neither sparsified (its count
+    would be lost) nor stored without a reduction.
+    """
+    if dst.pack_ratio <= src.pack_ratio:
+        return False
+    if src.reduction is None:
+        return True
+    if dst.reduction is None or dst.reduction_ratio < src.reduction_ratio:
+        return False
+    return not (src.reduction == "cluster" and dst.reduction == "sparse")
+
+
 def _check_inputs(
     fmt: Format,
     k: torch.Tensor,
@@ -157,6 +186,8 @@ def compress_blocks(
     group_size: int = DEFAULT_GROUP_SIZE,
     backend: Backend = "auto",
     cluster_iters: int = DEFAULT_CLUSTER_ITERS,
+    log_count: torch.Tensor | None = None,
+    source_tokens: int | None = None,
 ) -> CompressedBlocks:
     """Compress N blocks of one format.
 
@@ -164,6 +195,12 @@ def compress_blocks(
     token_importance: [N, T, H_kv] non-negative (None = uniform), used by sparse (top-k) and
     cluster (seeds and weights); protected: bool [N, T], tokens sparse must keep (and cluster
     seeds first). Returns a `CompressedBlocks` with C = ceil(T / R) tokens per slot.
+
+    Recompressing a token-reduced block (see `recompressible`): k, v are its C stored rows,
+    `log_count` [N, C, H_kv] their log-counts as `decompress_blocks` returns them (-inf: an
+    empty centroid) and `source_tokens` the tokens the block stood for originally; the new block
+    keeps ceil(source_tokens / R) rows. Centroids merge weighted by importance x count, and the
+    merged count is the sum.
     """
     fmt = _as_format(fmt)
     _check_inputs(fmt, k, v, token_importance, protected, group_size)
@@ -173,12 +210,26 @@ def compress_blocks(
     if tri:
         from proxima.compression import triton_ops as ops
     n, t, h, d = k.shape
-    keep = kept_count(fmt, t)
+    src_t = t if source_tokens is None else int(source_tokens)
+    keep = kept_count(fmt, src_t)
+    if src_t < t or keep > t:
+        raise ValueError(f"{fmt}: keeps {keep} of source_tokens={src_t}, but {t} rows were given")
+    counts = _row_counts(fmt, log_count, (n, t, h))
     imp = token_importance if token_importance is not None else torch.ones(n, t, h, device=k.device)
-    out = CompressedBlocks(fmt, k, v, head_dim=d, dtype=k.dtype, group_size=group_size, source_tokens=t)
+    out = CompressedBlocks(fmt, k, v, head_dim=d, dtype=k.dtype, group_size=group_size, source_tokens=src_t)
 
     kr, vr = k, v
-    if fmt.reduction == "sparse":
+    if fmt.reduction is not None and keep == t and t < src_t:
+        # Already reduced that far (e.g. cluster(2) -> cluster(2)+int4): rows pass through.
+        if fmt.reduction == "cluster":
+            out.log_count = torch.zeros(n, t, h, device=k.device) if log_count is None else log_count.float()
+    elif fmt.reduction == "cluster" and counts is not None:
+        # Re-merging rows that stand for several tokens (or none): the reference takes the counts.
+        w = imp.float().clamp_min(1e-6) * counts
+        ranks = ref.token_ranks(torch.where(counts > 0, imp.float(), torch.full_like(w, -1.0)), protected)
+        kc, vc, out.log_count, _ = ref.cluster(k, v, w, ranks, keep, cluster_iters, counts=counts)
+        kr, vr = kc.to(k.dtype), vc.to(k.dtype)
+    elif fmt.reduction == "sparse":
         if tri:
             kr, vr, out.token_index = ops.sparsify(k, v, imp, protected, keep)
         else:
@@ -211,6 +262,44 @@ def compress_blocks(
         out.k_data, out.k_scale, out.k_zero = ref.quantize_kivi_keys(kr, bits, group_size)
         out.v_data, out.v_scale, out.v_zero = ref.quantize_kivi_values(vr, bits, group_size)
     return out
+
+
+def _row_counts(fmt: Format, log_count: torch.Tensor | None, shape: tuple[int, int, int]) -> torch.Tensor | None:
+    """Tokens each input row stands for, from its log-count; None when every row is one token."""
+    if log_count is None:
+        return None
+    if tuple(log_count.shape) != shape:
+        raise ValueError(f"log_count must be [N, T, H_kv] = {shape}, got {tuple(log_count.shape)}")
+    if bool(torch.isnan(log_count).any()):
+        raise ValueError("log_count contains NaN")
+    counts = torch.where(torch.isfinite(log_count), log_count.float().exp(), torch.zeros_like(log_count.float()))
+    if bool((counts.round() == 1).all()):
+        return None
+    if fmt.reduction != "cluster":
+        raise ValueError(
+            f"{fmt}: rows that stand for several tokens (centroids) can only be merged further by a cluster format"
+        )
+    return counts
+
+
+def concat_blocks(parts: list[CompressedBlocks]) -> CompressedBlocks:
+    """Several `CompressedBlocks` of one format and slot shape as one, slots in order."""
+    if not parts:
+        raise ValueError("concat_blocks needs at least one part")
+    first = parts[0]
+    if any(p.fmt != first.fmt or p.k_data.shape[1:] != first.k_data.shape[1:] for p in parts):
+        raise ValueError("concat_blocks: parts differ in format or slot shape")
+
+    def cat(name: str) -> torch.Tensor | None:
+        ts = [getattr(p, name) for p in parts]
+        if all(t is None for t in ts):
+            return None
+        if any(t is None for t in ts):
+            raise ValueError(f"concat_blocks: {name} is missing in some parts")
+        return torch.cat(ts, 0)
+
+    names = ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero", "log_count", "token_index")
+    return replace(first, **{name: cat(name) for name in names})  # type: ignore[arg-type]
 
 
 def decompress_blocks(

@@ -186,7 +186,13 @@ def sparsify(
 
 
 def cluster(
-    k: torch.Tensor, v: torch.Tensor, weights: torch.Tensor, ranks: torch.Tensor, n_centroids: int, iters: int
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: torch.Tensor,
+    ranks: torch.Tensor,
+    n_centroids: int,
+    iters: int,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """STAR-KV: importance-weighted k-means of each (block, head)'s keys.
 
@@ -194,6 +200,9 @@ def cluster(
     `iters` Lloyd steps of (assign to the nearest centroid, lowest index
     on ties; move each non-empty centroid to its members' weighted mean). Values are the
     weighted means of the final assignment.
+    counts: [N, T, H] tokens each input row stands for (None: one each). Re-merging centroids
+    passes their counts, so a centroid's count is the number of *original* tokens it holds (the
+    caller folds counts into `weights` too).
     Returns (k_c [N, C, H, D] f32, v_c [N, C, H, D] f32, log_count [N, C, H] f32 (-inf when
     empty), assign [N, T, H] int64).
     """
@@ -215,7 +224,7 @@ def cluster(
     aw = onehot * w.unsqueeze(-1)
     sw = aw.sum(2)
     vc = (aw.transpose(-1, -2) @ vf) / sw.clamp_min(1e-30).unsqueeze(-1)
-    count = onehot.sum(2)
+    count = onehot.sum(2) if counts is None else (onehot * counts.float().transpose(1, 2).unsqueeze(-1)).sum(2)
     log_count = torch.where(count > 0, count.log(), torch.full_like(count, float("-inf")))
     return (
         cent.transpose(1, 2).contiguous(),

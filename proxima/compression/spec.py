@@ -174,7 +174,38 @@ class SlotSpec:
     @property
     def bytes_per_token(self) -> float:
         """Data plus metadata bytes per *original* token of a full block, one layer."""
-        return (self.data_bytes_per_slot + self.meta_bytes_per_slot) / self.block_size
+        return self.held_bytes_per_slot / self.block_size
+
+    @property
+    def held_bytes_per_slot(self) -> int:
+        """What one compressed block really costs: its slot's data plus its side-table metadata."""
+        return self.data_bytes_per_slot + self.meta_bytes_per_slot
+
+    @property
+    def bytes_ratio(self) -> float:
+        """16-bit KV bytes of a full block over the bytes it is held in, metadata included (the
+        ratio every table reports; `fmt.pack_ratio` is the nominal one, data only)."""
+        return bytes_ratio(self.block_data_bytes, self.held_bytes_per_slot)
+
+
+KV16_ELEMENT_BYTES = 2
+"""The reference every ratio is measured against: keys and values in a 16-bit dtype (bf16)."""
+
+
+def kv16_bytes(tokens: int, num_kv_heads: int, head_dim: int, layers: int = 1) -> int:
+    """Bytes of `tokens` tokens' keys and values held uncompressed in 16 bits."""
+    return 2 * tokens * num_kv_heads * head_dim * KV16_ELEMENT_BYTES * layers
+
+
+def bytes_ratio(kv16: float, held: float) -> float:
+    """The compression ratio Proxima reports everywhere: 16-bit KV bytes over the bytes actually
+    held for them (compressed data, scales, zero points, counts; hot blocks at 16 bits). 1.0 for
+    an empty store."""
+    if held < 0 or kv16 < 0:
+        raise ValueError(f"byte counts must be >= 0, got kv16={kv16}, held={held}")
+    if held == 0:
+        return 1.0 if kv16 == 0 else float("inf")
+    return kv16 / held
 
 
 def slot_spec(

@@ -42,6 +42,9 @@ def register(app: typer.Typer) -> None:
         text_samples: Annotated[int, typer.Option(help="Wikipedia contexts for ppl / fidelity")] = 1,
         depths: Annotated[str, typer.Option(help="Passkey depths, comma separated")] = "0.5",
         greedy: Annotated[int, typer.Option(help="Greedy tokens compared with the uncompressed model")] = 64,
+        settings: Annotated[
+            str, typer.Option(help="Passkey settings: 'after' (compressed before the question), 'inside', or both")
+        ] = "after,inside",
         json_out: Annotated[Path | None, typer.Option("--json", help="Write rows as JSON here")] = None,
     ) -> None:
         """Evaluate compression methods on SmolLM2 (perplexity, passkey, fidelity, agreement)."""
@@ -59,7 +62,8 @@ def register(app: typer.Typer) -> None:
         dl = [float(d) for d in depths.split(",") if d.strip()]
         needles = datasets.needle_samples(tok, context, dl) if dl else []
         rows = harness.evaluate(
-            model, tok, chosen, text, needles, greedy_tokens=greedy, log=lambda m: typer.echo(m, err=True)
+            model, tok, chosen, text, needles, greedy_tokens=greedy,
+            settings=tuple(x.strip() for x in settings.split(",") if x.strip()), log=lambda m: typer.echo(m, err=True),
         )
         typer.echo(report.markdown(rows))
         if json_out is not None:

@@ -30,13 +30,29 @@ from proxima.quality.methods import Method
 Log = Callable[[str], None]
 
 
+SETTINGS = ("after", "inside")
+"""Passkey settings. `after`: the context is compressed before the question arrives (the harness
+protocol of FACTS.md). `inside`: the question is part of the compressed prompt, as in vLLM, where
+the whole prompt is cached (and compressed) before the answer: context + question but its last
+token is prefilled, compressed, and the last token's forward reads the compressed cache. The
+teacher-forced text metrics are the same in both (the continuation is scored from a cache
+compressed without it either way; vLLM's prompt log-probs come from chunks that see the earlier
+ones compressed), so each setting's row carries the same ppl / tf_top1 / kl."""
+
+
 @dataclass
 class Row:
     method: str
     family: str
     ratio: float
+    """The ratio the method was asked for."""
+    setting: str = "after"
     achieved_ratio: float = 0.0
+    """16-bit KV bytes over bytes held, metadata included (`ProximaCache.achieved_ratio`)."""
+    nominal_ratio: float = 0.0
+    """The same counting each format at its pack ratio, metadata excluded (labelled nominal)."""
     needle_acc: float = float("nan")
+    needle_n: int = 0
     ppl: float = float("nan")
     tf_top1: float = float("nan")
     kl: float = float("nan")
@@ -51,11 +67,20 @@ class Row:
 @dataclass
 class _Acc:
     needle: list[float] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)
+    nominal: list[float] = field(default_factory=list)
+    formats: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class _TextAcc:
     nll: list[float] = field(default_factory=list)
     top1: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     agree: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
+    nominal: list[float] = field(default_factory=list)
     formats: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -83,10 +108,11 @@ def _greedy(model, cache: ProximaCache, first: int, n: int) -> list[int]:
     return toks
 
 
-def _record_formats(acc: _Acc, cache: ProximaCache) -> None:
+def _record_formats(acc: _Acc | _TextAcc, cache: ProximaCache) -> None:
     for f in cache.block_formats():
         acc.formats[f.name] = acc.formats.get(f.name, 0) + 1
-    acc.ratio.append(cache.nominal_ratio())
+    acc.ratio.append(cache.achieved_ratio())
+    acc.nominal.append(cache.nominal_ratio())
 
 
 @torch.no_grad()
@@ -99,14 +125,20 @@ def evaluate(
     *,
     block_size: int = 64,
     greedy_tokens: int = 64,
+    settings: tuple[str, ...] = SETTINGS,
     log: Log = print,
     probe_sink: list | None = None,
 ) -> list[Row]:
-    """Run every method on every sample; the first method must be `baseline`."""
+    """Run every method on every sample; the first method must be `baseline`. One row per
+    (method, setting); `greedy_tokens=0` skips the free-running agreement (the costly part)."""
     if not methods or methods[0].name != "baseline":
         raise ValueError("the first method must be 'baseline' (metrics are relative to it)")
+    unknown = set(settings) - set(SETTINGS)
+    if unknown or not settings:
+        raise ValueError(f"settings must be a non-empty subset of {SETTINGS}, got {settings}")
     enable(model)
-    accs = {m.name: _Acc() for m in methods}
+    text_acc = {m.name: _TextAcc() for m in methods}
+    accs = {(m.name, st): _Acc() for m in methods for st in settings}
     t_start = time.monotonic()
     total = len(text) + len(needles)
 
@@ -121,28 +153,29 @@ def evaluate(
             tm = time.monotonic()
             cache = copy.deepcopy(base_cache)
             m.apply(cache)
-            _record_formats(accs[m.name], cache)
+            ta = text_acc[m.name]
+            _record_formats(ta, cache)
             if probe_sink is not None:
                 probe_sink.extend(cache.probe_log)
-            gen_cache = copy.deepcopy(cache)
+            gen_cache = copy.deepcopy(cache) if greedy_tokens else None
             logits = model(cont, past_key_values=cache, use_cache=True).logits[0, :-1].float()
             logp = torch.log_softmax(logits, -1)
             target = cont[0, 1:]
             nll = -logp.gather(-1, target[:, None]).squeeze(-1)
-            greedy = _greedy(model, gen_cache, first, greedy_tokens)
+            greedy = _greedy(model, gen_cache, first, greedy_tokens) if gen_cache is not None else []
             if base_logp is None:
                 base_logp, base_greedy = logp, greedy
-            acc = accs[m.name]
-            acc.nll += nll.tolist()
-            acc.top1 += (logp.argmax(-1) == base_logp.argmax(-1)).float().tolist()
-            acc.kl += (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_min(0).tolist()
-            same = 0
-            for a, b in zip(greedy, base_greedy, strict=True):
-                if a != b:
-                    break
-                same += 1
-            acc.agree.append(same / greedy_tokens)
-            acc.seconds += time.monotonic() - tm
+            ta.nll += nll.tolist()
+            ta.top1 += (logp.argmax(-1) == base_logp.argmax(-1)).float().tolist()
+            ta.kl += (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_min(0).tolist()
+            if greedy_tokens:
+                same = 0
+                for a, b in zip(greedy, base_greedy, strict=True):
+                    if a != b:
+                        break
+                    same += 1
+                ta.agree.append(same / greedy_tokens)
+            ta.seconds += time.monotonic() - tm
         log(
             f"[{si + 1}/{total}] {s.name[:40]} ({len(s.context_ids)} tok): {len(methods)} methods "
             f"in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
@@ -151,39 +184,58 @@ def evaluate(
     for ni, ns in enumerate(needles):
         t0 = time.monotonic()
         base_cache, _ = _prefill(model, ns.context_ids, block_size)
-        q = torch.tensor([ns.question_ids])
-        for m in methods:
-            tm = time.monotonic()
-            cache = copy.deepcopy(base_cache)
-            m.apply(cache)
-            _record_formats(accs[m.name], cache)
-            logits = model(q, past_key_values=cache, use_cache=True).logits[0, -1]
-            toks = _greedy(model, cache, int(logits.argmax()), 6)
-            answer = tokenizer.decode(toks)
-            accs[m.name].needle.append(float(ns.answer in answer))
-            accs[m.name].seconds += time.monotonic() - tm
-        base_ok = accs["baseline"].needle[-1]
+        q = ns.question_ids
+        prompts: dict[str, tuple[ProximaCache, list[int]]] = {}
+        if "after" in settings:
+            prompts["after"] = (base_cache, q)  # compressed before the question arrives
+        if "inside" in settings:
+            inside = copy.deepcopy(base_cache)
+            if len(q) > 1:
+                model(torch.tensor([q[:-1]]), past_key_values=inside, use_cache=True)
+            prompts["inside"] = (inside, q[-1:])  # the question is in the compressed prompt
+        status = []
+        for st, (prefilled, rest) in prompts.items():
+            for m in methods:
+                tm = time.monotonic()
+                cache = copy.deepcopy(prefilled)
+                m.apply(cache)
+                acc = accs[(m.name, st)]
+                _record_formats(acc, cache)
+                logits = model(torch.tensor([rest]), past_key_values=cache, use_cache=True).logits[0, -1]
+                toks = _greedy(model, cache, int(logits.argmax()), 6)
+                acc.needle.append(float(ns.answer in tokenizer.decode(toks)))
+                acc.seconds += time.monotonic() - tm
+            status.append(f"{st}: baseline {'ok' if accs[('baseline', st)].needle[-1] else 'MISS'}")
         log(
-            f"[{len(text) + ni + 1}/{total}] {ns.name} baseline={'ok' if base_ok else 'MISS'}: "
-            f"{len(methods)} methods in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
+            f"[{len(text) + ni + 1}/{total}] {ns.name} ({', '.join(status)}): {len(methods)} methods x "
+            f"{len(prompts)} settings in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
         )
 
     rows = []
     for m in methods:
-        res = accs[m.name]
-        rows.append(
-            Row(
-                method=m.name,
-                family=m.family,
-                ratio=float(m.ratio),
-                achieved_ratio=round(_mean(res.ratio), 3),
-                needle_acc=_mean(res.needle),
-                ppl=math.exp(_mean(res.nll)) if res.nll else float("nan"),
-                tf_top1=_mean(res.top1),
-                kl=_mean(res.kl),
-                agreement=_mean(res.agree),
-                formats=res.formats,
-                seconds=round(res.seconds, 1),
+        ta = text_acc[m.name]
+        for st in settings:
+            res = accs[(m.name, st)]
+            ratios, nominal = ta.ratio + res.ratio, ta.nominal + res.nominal
+            formats = dict(ta.formats)
+            for k, v in res.formats.items():
+                formats[k] = formats.get(k, 0) + v
+            rows.append(
+                Row(
+                    method=m.name,
+                    family=m.family,
+                    ratio=float(m.ratio),
+                    setting=st,
+                    achieved_ratio=round(_mean(ratios), 3),
+                    nominal_ratio=round(_mean(nominal), 3),
+                    needle_acc=_mean(res.needle),
+                    needle_n=len(res.needle),
+                    ppl=math.exp(_mean(ta.nll)) if ta.nll else float("nan"),
+                    tf_top1=_mean(ta.top1),
+                    kl=_mean(ta.kl),
+                    agreement=_mean(ta.agree),
+                    formats=formats,
+                    seconds=round(ta.seconds + res.seconds, 1),
+                )
             )
-        )
     return rows

@@ -32,6 +32,14 @@ from proxima.policy.loader import load_policy
 from proxima.policy.schema import Policy
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "bench" / "policies"
+"""Candidate policies measured by bench/quality.py but not shipped (`proxima:<name>@<r>x` too)."""
+
+
+def policy_path(name: str) -> Path:
+    """A shipped policy (configs/) or an experimental one (bench/policies/)."""
+    shipped = CONFIGS / f"{name}.yaml"
+    return shipped if shipped.exists() else EXPERIMENTS / f"{name}.yaml"
 SINKS = 4
 """StreamingLLM's attention sinks (tokens)."""
 SNAP_WINDOW = 32
@@ -77,7 +85,7 @@ def calibrated(policy: Policy, model: dict | None = None, slack: float = PROBE_S
 
 
 def _policy(name: str, ratio: float, calibrate: bool, cache: ProximaCache) -> None:
-    policy = load_policy(CONFIGS / f"{name}.yaml")
+    policy = load_policy(policy_path(name))
     cache.policy = calibrated(policy) if calibrate else policy
     cache.apply_policy(target_ratio=ratio)
 
@@ -158,6 +166,9 @@ def all_methods() -> list[Method]:
             for p in POLICIES
             if r == 4 or p != "conservative"
         ]
+    experiments = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")) if EXPERIMENTS.is_dir() else []
+    for p in experiments:
+        out += [Method(f"proxima:{p}@{r}x", "proxima", r, partial(_policy, p, r, False)) for r in (4, 8)]
     for r in RATIOS:
         out += [Method(f"streaming_llm@{r}x", "reference", r, partial(_streaming, r))]
         out += [Method(f"snapkv@{r}x", "reference", r, partial(_snapkv, r))]

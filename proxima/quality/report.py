@@ -16,6 +16,10 @@ def _get(row: Any, key: str) -> Any:
     return row[key] if isinstance(row, dict) else getattr(row, key)
 
 
+def _has(row: Any, key: str) -> bool:
+    return key in row if isinstance(row, dict) else hasattr(row, key)
+
+
 def _num(x: Any) -> float:
     return float("nan") if x is None else float(x)
 
@@ -25,69 +29,117 @@ def _fmt(x: Any, nd: int = 3) -> str:
     return "—" if math.isnan(x) else f"{x:.{nd}f}"
 
 
+def _setting(r: Any) -> str:
+    return str(_get(r, "setting")) if _has(r, "setting") else "after"
+
+
 def markdown(rows: Sequence[Any], meta: dict | None = None) -> str:
-    base = next(r for r in rows if _get(r, "method") == "baseline")
-    bppl = _num(_get(base, "ppl"))
-    lines = [
-        "| method | ratio | achieved | needle_acc | ppl (Δ%) | tf_top1 | KL | agreement |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        ppl = _num(_get(r, "ppl"))
-        d = (ppl / bppl - 1) * 100 if bppl and not math.isnan(ppl) else float("nan")
-        lines.append(
-            f"| {_get(r, 'method')} | {_num(_get(r, 'ratio')):g} | {_fmt(_get(r, 'achieved_ratio'), 2)} "
-            f"| {_fmt(_get(r, 'needle_acc'), 2)} | {_fmt(ppl, 2)} ({d:+.1f}) | {_fmt(_get(r, 'tf_top1'))} "
-            f"| {_fmt(_get(r, 'kl'), 4)} | {_fmt(_get(r, 'agreement'), 2)} |"
-        )
+    settings = list(dict.fromkeys(_setting(r) for r in rows))
     out = ["# Quality on SmolLM2-135M-Instruct", ""]
     if meta:
         out += [f"- {k}: {v}" for k, v in meta.items()] + [""]
-    out += [*lines, "", "## Targets (4x)", "", *check_targets(rows)]
-    return "\n".join(out) + "\n"
+    out += [
+        "`achieved` is 16-bit KV bytes over the bytes held (compressed data, scales, zero points and "
+        "log-counts; hot blocks at 16 bits); `nominal` counts each format at its pack ratio. "
+        "Settings: `after` = the context is compressed before the question arrives; `inside` = the "
+        "question is in the compressed prompt (vLLM's case). ppl / tf_top1 / KL are the same in "
+        "both (see `proxima.quality.harness.SETTINGS`).",
+        "",
+    ]
+    for st in settings:
+        srows = [r for r in rows if _setting(r) == st]
+        base = next(r for r in srows if _get(r, "method") == "baseline")
+        bppl = _num(_get(base, "ppl"))
+        out += [
+            f"## Setting `{st}`",
+            "",
+            "| method | asked | achieved (bytes) | nominal (pack) | needle_acc (n) | ppl (Δ%) | tf_top1 | KL "
+            "| agreement |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in srows:
+            ppl = _num(_get(r, "ppl"))
+            d = (ppl / bppl - 1) * 100 if bppl and not math.isnan(ppl) else float("nan")
+            n = _get(r, "needle_n") if _has(r, "needle_n") else "?"
+            out.append(
+                f"| {_get(r, 'method')} | {_num(_get(r, 'ratio')):g} | {_fmt(_get(r, 'achieved_ratio'), 2)} "
+                f"| {_fmt(_get(r, 'nominal_ratio') if _has(r, 'nominal_ratio') else None, 2)} "
+                f"| {_fmt(_get(r, 'needle_acc'), 3)} ({n}) | {_fmt(ppl, 2)} ({d:+.1f}) | {_fmt(_get(r, 'tf_top1'))} "
+                f"| {_fmt(_get(r, 'kl'), 4)} | {_fmt(_get(r, 'agreement'), 2)} |"
+            )
+        out += ["", f"### Targets, setting `{st}`", "", *check_targets(srows)]
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+TARGETS = (
+    # (ratio, needle fraction of baseline, ppl increase, tf_top1)
+    (4, 0.98, 0.03, 0.95),
+    (6, 0.90, 0.06, 0.93),
+)
+REFERENCES_AT_8X = ("snapkv@8x", "streaming_llm@8x")
 
 
 def check_targets(rows: Sequence[Any]) -> list[str]:
-    """The issue's targets, evaluated on `rows`, one line each (PASS/FAIL with numbers)."""
+    """The issue's targets on the rows of one setting, one line each (PASS/FAIL with numbers).
+    At each level the candidate is the best proxima policy whose *achieved* (bytes) ratio reaches
+    it (98% of it), whatever ratio it was asked for."""
     by = {_get(r, "method"): r for r in rows}
     base = by["baseline"]
-    cands = [
-        r
-        for r in rows
-        if str(_get(r, "method")).startswith("proxima:") and f"@{TARGET_RATIO}x" in str(_get(r, "method"))
-    ]
+    cands = [r for r in rows if str(_get(r, "method")).startswith("proxima:")]
     if not cands:
-        return ["no proxima policy at 4x in this run"]
+        return ["no proxima policy in this run"]
+    bn, bp = _num(_get(base, "needle_acc")), _num(_get(base, "ppl"))
 
     def key(r: Any) -> tuple[float, float]:
         return (_num(_get(r, "needle_acc")), _num(_get(r, "tf_top1")))
 
-    # The best policy among those that really reach the ratio (else the best of all, which fails it).
-    reaching = [r for r in cands if _num(_get(r, "achieved_ratio")) >= TARGET_RATIO * 0.98]
-    best = max(reaching or cands, key=key)
-    bn, bp = _num(_get(base, "needle_acc")), _num(_get(base, "ppl"))
-    n, p, t = _num(_get(best, "needle_acc")), _num(_get(best, "ppl")), _num(_get(best, "tf_top1"))
-    ach = _num(_get(best, "achieved_ratio"))
-    out = [f"Best policy at 4x: `{_get(best, 'method')}` (achieved ratio {ach:.2f})."]
-
     def line(ok: bool, text: str) -> str:
         return f"- {'PASS' if ok else 'FAIL'}: {text}"
 
-    out.append(line(ach >= TARGET_RATIO * 0.98, f"achieved ratio {ach:.2f} >= {TARGET_RATIO * 0.98:.2f}"))
-    out.append(line(n >= 0.98 * bn, f"needle {n:.2f} >= 98% of baseline {bn:.2f}"))
-    out.append(line(p <= 1.03 * bp, f"perplexity {p:.2f} <= baseline {bp:.2f} + 3% ({1.03 * bp:.2f})"))
-    out.append(line(t >= 0.95, f"teacher-forced top-1 {t:.3f} >= 0.95"))
-    for ref in REFERENCES_AT_4X:
-        if ref not in by:
+    def metrics(r: Any) -> tuple[float, float, float]:
+        return _num(_get(r, "needle_acc")), _num(_get(r, "ppl")), _num(_get(r, "tf_top1"))
+
+    out: list[str] = []
+    for ratio, needle_frac, ppl_up, top1 in TARGETS:
+        reaching = [r for r in cands if _num(_get(r, "achieved_ratio")) >= ratio * 0.98]
+        if not reaching:
+            best_ach = max(_num(_get(r, "achieved_ratio")) for r in cands)
+            out.append(line(False, f">= {ratio}x: no policy reaches it (best achieved {best_ach:.2f})"))
             continue
-        r = by[ref]
-        wins = [
-            ("needle", n > _num(_get(r, "needle_acc"))),
-            ("ppl", p < _num(_get(r, "ppl"))),
-            ("tf_top1", t > _num(_get(r, "tf_top1"))),
-        ]
-        won = [w for w, ok in wins if ok]
-        out.append(line(len(won) >= 2, f"beats `{ref}` on {len(won)}/3 metrics ({', '.join(won) or 'none'})"))
+        best = max(reaching, key=key)
+        n, p, t = metrics(best)
+        out.append(f"At >= {ratio}x: `{_get(best, 'method')}` (achieved {_num(_get(best, 'achieved_ratio')):.2f}).")
+        out.append(line(n >= needle_frac * bn, f"needle {n:.3f} >= {needle_frac:.0%} of baseline {bn:.3f}"))
+        out.append(line(p <= (1 + ppl_up) * bp, f"perplexity {p:.2f} <= baseline {bp:.2f} + {ppl_up:.0%}"))
+        out.append(line(t >= top1, f"teacher-forced top-1 {t:.3f} >= {top1}"))
+        if ratio == TARGET_RATIO:
+            ach = _num(_get(best, "achieved_ratio"))
+            uniform = [
+                r
+                for r in rows
+                if (_get(r, "family") if _has(r, "family") else "") in ("format", "reference")
+                and not str(_get(r, "method")).startswith(("snapkv", "streaming_llm"))
+                and _num(_get(r, "achieved_ratio")) >= ach
+            ]
+            for ref in [*(by[x] for x in REFERENCES_AT_4X if x in by), *uniform]:
+                rn, rp, rt = metrics(ref)
+                won = [w for w, ok in (("needle", n > rn), ("ppl", p < rp), ("tf_top1", t > rt)) if ok]
+                out.append(
+                    line(len(won) >= 2, f"beats `{_get(ref, 'method')}` on {len(won)}/3 ({', '.join(won) or 'none'})")
+                )
+    reaching8 = [r for r in cands if _num(_get(r, "achieved_ratio")) >= 8 * 0.98]
+    if not reaching8:
+        best_ach = max(_num(_get(r, "achieved_ratio")) for r in cands)
+        out.append(line(False, f">= 8x: no policy reaches it (best achieved {best_ach:.2f})"))
+    else:
+        best = max(reaching8, key=key)
+        n, p, t = metrics(best)
+        out.append(f"At >= 8x: `{_get(best, 'method')}` (achieved {_num(_get(best, 'achieved_ratio')):.2f}).")
+        for ref in (by[x] for x in REFERENCES_AT_8X if x in by):
+            rn, rp, rt = metrics(ref)
+            won = [w for w, ok in (("needle", n > rn), ("ppl", p < rp), ("tf_top1", t > rt)) if ok]
+            out.append(line(len(won) == 3, f"beats `{_get(ref, 'method')}` on all three ({', '.join(won) or 'none'})"))
     return out
 
 
@@ -134,7 +186,7 @@ def plot(rows: Sequence[Any], path: Path) -> None:
             ax.plot(xs, ys, style, label=key, linewidth=lw, markersize=5)
         ax.axhline(_num(_get(base, metric)), color="k", linewidth=0.8, label="uncompressed")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("achieved compression ratio of the context KV")
+        ax.set_xlabel("achieved compression ratio of the context KV (16-bit bytes / bytes held)")
         ax.set_title(label)
         if metric == "ppl":
             ax.set_yscale("log")

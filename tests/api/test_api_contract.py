@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from api_helpers import AUTH, CONFIGS
 from fastapi.testclient import TestClient
 
@@ -150,6 +151,11 @@ def test_stats_shape(client: TestClient, server: SimulatedServer) -> None:
     assert 0.0 <= s["pressure"] <= 1.0
     # The default workload is memory-bound: by now the balanced policy has compressed something.
     assert s["effective_compression"] > 1.0 and s["saved_bytes"] > 0
+    # Ratios are bytes: metadata held outside the pool makes the effective ratio the lower one.
+    assert s["meta_bytes"] > 0 and s["effective_compression"] < s["nominal_compression"]
+    held = s["owned_blocks"] * s["block_bytes"] + s["meta_bytes"]
+    logical = sum(s["blocks_by_format"].values())
+    assert s["effective_compression"] == pytest.approx(logical * s["block_bytes"] / held, rel=1e-5)
     assert set(s["blocks_by_format"]) - {"bf16"}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from api_helpers import AUTH
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,6 +16,8 @@ REQUIRED = {
     "proxima_pool_blocks",
     "proxima_pool_saved_bytes",
     "proxima_pool_effective_compression_factor",
+    "proxima_pool_nominal_compression_factor",
+    "proxima_pool_metadata_bytes",
     "proxima_pool_fragmentation_blocks",
     "proxima_engine_decisions",
     "proxima_engine_compression_errors",
@@ -48,6 +51,13 @@ def test_pool_gauges_match_stats(client: TestClient, server: SimulatedServer) ->
     stats = client.get("/v1/stats").json()
     reg = server.controller.metrics.registry
     assert reg.get_sample_value("proxima_pool_saved_bytes") == stats["saved_bytes"]
+    assert reg.get_sample_value("proxima_pool_metadata_bytes") == stats["meta_bytes"]
+    assert reg.get_sample_value("proxima_pool_effective_compression_factor") == pytest.approx(
+        stats["effective_compression"], rel=1e-5
+    )
+    assert reg.get_sample_value("proxima_pool_nominal_compression_factor") == pytest.approx(
+        stats["nominal_compression"], rel=1e-5
+    )
     for fmt, n in stats["blocks_by_format"].items():
         assert reg.get_sample_value("proxima_pool_blocks", {"format": fmt}) == n
     decided = server.backend.sim.result.decisions_by_format

@@ -35,3 +35,35 @@ def test_invalid_specs_say_what_is_wrong():
         slot_spec("int4", block_size=32, head_dim=96, num_kv_heads=1, group_size=24)
     with pytest.raises(ValueError):
         slot_spec("sparse(4)", block_size=30, head_dim=64, num_kv_heads=1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_payload_bytes_equal_the_spec_and_give_the_bytes_ratio(fmt):
+    """One byte accounting: a compressed payload holds exactly what its `SlotSpec` says (data plus
+    side-table metadata), and the reported ratio is 16-bit bytes over that, below the pack ratio
+    whenever there is metadata."""
+    import torch
+
+    from proxima.compression import compress_blocks
+    from proxima.compression.spec import bytes_ratio, kv16_bytes
+
+    b, h, d = 64, 3, 64
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, b, h, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    cb = compress_blocks(fmt, k, v, backend="torch")
+    spec = slot_spec(fmt, block_size=b, head_dim=d, num_kv_heads=h)
+    assert cb.held_nbytes == 2 * spec.held_bytes_per_slot
+    assert kv16_bytes(b, h, d) == spec.block_data_bytes
+    f = Format.parse(fmt)
+    assert spec.bytes_ratio == pytest.approx(bytes_ratio(2 * kv16_bytes(b, h, d), cb.held_nbytes))
+    assert spec.bytes_ratio <= f.pack_ratio
+    assert (spec.bytes_ratio < f.pack_ratio) == (spec.meta_bytes_per_slot > 0)
+
+
+def test_bytes_ratio_edges():
+    from proxima.compression.spec import bytes_ratio
+
+    assert bytes_ratio(0, 0) == 1.0
+    assert bytes_ratio(100, 25) == 4.0
+    with pytest.raises(ValueError, match="byte counts"):
+        bytes_ratio(100, -1)

@@ -5,8 +5,10 @@
     model.generate(**inputs, past_key_values=cache)
 
 Layout per layer (why: the same logical blocks as vLLM, so the policy engine sees the same thing):
-full blocks of `block_size` tokens, each hot (exact tensors) or compressed (an `Encoded` payload
-from `proxima.compression`), then a hot tail of fewer than `block_size` tokens. A block's format
+full blocks of `block_size` tokens, each hot (exact tensors) or compressed (a `CompressedBlocks`
+payload from `proxima.compression.compress_blocks`, the very call the vLLM worker makes, on the
+block cast to the 16-bit KV dtype vLLM caches: the payload is byte for byte what vLLM stores),
+then a hot tail of fewer than `block_size` tokens. A block's format
 is the same in every layer, except where the policy's `layer_overrides` substitute a format of
 equal pack ratio (DESIGN.md). The batch is treated as one request: every row shares the block
 formats (the quality harness runs batch 1).
@@ -35,9 +37,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from proxima.compression.attention import attention_errors
+from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks, recompressible
+from proxima.compression.spec import bytes_ratio, kv16_bytes
 from proxima.formats import HOT, Format
 from proxima.integration.hf import attention
-from proxima.integration.hf.codec import Encoded, encode
 from proxima.policy.engine import Action, EngineState, decide
 from proxima.policy.schema import OFF, Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
@@ -60,14 +64,22 @@ class ProbeRecord:
     """Relative error of the observation window's attention output over the block."""
 
 
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(k_hat [N, C, H, D], v_hat, log_count [N, C, H]) of a `CompressedBlocks`, as `decompress_blocks` returns."""
+
+
 @dataclass
 class _Slot:
-    """Where a compressed block's data lives: row `row` of a batch `enc` (rows are (block, batch) pairs)."""
+    """Where a compressed block's data lives: rows `rows` of a batch `cb` (rows are (block, batch) pairs)."""
 
-    enc: Encoded
+    cb: CompressedBlocks
     rows: list[int]
-    """Row of each batch element in `enc`."""
+    """Row of each batch element in `cb`."""
     nbytes: int
+    """Held bytes of this block's rows (data and metadata)."""
+
+    def decode(self) -> Decoded:
+        return decompress_blocks(self.cb)
 
 
 class ProximaLayer(CacheLayerMixin):
@@ -132,8 +144,13 @@ class ProximaLayer(CacheLayerMixin):
         self.last_bias = bias
         return keys, values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n_tokens + query_length, 0
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        # transformers >= 5.19 passes the query length; 5.2 passes `cache_position` (one per query).
+        q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.n_tokens + q, 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1  # grows without bound, like DynamicLayer (transformers 5.2 asks)
 
     def get_seq_length(self) -> int:
         return self.n_tokens
@@ -164,14 +181,15 @@ class ProximaLayer(CacheLayerMixin):
             assert k is not None and v is not None, f"block {i} has neither hot data nor a slot"
             bias = None
         else:
-            kh, vh, lc = decoded if decoded is not None else slot.enc.decode()  # [N, C, H, D], [N, C, H]
+            kh, vh, lc = decoded if decoded is not None else slot.decode()  # [N, C, H, D], [N, C, H]
             rows = slot.rows
             c = kh.shape[1]
             b, h, d = len(rows), kh.shape[2], kh.shape[3]
-            k = kh.new_zeros(b, h, self.block_size, d)
-            v = vh.new_zeros(b, h, self.block_size, d)
-            k[:, :, :c] = kh[rows].transpose(1, 2)
-            v[:, :, :c] = vh[rows].transpose(1, 2)
+            # Decoded blocks are in the KV storage dtype; attention runs in the model's.
+            k = torch.zeros(b, h, self.block_size, d, dtype=self.dtype, device=kh.device)
+            v = torch.zeros(b, h, self.block_size, d, dtype=self.dtype, device=vh.device)
+            k[:, :, :c] = kh[rows].transpose(1, 2).to(self.dtype)
+            v[:, :, :c] = vh[rows].transpose(1, 2).to(self.dtype)
             if c == self.block_size and not self.formats[i].attention_uses_counts:
                 bias = None
             else:
@@ -193,9 +211,9 @@ class ProximaLayer(CacheLayerMixin):
                 slot = self.slots[i]
                 dec = None
                 if slot is not None:
-                    if id(slot.enc) not in decoded:
-                        decoded[id(slot.enc)] = slot.enc.decode()
-                    dec = decoded[id(slot.enc)]
+                    if id(slot.cb) not in decoded:
+                        decoded[id(slot.cb)] = slot.decode()
+                    dec = decoded[id(slot.cb)]
                 k, v, b = self.block_kv(i, dec)
                 ks.append(k)
                 vs.append(v)
@@ -235,12 +253,14 @@ class ProximaLayer(CacheLayerMixin):
             wb[..., sl] = 0.0 if b is None else b
         self._work = (wk, wv, wb)
 
-    def store(self, blocks: Sequence[int], fmt: Format, enc: Encoded, batch: int) -> None:
-        """Commit compressed blocks: `enc` rows are ordered (block, batch element)."""
-        per_row = enc.nbytes // max(1, len(blocks) * batch)
-        decoded = enc.decode() if self._work is not None else None
+    def store(self, blocks: Sequence[int], fmt: Format, cb: CompressedBlocks, batch: int) -> None:
+        """Commit compressed blocks: `cb` rows are ordered (block, batch element)."""
+        if cb.num_slots != len(blocks) * batch:
+            raise ValueError(f"{cb.num_slots} compressed rows for {len(blocks)} blocks x batch {batch}")
+        per_row = cb.held_nbytes // max(1, cb.num_slots)  # every row has the same shapes
+        decoded = decompress_blocks(cb) if self._work is not None else None
         for j, i in enumerate(blocks):
-            self.slots[i] = _Slot(enc, [j * batch + b for b in range(batch)], per_row * batch)
+            self.slots[i] = _Slot(cb, [j * batch + b for b in range(batch)], per_row * batch)
             self.hot_k[i] = None
             self.hot_v[i] = None
             self.formats[i] = fmt
@@ -267,6 +287,32 @@ class ProximaLayer(CacheLayerMixin):
                 total += 2 * k.numel() * k.element_size()
         if self.tail_k is not None:
             total += 2 * self.tail_k.numel() * self.tail_k.element_size()
+        return total
+
+    def kv16_nbytes(self) -> int:
+        """Bytes of this layer's tokens (batch included) held uncompressed in 16 bits: the reference."""
+        if self.tail_k is None:
+            return 0
+        b, h, _, d = self.tail_k.shape
+        return b * kv16_bytes(self.n_tokens, h, d)
+
+    def held_nbytes(self, hot_itemsize: int) -> int:
+        """Bytes a serving cache holds for this layer: compressed payloads (data and metadata, as
+        `CompressedBlocks.held_nbytes` counts them), hot tokens at `hot_itemsize` bytes per element,
+        evicted tokens (the baselines' masks) at nothing."""
+        if self.tail_k is None:
+            return 0
+        b, h, _, d = self.tail_k.shape
+        per_token_head = 2 * d * hot_itemsize  # keys and values
+        total = b * h * self.tail_k.shape[-2] * per_token_head
+        for i in range(self.n_blocks):
+            slot = self.slots[i]
+            if slot is not None:
+                total += slot.nbytes
+                continue
+            keep = self.keep[i]
+            kept = b * h * self.block_size if keep is None else int(keep.sum())
+            total += kept * per_token_head
         return total
 
     def working_nbytes(self) -> int:
@@ -300,6 +346,10 @@ class ProximaCache(Cache):
             compressed store stays resident.
         observation_window: queries per layer kept to score tokens (default: the policy's).
         record_probes: keep a `ProbeRecord` per compressed (layer, block) for the damage model.
+        kv_dtype: the dtype a serving KV cache holds (vLLM: bf16). Blocks are cast to it before
+            `compress_blocks`, so payloads equal vLLM's even when the model runs in float32 (the
+            CPU harness), and hot blocks are counted at its size in `held_nbytes`. None: the
+            model's dtype.
     """
 
     def __init__(
@@ -312,6 +362,7 @@ class ProximaCache(Cache):
         observation_window: int | None = None,
         record_probes: bool = False,
         group_size: int = 32,
+        kv_dtype: torch.dtype | None = torch.bfloat16,
     ) -> None:
         super().__init__(layers=[])
         if isinstance(policy, (str, Path)):
@@ -327,6 +378,7 @@ class ProximaCache(Cache):
         self.window = observation_window or self.policy.importance.observation_window
         self.record_probes = record_probes
         self.group_size = group_size
+        self.kv_dtype = kv_dtype
         self.engine_state = EngineState()
         self.block_importance: torch.Tensor | None = None  # EMA per logical block
         self.probe_log: list[ProbeRecord] = []
@@ -358,9 +410,10 @@ class ProximaCache(Cache):
         attention.set_active(self)
         return keys, values
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:  # type: ignore[override]
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int) -> tuple[int, int]:  # type: ignore[override]
         if layer_idx >= len(self.layers):
-            return query_length, 0
+            q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
+            return q, 0
         return self.proxima_layers[layer_idx].get_mask_sizes(query_length)
 
     def _take_attention_bias(self, layer_idx: int, kv_len: int) -> torch.Tensor | None:
@@ -396,12 +449,30 @@ class ProximaCache(Cache):
         """Store plus working copies: what this process holds right now."""
         return sum(layer.stored_nbytes() + layer.working_nbytes() for layer in self.proxima_layers)
 
+    def held_nbytes(self) -> int:
+        """Bytes a serving deployment holds for this cache: compressed payloads with their
+        metadata, hot blocks and the tail at `kv_dtype` (vLLM's 16-bit cache), evicted tokens free."""
+        if not self.layers:
+            return 0
+        itemsize = self.kv_dtype.itemsize if self.kv_dtype is not None else self.proxima_layers[0].dtype.itemsize
+        return sum(layer.held_nbytes(itemsize) for layer in self.proxima_layers)
+
+    def kv16_nbytes(self) -> int:
+        """The same tokens' keys and values in 16 bits, uncompressed."""
+        return sum(layer.kv16_nbytes() for layer in self.proxima_layers)
+
+    def achieved_ratio(self) -> float:
+        """The ratio Proxima reports: 16-bit KV bytes over bytes held, metadata included
+        (`proxima.compression.spec.bytes_ratio`)."""
+        return bytes_ratio(self.kv16_nbytes(), self.held_nbytes())
+
     def block_formats(self) -> list[Format]:
         return list(self.proxima_layers[0].formats) if self.layers else []
 
     def nominal_ratio(self) -> float:
-        """16-bit KV bits over stored bits, counting each format at its nominal pack ratio and
-        evicted tokens as free (metadata excluded); averaged over layers."""
+        """The *nominal* ratio, shown next to `achieved_ratio` and labelled so: 16-bit KV bits over
+        stored bits counting each format at its pack ratio (metadata excluded) and evicted tokens
+        as free; averaged over layers."""
         ratios = []
         for layer in self.proxima_layers:
             bs = layer.block_size
@@ -477,42 +548,69 @@ class ProximaCache(Cache):
         ladder: Sequence[Format] = (),
         probe: bool = False,
     ) -> CompressionReport:
-        """Compress hot `blocks` (logical indices) into `fmt` in every layer (with the policy's
-        layer overrides). With `probe`, a block whose attention-output error, averaged over layers
-        (one block id spans all layers), exceeds the policy's bound for the format is retried with
-        the next milder `ladder` format (lower pack ratio), else left hot and marked ineligible."""
+        """Compress `blocks` (logical indices) into `fmt` in every layer (with the policy's layer
+        overrides), from what each block holds now: hot blocks exactly, quantized ones from their
+        dequantised data, token-reduced ones from their stored rows and counts (centroids merge
+        further, counts add: `proxima.compression.blocks.recompressible` says which moves exist;
+        a reduced block asked for a move it cannot make takes the mildest `ladder` format it can
+        reach at that ratio or more). With `probe`, a block whose attention-output error, averaged
+        over layers (one block id spans all layers), exceeds the policy's bound for the format is
+        retried with the next milder reachable `ladder` format, else left as it is and marked
+        ineligible."""
         report = CompressionReport()
         self._extend_chosen()
-        # Hot blocks, and quantized blocks moving to a harsher format (recompressed from their
-        # dequantised data, as vLLM would). Token-reduced blocks are final: their dropped tokens are gone.
-        todo = [
-            int(i)
-            for i in blocks
-            if self.chosen[int(i)].reduction is None and self.chosen[int(i)].pack_ratio < fmt.pack_ratio
-        ]
-        self.ineligible.update(int(i) for i in blocks if self.chosen[int(i)].reduction is not None)
-        milder = sorted((f for f in ladder if f.pack_ratio < fmt.pack_ratio), key=lambda f: -f.pack_ratio)
-        candidates = [fmt, *milder]
-        for cand in candidates:
-            if not todo:
-                break
-            encs, errs = self._encode_all_layers(todo, cand)
-            err = torch.stack(errs).mean(0)  # [len(todo)]
-            bound = self.policy.probes.compression.bound(cand) if probe else float("inf")
-            ok = (err <= bound).tolist()
-            accepted = [b for b, o in zip(todo, ok, strict=True) if o]
-            if accepted:
-                if len(accepted) != len(todo):
-                    encs = self._reencode(accepted, cand)  # the store holds no rejected rows
-                self._commit(accepted, cand, encs)
-                report.actions += len(accepted)
-                report.formats[cand.name] = report.formats.get(cand.name, 0) + len(accepted)
-            todo = [b for b, o in zip(todo, ok, strict=True) if not o]
-            report.rejected += len(todo)
-            if not probe:
-                break
-        self.ineligible.update(todo)
+        groups: dict[tuple[tuple[Format, ...], Format], list[int]] = {}
+        for raw in blocks:
+            i = int(raw)
+            if self.chosen[i].pack_ratio >= fmt.pack_ratio:
+                continue
+            target = self._reachable(i, fmt, ladder)
+            if target is None:
+                self.ineligible.add(i)
+                continue
+            src = tuple(layer.formats[i] for layer in self.proxima_layers)
+            groups.setdefault((src, target), []).append(i)
+        for (src, target), todo in groups.items():
+            milder = sorted(
+                (f for f in ladder if f.pack_ratio < target.pack_ratio and self._reachable_from(src, f)),
+                key=lambda f: -f.pack_ratio,
+            )
+            for cand in [target, *milder]:
+                if not todo:
+                    break
+                encs, errs = self._encode_all_layers(todo, cand)
+                err = torch.stack(errs).mean(0)  # [len(todo)]
+                bound = self.policy.probes.compression.bound(cand) if probe else float("inf")
+                ok = (err <= bound).tolist()
+                accepted = [b for b, o in zip(todo, ok, strict=True) if o]
+                if accepted:
+                    if len(accepted) != len(todo):
+                        encs = self._reencode(accepted, cand)  # the store holds no rejected rows
+                    self._commit(accepted, cand, encs)
+                    report.actions += len(accepted)
+                    report.formats[cand.name] = report.formats.get(cand.name, 0) + len(accepted)
+                todo = [b for b, o in zip(todo, ok, strict=True) if not o]
+                report.rejected += len(todo)
+                if not probe:
+                    break
+            self.ineligible.update(todo)
         return report
+
+    def _reachable_from(self, src: tuple[Format, ...], fmt: Format) -> bool:
+        """Every layer's stored format can be recompressed into its version of `fmt`."""
+        return all(recompressible(s, self._layer_format(fmt, li)) for li, s in enumerate(src))
+
+    def _reachable(self, i: int, fmt: Format, ladder: Sequence[Format]) -> Format | None:
+        """`fmt` if block i can move there; else the mildest ladder format of at least that ratio it
+        can reach (a merged block asked for a sparse format merges further instead); else None."""
+        src = tuple(layer.formats[i] for layer in self.proxima_layers)
+        if self._reachable_from(src, fmt):
+            return fmt
+        subs = sorted(
+            (f for f in ladder if f.pack_ratio >= fmt.pack_ratio and self._reachable_from(src, f)),
+            key=lambda f: f.pack_ratio,
+        )
+        return subs[0] if subs else None
 
     def _extend_chosen(self) -> None:
         n = self.proxima_layers[0].n_blocks if self.layers else 0
@@ -523,55 +621,84 @@ class ProximaCache(Cache):
 
     def _encode_all_layers(
         self, blocks: list[int], fmt: Format
-    ) -> tuple[list[tuple[Format, Encoded]], list[torch.Tensor]]:
+    ) -> tuple[list[tuple[Format, CompressedBlocks]], list[torch.Tensor]]:
+        """Compress `blocks` (each layer's stored format the same for all of them) into `fmt`."""
         encs, errs = [], []
         for li, layer in enumerate(self.proxima_layers):
             lf = self._layer_format(fmt, li)
-            # Hot blocks read exactly; quantized ones (being recompressed) read dequantised.
-            wk, wv, _ = layer.materialize()
-            bsz = layer.block_size
-            k = torch.stack([wk[..., i * bsz : (i + 1) * bsz, :] for i in blocks])  # [n, B, H, bs, D]
-            v = torch.stack([wv[..., i * bsz : (i + 1) * bsz, :] for i in blocks])
-            n, b, h, bs, d = k.shape
-            kk = k.reshape(n * b, h, bs, d).transpose(1, 2)  # [N, bs, H, D]
-            vv = v.reshape(n * b, h, bs, d).transpose(1, 2)
-            imp = self.token_importance(li)
-            timp = None
-            if imp is not None:
-                timp = torch.stack([imp[..., i * bs : (i + 1) * bs] for i in blocks])  # [n, B, H, bs]
-                timp = timp.reshape(n * b, h, bs).transpose(1, 2).contiguous()
-            enc = encode(lf, kk, vv, timp, group_size=self.group_size)
-            err = self._probe(li, kk, vv, enc, b)  # [n]
+            kk, vv, lc, timp = self._block_rows(li, blocks)
+            b = layer.tail_k.shape[0] if layer.tail_k is not None else 1
+            # What vLLM holds hot is the 16-bit cache; compress exactly that, with the call its worker makes.
+            kk, vv = kk.to(self.kv_dtype or kk.dtype), vv.to(self.kv_dtype or vv.dtype)
+            cb = compress_blocks(
+                lf, kk, vv, token_importance=timp, group_size=self.group_size, log_count=lc,
+                source_tokens=layer.block_size,
+            )
+            err = self._probe(li, kk, vv, cb, b, lc)  # [n]
             if self.record_probes:
                 self._record(li, blocks, lf, kk, timp, err, b)
-            encs.append((lf, enc))
+            encs.append((lf, cb))
             errs.append(err)
         return encs, errs
 
-    def _probe(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, enc: Encoded, batch: int) -> torch.Tensor:
+    def _block_rows(
+        self, layer_idx: int, blocks: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What `blocks` hold now in one layer, rows ordered (block, batch element):
+        k, v `[N, C, H, D]`, their log-counts `[N, C, H]` (None unless token-reduced) and token
+        importance `[N, C, H]` (None before any observation). Hot blocks read exactly, quantized
+        ones dequantised (C = block size); token-reduced ones as their stored rows."""
+        layer = self.proxima_layers[layer_idx]
+        bsz = layer.block_size
+        src = layer.formats[blocks[0]]
+        lc: torch.Tensor | None = None
+        if src.reduction is None:
+            wk, wv, _ = layer.materialize()
+            k = torch.stack([wk[..., i * bsz : (i + 1) * bsz, :] for i in blocks])  # [n, B, H, bs, D]
+            v = torch.stack([wv[..., i * bsz : (i + 1) * bsz, :] for i in blocks])
+            n, b, h, c, d = k.shape
+            kk = k.reshape(n * b, h, c, d).transpose(1, 2)  # [N, bs, H, D]
+            vv = v.reshape(n * b, h, c, d).transpose(1, 2)
+        else:
+            c = src.kept_tokens(bsz)
+            decoded: dict[int, Decoded] = {}
+            ks, vs, ls = [], [], []
+            for i in blocks:
+                slot = layer.slots[i]
+                assert slot is not None and layer.formats[i] == src, f"block {i} is not stored as {src}"
+                if id(slot.cb) not in decoded:
+                    decoded[id(slot.cb)] = slot.decode()
+                kh, vh, lh = decoded[id(slot.cb)]
+                ks.append(kh[slot.rows])
+                vs.append(vh[slot.rows])
+                ls.append(lh[slot.rows])
+            kk, vv, lc = torch.cat(ks), torch.cat(vs), torch.cat(ls)
+            h = kk.shape[2]
+        imp = self.token_importance(layer_idx)
+        timp = None
+        if imp is not None:
+            t = torch.stack([imp[..., i * bsz : i * bsz + c] for i in blocks])  # [n, B, H, C]
+            timp = t.reshape(-1, h, c).transpose(1, 2).contiguous()
+        return kk, vv, lc, timp
+
+    def _probe(
+        self,
+        layer_idx: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cb: CompressedBlocks,
+        batch: int,
+        log_count: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Relative error of the observation window's attention output over each block alone,
-        before vs after compression (DESIGN.md's compression-time probe). Returns `[n_blocks]`."""
+        before vs after compression (`proxima.compression.attention_errors`, the probe every
+        integration uses), averaged over the batch. Returns `[n_blocks]`."""
         q = self._obs.get(layer_idx)
         n = k.shape[0] // batch
         if q is None:
             return torch.zeros(n)
-        kh, vh, lc = enc.decode()
-        bq, hq, w, d = q.shape
-        h = k.shape[2]
-        g = hq // h
-        qf = q.float().reshape(bq, h, g * w, d).repeat(n, 1, 1, 1)  # [N, H, G*W, D] (rows ordered block, batch)
-
-        def out(kx: torch.Tensor, vx: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            logits = torch.einsum("nhqd,nthd->nhqt", qf, kx.float()) * d**-0.5
-            if bias is not None:
-                logits = logits + bias.transpose(1, 2)[:, :, None, :]
-            return torch.einsum("nhqt,nthd->nhqd", torch.softmax(logits, -1), vx.float())
-
-        ref = out(k, v, None)
-        got = out(kh, vh, lc)
-        num = (got - ref).flatten(1).norm(dim=1)
-        den = ref.flatten(1).norm(dim=1).clamp_min(1e-12)
-        return (num / den).view(n, batch).mean(1).cpu()
+        q_rows = q.transpose(1, 2).repeat(n, 1, 1, 1)  # [N, W, Hq, D], rows ordered (block, batch)
+        return attention_errors(q_rows, k, v, cb, ref_log_count=log_count).view(n, batch).mean(1).cpu()
 
     def _record(
         self,
@@ -591,14 +718,14 @@ class ProximaCache(Cache):
                 ProbeRecord(layer_idx, blk, fmt.name, float(mass[j]), float(spread[j]), float(err[j]))
             )
 
-    def _commit(self, blocks: list[int], fmt: Format, encs: list[tuple[Format, Encoded]]) -> None:
+    def _commit(self, blocks: list[int], fmt: Format, encs: list[tuple[Format, CompressedBlocks]]) -> None:
         for layer, (lf, enc) in zip(self.proxima_layers, encs, strict=True):
             assert layer.tail_k is not None
             layer.store(blocks, lf, enc, layer.tail_k.shape[0])
         for i in blocks:
             self.chosen[i] = fmt
 
-    def _reencode(self, blocks: list[int], fmt: Format) -> list[tuple[Format, Encoded]]:
+    def _reencode(self, blocks: list[int], fmt: Format) -> list[tuple[Format, CompressedBlocks]]:
         record, self.record_probes = self.record_probes, False
         try:
             encs, _ = self._encode_all_layers(blocks, fmt)

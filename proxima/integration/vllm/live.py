@@ -95,6 +95,7 @@ class ManagerBackend:
             fragmentation_blocks=m.px.packer.fragmentation_blocks(),
             step=m.px.stats.steps,
             applied_policy_version=applied_policy_version,
+            meta_bytes=m.px.meta.side_table_bytes(m.px.ledger),
         )
 
 

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
+from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks, recompressible
 from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
 from proxima.formats import HOT, Format
 from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_interleaved_layout
@@ -287,16 +287,27 @@ class WorkerStore:
         from_slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long, device=dev)
         for layer, kv in self.kv_caches.items():
             _n, h, b, _d = self.geometry(layer)
+            fmt_l = self.layer_format(layer, fmt)
+            counts = None
             if from_fmt.is_hot:
                 k, v = self.page_layout(kv).read_blocks(kv, src)  # [N, B, H, D]
                 k, v = k.contiguous(), v.contiguous()
-            elif self.layer_format(layer, from_fmt).reduction is not None:
-                raise ValueError(f"cannot recompress {from_fmt}: its dropped or merged tokens are gone")
             else:  # recompression: from the current slot (its loss is kept, not undone)
-                k, v = self.read(layer, from_fmt, from_dst, from_slot)
-            fmt_l = self.layer_format(layer, fmt)
-            imp = self._importance_of(acts, b, h).to(kv.device) if fmt_l.reduction is not None else None
-            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_size, backend=_kernels(kv))
+                from_l = self.layer_format(layer, from_fmt)
+                if not recompressible(from_l, fmt_l):
+                    raise ValueError(
+                        f"cannot recompress {from_l} into {fmt_l} (proxima.compression.blocks.recompressible)"
+                    )
+                k, v, counts = self.read_with_counts(layer, from_fmt, from_dst, from_slot)
+                if from_l.reduction is None:
+                    counts = None
+            imp = None
+            if fmt_l.reduction is not None:
+                # A reduced block's rows are no longer token positions: uniform importance (the
+                # counts still weight the merge), as its per-token history cannot be mapped to them.
+                imp = (self._importance_of(acts, b, h) if counts is None else torch.ones(counts.shape)).to(kv.device)
+            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_size,
+                                 backend=_kernels(kv), log_count=counts, source_tokens=b)
             staged.append((self.pool(layer, fmt_l), cb))
         # Writes happen only after every layer compressed: a failure above leaves no partial slot.
         for p, cb in staged:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
+from hf_helpers import tiny_llama  # type: ignore[import-not-found]
 from transformers import DynamicCache
 
 from proxima.formats import Format
@@ -84,7 +88,9 @@ def test_log_count_equals_repeating_the_centroid():
     seeds are tokens 0..7, all distinct.)"""
     torch.manual_seed(0)
     b, h, d, bs = 1, 2, 32, 16
-    base_k, base_v = torch.randn(b, h, bs // 2, d), torch.randn(b, h, bs // 2, d)
+    # bf16-representable, so that the cast to the 16-bit KV dtype before compression is exact.
+    base_k = torch.randn(b, h, bs // 2, d).bfloat16().float()
+    base_v = torch.randn(b, h, bs // 2, d).bfloat16().float()
     k = base_k.repeat(1, 1, 2, 1)
     v = base_v.repeat(1, 1, 2, 1)
     tail_k, tail_v = torch.randn(b, h, 3, d), torch.randn(b, h, 3, d)
@@ -151,3 +157,117 @@ def test_generate_with_pressure_driven_policy(model, ids):
     assert out.shape == (1, 130)
     assert any(not f.is_hot for f in cache.block_formats())
     assert cache.probe_log and all(r.error >= 0 for r in cache.probe_log)
+
+
+def test_supported_transformers_range_is_checked():
+    import transformers
+
+    from proxima.integration.hf.attention import check_transformers_version
+
+    check_transformers_version(transformers.__version__)  # the installed one is inside the range
+    for ok in ("5.2.0", "5.19.0", "5.99.1+local"):
+        check_transformers_version(ok)
+    for bad in ("4.57.1", "5.1.9", "6.0.0"):
+        with pytest.raises(RuntimeError, match=r"transformers .* is not supported .* >= 5\.2, < 6\.0"):
+            check_transformers_version(bad)
+
+
+def test_attention_that_drops_the_bias_fails_loudly(monkeypatch):
+    """transformers 5.2 silently ignored sdpa's `position_bias`: merged and evicted tokens were
+    attended as if whole. Proxima now folds the bias into the mask and checks, when its attention
+    is registered, that the bias reaches the softmax; an SDPA path that drops it (here: one that
+    ignores the mask, as 5.2 ignored `position_bias`) is refused instead of computing wrong attention."""
+    from transformers.integrations import sdpa_attention
+
+    from proxima.integration.hf.attention import check_bias_reaches_softmax, register
+
+    check_bias_reaches_softmax()  # the installed transformers applies it
+    original = sdpa_attention.sdpa_attention_forward
+
+    def drops_the_mask(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop("position_bias", None)
+        return original(module, query, key, value, None, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", drops_the_mask)
+    with pytest.raises(RuntimeError, match="does not apply the per-key bias"):
+        register()
+    with pytest.raises(RuntimeError, match="does not apply the per-key bias"):
+        enable(tiny_llama())
+
+
+@torch.no_grad()
+def test_cluster_bias_reaches_the_model_output(model, ids):
+    """End to end through the model: attention over a cluster(2) block with its log-counts differs
+    from the same centroids attended without them: the bias changes what the model computes."""
+    enable(model)
+    cache = ProximaCache(block_size=32)
+    model(ids[:, :100], past_key_values=cache)
+    cache.compress_blocks([0, 1], Format.parse("cluster(2)"))
+    layer = cache.proxima_layers[0]
+    _, _, bias = layer.materialize()
+    assert bias is not None and torch.isinf(bias).any() and (bias > 0).any()  # -inf slots, log 2 centroids
+    nxt = ids[:, 100:101]
+    with_counts = model(nxt, past_key_values=copy.deepcopy(cache)).logits
+    for lay in cache.proxima_layers:  # the same centroids, counts dropped (empty slots still hidden)
+        wk, wv, wb = lay.materialize()
+        assert wb is not None
+        lay._work = (wk, wv, torch.where(torch.isinf(wb), wb, torch.zeros_like(wb)))
+    without = model(nxt, past_key_values=cache).logits
+    assert not torch.allclose(with_counts, without, atol=1e-4)
+
+
+@torch.no_grad()
+def test_merged_blocks_merge_further(model, ids):
+    """cluster(2)+int4 blocks recompressed to cluster(4)+int4: centroid pairs merge, counts add (each
+    block still accounts for all its tokens), bytes held fall; a merged block asked for a sparse
+    format merges further instead (the ladder's reachable format of at least that ratio)."""
+    enable(model)
+    cache = ProximaCache(block_size=32)
+    model(ids, past_key_values=cache)
+    cache.compress_all("cluster(2)+int4", protect_sinks=32, protect_recent=32)
+    blocks = [i for i, f in enumerate(cache.block_formats()) if not f.is_hot]
+    assert len(blocks) == 7
+    r8 = cache.achieved_ratio()
+
+    def slot_bytes() -> int:
+        return sum(s.nbytes for layer in cache.proxima_layers for s in layer.slots if s is not None)
+
+    before = slot_bytes()
+    rep = cache.compress_blocks(blocks[:4], Format.parse("cluster(4)+int4"))
+    assert rep.actions == 4 and rep.formats == {"cluster(4)+int4": 4}
+    rep = cache.compress_blocks(
+        blocks[4:], Format.parse("sparse(4)+int4"), ladder=[Format.parse("cluster(4)+int4")]
+    )
+    assert rep.formats == {"cluster(4)+int4": 3}
+    assert not cache.ineligible & set(blocks)
+    assert {f.name for f in cache.block_formats()[1:-1]} == {"cluster(4)+int4"}
+    assert slot_bytes() < 0.6 * before  # half the centroids, their int4 metadata and counts
+    assert cache.achieved_ratio() > r8
+    for layer in cache.proxima_layers:
+        _, _, bias = layer.materialize()
+        assert bias is not None
+        per_block = bias[..., : layer.n_blocks * 32].unflatten(-1, (layer.n_blocks, 32))
+        mass = torch.logsumexp(per_block[..., blocks, :], -1)  # log of the tokens each block stands for
+        assert torch.allclose(mass, torch.full_like(mass, math.log(32)), atol=1e-4)
+    out = model(ids[:, :4], past_key_values=cache).logits
+    assert torch.isfinite(out).all()
+
+
+@torch.no_grad()
+def test_policy_asked_for_more_recompresses_merged_blocks(model, ids):
+    """The engine, asked for 2x then 8x, moves blocks it already merged to 16x formats (before,
+    merged blocks were final and the second request stopped short)."""
+    enable(model)
+    policy = load_policy("configs/aggressive.yaml")
+    no_probe = policy.probes.compression.model_copy(update={"enabled": False})
+    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": no_probe})})
+    cache = ProximaCache(policy, block_size=16)
+    model(ids, past_key_values=cache)
+    cache.apply_policy(target_ratio=2)
+    merged = {i for i, f in enumerate(cache.block_formats()) if f.name == "cluster(2)+int4"}
+    assert merged
+    r2 = cache.achieved_ratio()
+    cache.apply_policy(target_ratio=8)
+    after = cache.block_formats()
+    assert all(after[i].pack_ratio == 16 for i in merged)
+    assert cache.achieved_ratio() > 1.3 * r2

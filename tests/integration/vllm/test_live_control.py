@@ -93,7 +93,12 @@ def test_live_control_swaps_policy_reports_steps_and_publishes_stats(monkeypatch
         dests = -(-planned // 4)
         assert s1["owned_blocks"] == 7 - planned + dests and s1["free_blocks"] + s1["owned_blocks"] == 15
         assert s1["fragmentation_blocks"] == pytest.approx(dests - planned / 4)
-        assert s1["saved_bytes"] == (7 - s1["owned_blocks"]) * s1["block_bytes"]
+        # Ratios are bytes: the int4 slots' side-table metadata counts against the savings.
+        assert s1["meta_bytes"] > 0
+        assert s1["saved_bytes"] == (7 - s1["owned_blocks"]) * s1["block_bytes"] - s1["meta_bytes"]
+        held = s1["owned_blocks"] * s1["block_bytes"] + s1["meta_bytes"]
+        assert s1["effective_compression"] == pytest.approx(7 * s1["block_bytes"] / held, rel=1e-5)
+        assert s1["effective_compression"] < s1["nominal_compression"]
 
         # Disable compression through the API: the very next step plans under it.
         assert api.patch("/v1/policy", json={"enabled": False}).status_code == 401

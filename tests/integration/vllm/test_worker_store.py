@@ -160,3 +160,80 @@ def test_released_destinations_are_zeroed_before_the_step() -> None:
         k = st.layout.read_blocks(kv, torch.tensor([2]))[0][0].float()
         assert (kh[0].float() - k).norm() / k.norm() < TOL["int8"]
     assert st.remap["q"][0] == (Format.parse("int8"), 10, 0)
+
+
+SAME_PAYLOAD_FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int8", "cluster(2)+int4"]
+
+
+@pytest.mark.parametrize("fmt", SAME_PAYLOAD_FORMATS)
+def test_hf_cache_stores_what_the_vllm_worker_stores(fmt: str) -> None:
+    """One compression API: for the same block and format, the transformers cache and the vLLM
+    worker hold bit-identical payloads (data and every metadata field), so a damage table
+    calibrated on the HF path describes what vLLM stores. The HF side gets the block in float32
+    (the CPU quality harness runs the model in float32) and casts it to the 16-bit cache dtype,
+    as vLLM holds it."""
+    from proxima.compression.spec import slot_spec
+    from proxima.integration.hf import ProximaCache
+
+    st, caches = _store()
+    f = Format.parse(fmt)
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=3, dst=10, slot=1 % f.pack_ratio, fmt=fmt)]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [1], rep and rep.errors
+    assert st.layout is not None
+    layer = "layer.0"
+    k, v = st.layout.read_blocks(caches[layer], torch.tensor([3]))  # [1, B, H, D] bf16, as vLLM holds it
+    hf = ProximaCache(block_size=B)
+    hf.update(k.transpose(1, 2).float(), v.transpose(1, 2).float(), 0)
+    hf.compress_blocks([0], f)
+    slot = hf.proxima_layers[0].slots[0]
+    assert slot is not None
+    cb = slot.cb
+    pool = st.pool(layer, f)
+    sid = 10 * f.pack_ratio + 1 % f.pack_ratio
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8).flatten()
+
+    assert torch.equal(bits(cb.k_data[0]), bits(pool.k[sid]))
+    assert torch.equal(bits(cb.v_data[0]), bits(pool.v[sid]))
+    held = {n for n in ("k_scale", "k_zero", "v_scale", "v_zero", "log_count") if getattr(cb, n) is not None}
+    assert set(pool.meta) == held
+    for name, t in pool.meta.items():
+        assert torch.equal(bits(getattr(cb, name)[0]), bits(t[sid])), name
+    spec = slot_spec(f, block_size=B, head_dim=D, num_kv_heads=H)
+    assert slot.nbytes == cb.held_nbytes == spec.held_bytes_per_slot
+
+
+def test_merged_blocks_recompress_with_counts_adding() -> None:
+    """cluster(2)+int4 -> cluster(4)+int4 in the worker: centroid pairs merge from the stored slot,
+    every (block, head) still accounts for its B tokens, and the slot holds exactly what
+    `compress_blocks` makes of the stored rows (the transformers cache's call); a move that
+    `recompressible` refuses fails the batch and leaves the old slot as it was."""
+    from proxima.compression import compress_blocks
+
+    st, _caches = _store()
+    c2, c4 = Format.parse("cluster(2)+int4"), Format.parse("cluster(4)+int4")
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=c2.name)]))
+    st.take_report()
+    rows = {layer: st.read_with_counts(layer, c2, torch.tensor([10]), torch.tensor([0])) for layer in st.kv_caches}
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=c4.name,
+                                                 from_fmt=c2.name, from_dst=10, from_slot=0)]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [1], rep and rep.errors
+    assert st.remap["r"][0] == (c4, 11, 0)
+    for layer, (k2, v2, lc2) in rows.items():
+        kh, _vh, lc = st.read_with_counts(layer, c4, torch.tensor([11]), torch.tensor([0]))
+        assert kh.shape[1] == B // 4
+        assert torch.allclose(lc.exp().sum(1), torch.full((1, H), float(B)))
+        want = compress_blocks(c4, k2, v2, token_importance=torch.ones(lc2.shape), log_count=lc2,
+                               source_tokens=B, backend="torch")
+        pool = st.pool(layer, c4)
+        sid = 11 * c4.pack_ratio
+        assert torch.equal(want.k_data[0].view(torch.uint8), pool.k[sid])
+        assert want.log_count is not None and torch.equal(want.log_count[0], pool.meta["log_count"][sid])
+    st.apply(ProximaPlan(actions=[CompressAction(2, "r", 0, src=-1, dst=12, slot=0, fmt="sparse(8)+int4",
+                                                 from_fmt=c4.name, from_dst=11, from_slot=0)]))
+    rep = st.take_report()
+    assert rep is not None and rep.failed == [2] and "recompressible" in rep.errors[0]
+    assert st.remap["r"][0] == (c4, 11, 0)  # the block stays where it was

@@ -7,7 +7,7 @@ Public API (shapes use named dims: N blocks, T tokens, H KV heads, Hq query head
   `compress_blocks` / `decompress_blocks` over [N, T, H, D].
 - `decode_attention(q [S, Hq, D], segments)`: attention over hot and compressed blocks of
   several formats, with output, log-sum-exp and per-block attention mass.
-- `attention_error(q_obs [W, Hq, D], k, v, cb)`: the compression-time probe.
+- `attention_error(q_obs [W, Hq, D], k, v, cb)`: the compression-time probe; `attention_errors` for N blocks.
 - `slot_spec(fmt, ...)`: bytes and metadata layout of a format; `layout`: views onto vLLM's KV
   tensor (CPU_ATTN and FlashAttention layouts) and the metadata side table.
 
@@ -18,6 +18,7 @@ from proxima.compression.attention import (
     DecodeOutput,
     KVSegment,
     attention_error,
+    attention_errors,
     decode_attention,
     decode_attention_reference,
     merge_partials,
@@ -44,6 +45,7 @@ __all__ = [
     "SideTable",
     "SlotSpec",
     "attention_error",
+    "attention_errors",
     "compress_block",
     "compress_blocks",
     "decode_attention",

@@ -152,7 +152,7 @@ def attention_error(
     q_obs: [W, Hq, D] observation-window queries; k, v: [T, H, D] the block as it was; cb: that
     block compressed (N = 1). Each query attends to the block alone (no mask: the block is in
     every query's past). Returns ||O_hat - O||_F / ||O||_F over all W queries and heads, float32
-    arithmetic (0.0 when O is zero).
+    arithmetic (0.0 when O is zero). One block of `attention_errors`.
     """
     if q_obs.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
@@ -160,20 +160,52 @@ def attention_error(
         )
     if cb.num_slots != 1:
         raise ValueError(f"attention_error takes one compressed block, got {cb.num_slots}")
-    hq, h = q_obs.shape[1], k.shape[1]
+    return float(attention_errors(q_obs[None], k[None], v[None], cb, sm_scale=sm_scale)[0])
+
+
+def attention_errors(
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cb: CompressedBlocks,
+    *,
+    q_valid: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """`attention_error` of N blocks at once, each with its own queries: float32 [N] (CPU).
+
+    q_obs: [N, W, Hq, D]; k, v: [N, T, H, D] the blocks as they were; cb: the same N blocks
+    compressed. q_valid: bool [N, W], False for padding queries (blocks whose request has fewer
+    than W recent queries); padding counts in neither norm.
+    """
+    if q_obs.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q_obs.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"need q_obs [N, W, Hq, D] and k, v [N, T, H, D], got {tuple(q_obs.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    n, hq, h = k.shape[0], q_obs.shape[2], k.shape[2]
+    if cb.num_slots != n:
+        raise ValueError(f"attention_errors: {n} blocks but {cb.num_slots} compressed slots")
     if hq % h:
         raise ValueError(f"Hq={hq} must be a multiple of H={h}")
     scale = 1.0 / math.sqrt(k.shape[-1]) if sm_scale is None else float(sm_scale)
     g = hq // h
-    kh, vh, lc = decompress_blocks(cb, backend="torch")
+    kh, vh, lc = decompress_blocks(cb, backend="torch")  # [N, C, H, D], [N, C, H]
+    q = q_obs.float()
 
     def attend(kk: torch.Tensor, vv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        kq = kk[0 if kk.dim() == 4 else slice(None)].float().repeat_interleave(g, 1)  # [T, Hq, D]
-        vq = vv[0 if vv.dim() == 4 else slice(None)].float().repeat_interleave(g, 1)
-        logits = torch.einsum("whd,thd->wht", q_obs.float(), kq) * scale + bias.repeat_interleave(g, 1).T
-        return torch.einsum("wht,thd->whd", torch.softmax(logits, -1), vq)
+        kq = kk.float().repeat_interleave(g, 2)  # [N, T, Hq, D]
+        vq = vv.float().repeat_interleave(g, 2)
+        logits = torch.einsum("nwhd,nthd->nwht", q, kq) * scale + bias.repeat_interleave(g, 2).transpose(1, 2)[:, None]
+        return torch.einsum("nwht,nthd->nwhd", torch.softmax(logits, -1), vq)
 
-    o = attend(k, v, torch.zeros(k.shape[:2], device=k.device))
-    o_hat = attend(kh, vh, lc[0])
-    denom = float(o.norm())
-    return 0.0 if denom == 0 else float((o_hat - o).norm()) / denom
+    o = attend(k, v, torch.zeros(k.shape[:3], device=k.device))
+    o_hat = attend(kh, vh, lc)
+    diff = o_hat - o
+    if q_valid is not None:
+        keep = q_valid.to(o.device).view(n, -1, 1, 1).float()
+        o, diff = o * keep, diff * keep
+    denom = o.flatten(1).norm(dim=1)
+    num = diff.flatten(1).norm(dim=1)
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.where(denom > 0, num / safe, torch.zeros_like(num)).cpu()

@@ -195,6 +195,9 @@ class CompressionProbe(_Model):
     """Format name -> largest acceptable relative error of the attention output."""
     default_max_error: float = Field(default=0.15, gt=0.0)
     """Bound for formats not listed in `max_error`."""
+    max_refused_fraction: float = Field(default=0.25, ge=0.0, lt=1.0)
+    """A step's verdict (what the fallback ladder counts) fails when more than this fraction of
+    the blocks measured in that step were over the bound in the format the engine chose."""
 
     @field_validator("max_error")
     @classmethod

@@ -53,9 +53,9 @@ class ProximaKVCacheManager(KVCacheManager):
     px: ProximaState
     """Set by install(); declared for type checkers."""
 
-    def set_policy(self, policy: Policy) -> None:
+    def set_policy(self, policy: Policy, version: int | None = None) -> None:
         """Adopt a (validated) policy from the next planning step on (`ProximaState.adopt`)."""
-        self.px.adopt(policy)
+        self.px.adopt(policy, version)
 
     # --- vLLM hooks -------------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ class ProximaKVCacheManager(KVCacheManager):
         if px.policy.is_off or px.disabled:
             return 0
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
-                              pending_blocks, finishing)
+                              pending_blocks, finishing, px.probe_status)
         decision = decide(snap, px.backoff.restrict(px.effective, px.stats.steps), px.engine)
         px.engine = decision.state
         planned = 0
@@ -174,6 +174,14 @@ class ProximaKVCacheManager(KVCacheManager):
             if fmt not in px.formats or not quota.take(fmt.name):
                 continue  # (px.formats: filtered out of the ladders by adopt(); kept as a guard)
             entry = px.ledger[act.request_id]
+            cap = entry.caps.get(act.block_index)
+            if cap is not None and cap.pack_ratio < fmt.pack_ratio:
+                # The probe measured this block over the bound in a harsher format: the milder one it accepted.
+                levels = px.effective.fallback.levels
+                level = levels[min(px.engine.fallback_level, len(levels) - 1)]
+                if cap not in px.formats or not level.permits(cap) or not quota.take(cap.name):
+                    continue
+                fmt = cap
             src = blocks_of[act.request_id][act.block_index]
             prev = entry.compressed.get(act.block_index)
             if prev is None and (src.is_null or src.ref_cnt != 1):
@@ -219,6 +227,9 @@ class ProximaKVCacheManager(KVCacheManager):
             scrub=list(px.blocks.take_scrub()),
         )
         px.sent.update(a.action_id for a in plan.actions)
+        plan.policy_version = px.policy_version
+        if px.worker_version != px.policy_version:  # the worker applies it before this plan's work
+            plan.policy, px.worker_version = px.policy, px.policy_version
         px.dropped = []
         b = self.block_size
         blocks_of = self._stm.req_to_blocks
@@ -270,6 +281,14 @@ class ProximaKVCacheManager(KVCacheManager):
         px.prefill_actions.difference_update(report.ok)
         px.prefill_actions.difference_update(report.failed)
         failed = [px.pending.pop(aid, None) for aid in report.failed]
+        for aid, milder in report.rejected.items():  # the probe refused: the block is as it was
+            ca = px.pending.pop(aid, None)
+            px.sent.discard(aid)
+            px.prefill_actions.discard(aid)
+            if ca is not None:
+                px.ledger[ca.req_id].caps[ca.index] = Format.parse(milder) if milder else HOT
+                failed.append(ca)
+        px.stats.rejected += len(report.rejected)
         px.stats.failed += len(report.failed)
         px.sent.difference_update(report.failed)
         # Latest slots first, so that an open destination can take its failed slots back.

@@ -13,6 +13,7 @@ from typing import NewType
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from proxima.placement import BlockId, SlotIndex
+from proxima.policy.schema import Policy
 
 NO_BLOCK = BlockId(-1)
 """`src` of a recompression, `from_dst` of a first compression."""
@@ -59,6 +60,11 @@ class ProximaPlan(KVConnectorMetadata):
     """Physical block receiving this step's first token -> request, for every scheduled request
     (exclusively owned, so it identifies the batch row without request ids in attention
     metadata): attention finds the rows with compressed blocks, and the rows to observe."""
+    policy_version: int = 0
+    """The scheduler's live policy version when it built this plan (0: the startup policy)."""
+    policy: Policy | None = None
+    """The live policy, in the first plan after it changed (else None): the worker adopts it
+    (importance settings, compression probe, layer overrides) before this plan's work."""
 
 
 @dataclass
@@ -71,6 +77,15 @@ class ProximaReport(KVConnectorWorkerMetadata):
     importance: dict[str, list[float]] = field(default_factory=dict)
     """Request -> attention mass of each of its logical blocks (observed this step; blocks the
     worker could not observe, e.g. compressed ones, are NaN)."""
+    rejected: dict[ActionId, str] = field(default_factory=dict)
+    """Actions the compression-time probe refused (error over the bound; the block is as it was)
+    -> the milder format within the bound, "" for none (the block stays hot)."""
+    probe_errors: list[tuple[str, float]] = field(default_factory=list)
+    """(format, relative attention-output error) of every probe measurement this step."""
+    probe_measured: int = 0
+    """Blocks the probe measured in their chosen format (the denominator of the refusals)."""
+    probe_seconds: float = 0.0
+    """Wall time of this step's probe measurements."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ProximaReport), f"cannot aggregate ProximaReport with {type(other)}"
@@ -82,8 +97,14 @@ class ProximaReport(KVConnectorWorkerMetadata):
         for rid, imp in other.importance.items():
             mine = importance.get(rid)
             importance[rid] = imp if mine is None else [_nanmax(a, b) for a, b in zip(mine, imp, strict=False)]
+        # A block refused anywhere stays as it was (its other shards were not written either:
+        # every rank measures the same heads' shard of its own, and refuses on its own numbers).
+        rejected = {aid: f for aid, f in {**other.rejected, **self.rejected}.items() if aid not in failed}
+        ok -= set(rejected)
         return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors,
-                             max(self.kernel_seconds, other.kernel_seconds), importance)
+                             max(self.kernel_seconds, other.kernel_seconds), importance, rejected,
+                             self.probe_errors + other.probe_errors, max(self.probe_measured, other.probe_measured),
+                             max(self.probe_seconds, other.probe_seconds))
 
 
 def _nanmax(a: float, b: float) -> float:

@@ -32,7 +32,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from proxima.formats import HOT, Format
-from proxima.integration.vllm import _patches, admission, pool_usage
+from proxima.integration.vllm import _patches, admission, canary, pool_usage
 from proxima.integration.vllm.ledger import CompressedSlot, RequestEntry
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.snapshot import build_snapshot, check_protected, finishing_requests
@@ -107,6 +107,7 @@ class ProximaKVCacheManager(KVCacheManager):
         if out is not None:
             if rid not in px.ledger:
                 px.ledger[rid] = RequestEntry(request)
+                px.canaries += rid.startswith(canary.CANARY_PREFIX)
             return out
         # The allocation would fail: vLLM would now preempt. Plan an emergency compression;
         # has_pending_block_frees() then tells the scheduler to wait one step instead.
@@ -162,14 +163,21 @@ class ProximaKVCacheManager(KVCacheManager):
         px = self.px
         if px.policy.is_off or px.disabled:
             return 0
+        # Canaries and their references are not the pressure's to compress (`canary.py`).
+        special = canary.special_requests(px.ledger) if px.canaries else set()
+        restricted = px.backoff.restrict(px.effective, px.stats.steps)
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
-                              pending_blocks, finishing, px.probe_status)
-        decision = decide(snap, px.backoff.restrict(px.effective, px.stats.steps), px.engine)
+                              pending_blocks, set(finishing) | special, px.probe_status)
+        decision = decide(snap, restricted, px.engine)
         px.engine = decision.state
+        actions = decision.actions
+        if special:
+            actions += canary.forced_actions(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
+                                             restricted, px.engine, finishing)
         planned = 0
         blocks_of = self._stm.req_to_blocks
         quota = px.backoff.quota(px.stats.steps)  # after failures: small probe batches
-        for act in decision.actions:
+        for act in actions:
             fmt = act.to_format
             if fmt not in px.formats or not quota.take(fmt.name):
                 continue  # (px.formats: filtered out of the ladders by adopt(); kept as a guard)

@@ -17,6 +17,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from proxima.formats import Format
 from proxima.integration.vllm.blocks import VllmBlockSource
+from proxima.integration.vllm.canary import CANARY_PREFIX
 from proxima.integration.vllm.ledger import RequestLedger
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.integration.vllm.stats import MetaSizes, ProximaStats
@@ -74,6 +75,8 @@ class ProximaState:
     """Version of `policy` (0: the startup policy; the runtime API's store numbers the changes)."""
     worker_version: int = 0
     """The policy version last sent to the worker (`ProximaPlan.policy`)."""
+    canaries: int = 0
+    """Resident canary and reference requests (`canary.py`; 0: planning skips looking for them)."""
     probe_status: ProbeStatus = "ok"
     """What the quality probes say, for the policy engine (`Snapshot.probe_status`; set each step
     by `live.LiveControl` from the controller)."""
@@ -111,6 +114,7 @@ class ProximaState:
         entry = self.ledger.pop(req_id, None)
         if entry is None:
             return []
+        self.canaries -= req_id.startswith(CANARY_PREFIX)
         for ca in entry.in_flight.values():
             self.pending.pop(ca.action_id, None)
         self.dropped.append(req_id)

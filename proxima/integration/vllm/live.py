@@ -132,6 +132,9 @@ class LiveControl:
         self._probe_measured = 0
         self._probe_refused = 0
         self._probe_seconds = 0.0
+        self._window: list[float] = []  # errors of the verdict window (`probes.compression.window_blocks`)
+        self._window_measured = 0
+        self._window_refused = 0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -225,10 +228,14 @@ class LiveControl:
                                            backoff=tuple(self.manager.px.backoff.take_events()),
                                            probe_errors=tuple(self._probe_errors),
                                            probe_seconds=self._probe_seconds if measured else None))
-        if measured:  # one verdict per step that measured blocks: what the fallback ladder counts
-            cfg = self.controller.store.policy.probes.compression
-            self.controller.on_probe(compression_step([e for _, e in self._probe_errors], self._probe_measured,
-                                                      self._probe_refused, cfg))
+        # One verdict per `window_blocks` measured blocks: what the fallback ladder counts.
+        self._window += [e for _, e in self._probe_errors]
+        self._window_measured += self._probe_measured
+        self._window_refused += self._probe_refused
+        cfg = self.controller.store.policy.probes.compression
+        if self._window_measured >= cfg.window_blocks:
+            self.controller.on_probe(compression_step(self._window, self._window_measured, self._window_refused, cfg))
+            self._window, self._window_measured, self._window_refused = [], 0, 0
         self._committed = Counter()
         self._failed = 0
         self._kernel_seconds = 0.0

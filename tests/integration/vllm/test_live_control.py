@@ -225,7 +225,9 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     plans those blocks as int8 next, and the steps' verdicts move the ladder by themselves."""
     policy = load_policy(HERE / "force-int4.yaml")
     band = policy.bands[0].model_copy(update={"ladder": [Format.parse("int4"), Format.parse("int8")]})
-    policy = policy.model_copy(update={"bands": [band]})
+    probes = policy.probes.model_copy(update={"compression": policy.probes.compression.model_copy(
+        update={"enabled": True, "window_blocks": 4})})
+    policy = policy.model_copy(update={"bands": [band], "probes": probes})
     m = _manager(policy, blocks=32)
     live = LiveControl(m, m.px.policy, "127.0.0.1", 0)  # hooks only, no server
     _prefilled(m, "a", 6 * B)

@@ -112,6 +112,7 @@ class _Engine:
         self.finished: dict[str, Any] = {}
         self.steps = 0
         self.generated = 0
+        self.canaries: _Canaries | None = None
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, score: bool = False) -> None:
         from vllm import SamplingParams
@@ -120,8 +121,6 @@ class _Engine:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                             prompt_logprobs=0 if score else None)
         self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
-
-        self.canaries: _Canaries | None = None
 
     def step(self) -> None:
         self.steps += 1
@@ -269,7 +268,9 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
     res["metrics"] = [ln for ln in e.api.get("/metrics").text.splitlines()
                       if ln.startswith(wanted) and "_created" not in ln]
     res["finished"] = len(e.finished)
-    res["canary_verdicts"] = e.canaries.verdicts
+    px = json.loads(Path(os.environ["PROXIMA_STATS_FILE"]).read_text())
+    res["committed_by_format"], res["rejected_by_probe"] = px.get("committed_by_format"), px.get("rejected_by_probe")
+    res["canary_verdicts"] = e.canaries.verdicts if e.canaries is not None else []
     return res
 
 

@@ -418,10 +418,12 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
     # -- engine state ------------------------------------------------------------------------------
     @app.get("/v1/stats", tags=["engine"])
     def stats() -> dict[str, Any]:
-        """Pressure, blocks per format, bytes saved, effective compression and fragmentation."""
+        """Pressure, blocks per format, bytes saved, effective compression and fragmentation; the
+        fallback level, `probe_status` (what the engine's snapshot says) and each probe's last verdict."""
         s = ctl.stats()
         version, level = ctl.policy_for_step()
-        return {**s.to_json(), "policy_version": version.version, "fallback_level": level}
+        return {**s.to_json(), "policy_version": version.version, "fallback_level": level,
+                "probe_status": ctl.probe_status(), "probes": ctl.last_verdicts()}
 
     @app.get("/v1/probes", tags=["engine"])
     def probes() -> dict[str, Any]:

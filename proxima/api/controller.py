@@ -163,6 +163,14 @@ class Controller:
         latest = max(last, key=lambda rec: rec.at, default=None)
         return "failing" if latest is not None and not latest.result.passed and counting else "ok"
 
+    def last_verdicts(self) -> dict[str, Any]:
+        """Each probe's last verdict in brief (None: none yet), for `/v1/stats`."""
+        with self._ladder_lock:
+            last = dict(self._probes)
+        return {kind: None if (rec := last.get(kind)) is None  # type: ignore[call-overload]
+                else {"passed": rec.result.passed, "at": rec.at, "detail": rec.result.detail}
+                for kind in ("compression", "canary", "drift")}
+
     def stats(self) -> BackendStats:
         stats = self.backend.stats()
         self.metrics.set_stats(stats)

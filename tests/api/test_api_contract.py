@@ -144,6 +144,8 @@ def test_stats_shape(client: TestClient, server: SimulatedServer) -> None:
         "total_blocks",
         "policy_version",
         "fallback_level",
+        "probe_status",
+        "probes",
     ):
         assert key in s
     assert s["free_blocks"] + s["owned_blocks"] == s["total_blocks"]

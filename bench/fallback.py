@@ -97,7 +97,7 @@ def _prompts(model: str, n: int, offset: int) -> list[list[int]]:
 class _Engine:
     """One in-process vLLM engine, stepped by hand, and its runtime API."""
 
-    def __init__(self, model: str, pool_blocks: int) -> None:
+    def __init__(self, model: str, pool_blocks: int, chunk_tokens: int = 64) -> None:
         import httpx
         from vllm import LLM
 
@@ -105,7 +105,7 @@ class _Engine:
 
         self.llm = LLM(**engine_args(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True,
                                      block_size=BLOCK, num_gpu_blocks_override=pool_blocks, seed=0, max_num_seqs=16,
-                                     max_num_batched_tokens=64))
+                                     max_num_batched_tokens=chunk_tokens))
         self.engine = self.llm.llm_engine
         self.api = httpx.Client(base_url=f"http://127.0.0.1:{os.environ['PROXIMA_API_PORT']}", timeout=30)
         self.auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -275,7 +275,8 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
 
 
 def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int) -> dict[str, Any]:
-    e = _Engine(model, pool_blocks)
+    # Longer chunks than the bad run's: this run is about many requests (fewer, larger steps).
+    e = _Engine(model, pool_blocks, chunk_tokens=256)
     prompts = _prompts(model, requests, 0)
     # Keep about max_num_seqs requests queued: steady memory pressure, same shape probes on or off.
     t0 = time.perf_counter()

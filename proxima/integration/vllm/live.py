@@ -209,7 +209,7 @@ class LiveControl:
         self._kernel_seconds += report.kernel_seconds
         self._probe_errors.extend(report.probe_errors)
         self._probe_measured += report.probe_measured
-        self._probe_refused += len(report.rejected)
+        self._probe_refused += report.probe_refused
         self._probe_seconds += report.probe_seconds
         self.manager.apply_report(report)
         # Only an open step is reported: with vLLM's async scheduling a report can arrive after the

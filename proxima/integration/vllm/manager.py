@@ -294,7 +294,8 @@ class ProximaKVCacheManager(KVCacheManager):
             px.sent.discard(aid)
             px.prefill_actions.discard(aid)
             if ca is not None:
-                px.ledger[ca.req_id].caps[ca.index] = Format.parse(milder) if milder else HOT
+                if milder != ca.fmt:  # (its own format: not measured yet, planned again later)
+                    px.ledger[ca.req_id].caps[ca.index] = Format.parse(milder) if milder else HOT
                 failed.append(ca)
         px.stats.rejected += len(report.rejected)
         px.stats.failed += len(report.failed)

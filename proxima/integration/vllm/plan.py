@@ -78,12 +78,15 @@ class ProximaReport(KVConnectorWorkerMetadata):
     """Request -> attention mass of each of its logical blocks (observed this step; blocks the
     worker could not observe, e.g. compressed ones, are NaN)."""
     rejected: dict[ActionId, str] = field(default_factory=dict)
-    """Actions the compression-time probe refused (error over the bound; the block is as it was)
-    -> the milder format within the bound, "" for none (the block stays hot)."""
+    """Actions the compression-time probe refused (the block is as it was) -> the milder format
+    within the bound, "" for none (the block stays hot), or the action's own format when the
+    block could not be measured yet (planned again later)."""
     probe_errors: list[tuple[str, float]] = field(default_factory=list)
     """(format, relative attention-output error) of every probe measurement this step."""
     probe_measured: int = 0
     """Blocks the probe measured in their chosen format (the denominator of the refusals)."""
+    probe_refused: int = 0
+    """Of those, over the bound."""
     probe_seconds: float = 0.0
     """Wall time of this step's probe measurements."""
 
@@ -97,14 +100,19 @@ class ProximaReport(KVConnectorWorkerMetadata):
         for rid, imp in other.importance.items():
             mine = importance.get(rid)
             importance[rid] = imp if mine is None else [_nanmax(a, b) for a, b in zip(mine, imp, strict=False)]
-        # A block refused anywhere stays as it was (its other shards were not written either:
-        # every rank measures the same heads' shard of its own, and refuses on its own numbers).
+        # A block refused anywhere stays as it was. Each rank measures its own heads' shard; a rank
+        # that accepted where another refused has written its slot (the same caveat as an action
+        # that failed on one rank only: that rank's remap keeps the entry).
         rejected = {aid: f for aid, f in {**other.rejected, **self.rejected}.items() if aid not in failed}
         ok -= set(rejected)
-        return ProximaReport(sorted(ok), sorted(failed), self.errors + other.errors,
-                             max(self.kernel_seconds, other.kernel_seconds), importance, rejected,
-                             self.probe_errors + other.probe_errors, max(self.probe_measured, other.probe_measured),
-                             max(self.probe_seconds, other.probe_seconds))
+        return ProximaReport(
+            ok=sorted(ok), failed=sorted(failed), errors=self.errors + other.errors,
+            kernel_seconds=max(self.kernel_seconds, other.kernel_seconds), importance=importance, rejected=rejected,
+            probe_errors=self.probe_errors + other.probe_errors,
+            probe_measured=max(self.probe_measured, other.probe_measured),
+            probe_refused=max(self.probe_refused, other.probe_refused),
+            probe_seconds=max(self.probe_seconds, other.probe_seconds),
+        )
 
 
 def _nanmax(a: float, b: float) -> float:

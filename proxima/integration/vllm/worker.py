@@ -269,6 +269,7 @@ class WorkerStore:
         self.report.rejected.update(out.rejected)
         self.report.probe_errors.extend(out.errors)
         self.report.probe_measured += out.measured
+        self.report.probe_refused += out.refused
         return out.accepted
 
     def read_current(self, layer: str, from_fmt: Format,

@@ -11,8 +11,9 @@ the report tells the scheduler the first one within the bound (it plans the bloc
 at a later step, since a milder format needs another destination) or that the block stays hot.
 
 One layer of L is measured (about 1/L of the compression's own cost, plus a softmax over W
-queries by one block). Blocks of a request with no recent query (never observed) are applied
-unmeasured.
+queries by one block). Blocks of a request with no recent query (not observed yet) are not
+written this step: they are reported refused in their own format (the scheduler plans them again,
+by when their request's queries have been seen), so no block is written unmeasured.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class ProbeOutcome:
     """(format, relative attention error) of every measurement, the chosen formats' first."""
     measured: int = 0
     """Blocks measured in their chosen format."""
+    refused: int = 0
+    """Of those, over the bound (a milder format, or none, was named for them)."""
 
 
 def milder_formats(policy: Policy | None, fmt: Format, from_fmt: Format) -> list[Format]:
@@ -91,8 +94,12 @@ def check_batch(store: WorkerStore, fmt: Format, from_fmt: Format, acts: Sequenc
     queries = store.recent_queries
     measurable = [a for a in acts if queries.get(a.req_id) is not None]
     unmeasured = [a for a in acts if queries.get(a.req_id) is None]
-    if not cfg.enabled or layer is None or not measurable or queries.scale is None:
+    if not cfg.enabled or layer is None:
         return ProbeOutcome(accepted=list(acts))
+    # Not measurable yet: "refused in its own format", i.e. planned again at a later step.
+    deferred = {a.action_id: fmt.name for a in unmeasured}
+    if not measurable or queries.scale is None:
+        return ProbeOutcome(rejected={a.action_id: fmt.name for a in acts})
     kv = store.kv_caches[layer]
     k, v = store.read_current(layer, from_fmt, measurable)  # [N, T, H, D]
     qs = [queries.get(a.req_id) for a in measurable]
@@ -115,7 +122,7 @@ def check_batch(store: WorkerStore, fmt: Format, from_fmt: Format, acts: Sequenc
         return attention_errors(q_obs[idx], k[idx], v[idx], cb, q_valid=valid[idx], sm_scale=scale)
 
     first = errors_of(fmt, list(range(len(measurable))))
-    out = ProbeOutcome(accepted=list(unmeasured), measured=len(measurable))
+    out = ProbeOutcome(rejected=deferred, measured=len(measurable))
     milder = milder_formats(store.policy, fmt, from_fmt)
     for i, a in enumerate(measurable):
         def measure(f: Format, i: int = i) -> float:
@@ -128,6 +135,7 @@ def check_batch(store: WorkerStore, fmt: Format, from_fmt: Format, acts: Sequenc
             out.accepted.append(a)
         else:
             out.rejected[a.action_id] = verdict.chosen.name if verdict.chosen is not None else ""
+            out.refused += 1
     return out
 
 

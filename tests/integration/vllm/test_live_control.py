@@ -238,7 +238,7 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     refused = {a.action_id: "int8" for a in plan.actions}
     first = len(refused)
     live.commit(ProximaReport(rejected=refused, probe_errors=[("int4", 0.3)] * len(refused) + [("int8", 0.004)],
-                              probe_measured=len(refused), probe_seconds=0.001))
+                              probe_measured=len(refused), probe_refused=len(refused), probe_seconds=0.001))
     assert m.px.stats.rejected == len(refused) and not m.px.pending and m.px.stats.failed == 0
     assert m.summary()["backoff"]["formats"] == {}, "a refusal is not a kernel failure"
     m.check_accounting()
@@ -249,7 +249,7 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     assert plan.actions and {a.fmt for a in plan.actions} == {"int8"}, "the cap the probe named"
     refused = {a.action_id: "" for a in plan.actions}
     live.commit(ProximaReport(rejected=refused, probe_errors=[("int8", 0.5)] * len(refused),
-                              probe_measured=len(refused)))
+                              probe_measured=len(refused), probe_refused=len(refused)))
     st = live.controller.fallback_state()
     assert st["level"] == 1 and st["automatic_level"] == 1  # failures_to_step_down = 2
     alerts = live.controller.alerts.recent()
@@ -263,4 +263,16 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     live.before_plan()
     assert m.px.engine.fallback_level == 1
     assert not m.build_plan(["a"]).actions, "every block is capped at bf16 or refused: nothing left to try"
+    m.check_accounting()
+
+
+def test_a_block_not_measured_yet_is_planned_again_in_its_format() -> None:
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    _prefilled(m, "a", 3 * B)
+    plan = m.build_plan(["a"])
+    assert plan.actions
+    m.apply_report(ProximaReport(rejected={a.action_id: a.fmt for a in plan.actions}))  # the worker deferred them
+    assert not m.px.ledger["a"].caps and not m.px.pending and m.px.stats.failed == 0
+    again = m.build_plan(["a"])
+    assert [(a.index, a.fmt) for a in again.actions] == [(a.index, a.fmt) for a in plan.actions]
     m.check_accounting()

@@ -406,9 +406,9 @@ def main() -> None:
     webhook_alerts = [r["alert"] for r in _Receiver.received]
     good_argv = [*common, "--requests", str(a.requests), "--max-tokens", str(a.max_tokens)]
     g = _run_child("good", ROOT / "configs" / "conservative.yaml", good_argv, tmp)
-    g_off = None if a.skip_probes_off else _run_child("good", good_off, good_argv, tmp)
     contrast = _run_child("bad", bad_off, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)],
                           tmp) if a.contrast else None
+    g_off = None if a.skip_probes_off else _run_child("good", good_off, good_argv, tmp)
     server.shutdown()
     false_alarms = sum(1 for al in g["alerts"]["alerts"] if al["kind"] == "fallback_step_down")
     res: dict[str, Any] = {

@@ -276,3 +276,18 @@ def test_a_block_not_measured_yet_is_planned_again_in_its_format() -> None:
     again = m.build_plan(["a"])
     assert [(a.index, a.fmt) for a in again.actions] == [(a.index, a.fmt) for a in plan.actions]
     m.check_accounting()
+
+
+def test_without_the_api_a_compressing_policy_still_gets_its_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_PORT_ENV, raising=False)
+    off = _manager(Policy(enabled=False))
+    assert LiveControl.from_env(off, off.px.policy, "initial") is None  # nothing of live.py runs
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    live = LiveControl.from_env(m, m.px.policy, "initial")
+    assert live is not None
+    try:
+        assert live._server is None and live.controller.webhook._thread is not None  # no HTTP, alerts delivered
+        _prefilled(m, "a", 3 * B)
+        assert _step(live, m, ["a"]) > 0 and live.controller.metrics.steps._value.get() == 1
+    finally:
+        live.stop()

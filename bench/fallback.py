@@ -8,7 +8,8 @@ step, and the worker's connector is in the same process, so the worker's live po
 directly). Prompts are news text (gensim's `lee_background.cor`, as `bench/capacity.py`).
 
 1. **bad**: a policy whose only band compresses every eligible block into int2 (ladder
-   `[int2, int8]`; int2 breaks SmolLM2), under memory pressure, the alert webhook pointing at a
+   `[int2, int8]`; int2's attention-output error on SmolLM2 is about 0.4 per block), under memory
+   pressure, the alert webhook pointing at a
    receiver this script serves on 127.0.0.1.
    a. a PATCH of worker-side knobs (`importance.observation_window`): engine steps until the
       worker runs with it;
@@ -21,7 +22,9 @@ directly). Prompts are news text (gensim's `lee_background.cor`, as `bench/capac
    ladder's step downs are false alarms (`false_alarms`); tokens/s (`tokens_per_s_probes_on`).
 3. **good, probes off**: the same run with `probes.compression.enabled: false`
    (`tokens_per_s_probes_off`), unless `--skip-probes-off`.
-4. **bad, probes off** (`--contrast`): the bad policy with no probe, to show what was caught.
+4. **bad, canary only** (`--contrast`): the bad policy with the compression-time probe off and
+   canaries on (`proxima.integration.vllm.canary`): the damage int2 does when nothing refuses it,
+   and what the canary measures of it.
 
 Writes `--out` (JSON) and the Markdown table next to it, prints the table.
 """
@@ -53,7 +56,7 @@ STEP_LIMIT = 400
 BAD_POLICY = """\
 schema_version: 1
 name: int2-everywhere
-description: Every eligible block into int2 (which breaks SmolLM2), as soon as any block is used.
+description: Every eligible block into int2 (attention error ~0.4 per block on SmolLM2), as soon as any block is used.
 bands:
   - name: always
     enter: 0.02
@@ -353,10 +356,11 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     c = res.get("canary_only")
     if c is not None:
-        rows += [("canary only (no compression probe): steps to step down", c["steps_to_step_down"]),
+        rows += [("canary only: prompt NLL with int2 committed (nothing refuses it)",
+                  f"{c['nll_after_step_down']:.4f}"),
+                 ("canary only (no compression probe): steps to step down", c["steps_to_step_down"]),
                  ("canary only: seconds to step down", "-" if c["seconds_to_step_down"] is None
                   else f"{c['seconds_to_step_down']:.2f}"),
-                 ("canary only: prompt NLL admitted after the step down", f"{c['nll_after_step_down']:.4f}"),
                  ("canary verdicts (KL, top-1)", "; ".join(f"{v['values'].get('kl', 0):.3f}, "
                                                           f"{v['values'].get('top1', 0):.2f}"
                                                           for v in c["verdicts"][:6]))]

@@ -23,3 +23,13 @@ def test_model() -> str:
 
 
 test_model.__test__ = False  # type: ignore[attr-defined]  # a helper, not a pytest test
+
+
+def compression_probe_off(store: object) -> None:
+    """Switch the compression-time probe off in a worker store (`WorkerStore`) whose test feeds it
+    actions directly: no step observed their requests, so the probe would defer every block."""
+    policy = store.policy  # type: ignore[attr-defined]
+    assert policy is not None
+    probe = policy.probes.compression.model_copy(update={"enabled": False})
+    store.adopt(policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": probe})}),  # type: ignore[attr-defined]
+                store.policy_version)  # type: ignore[attr-defined]

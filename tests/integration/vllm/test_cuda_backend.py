@@ -33,6 +33,7 @@ from proxima.integration.vllm import cuda_backend as cb
 from proxima.integration.vllm.connector import ProximaConnector
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
 from proxima.integration.vllm.worker import WorkerStore
+from tests.integration.vllm.engine_helpers import compression_probe_off
 
 NB, H, HQ, B, D = 16, 2, 4, 16, 32
 LAYER = "layer.0"
@@ -91,6 +92,7 @@ def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, Comm
     connector.register_kv_caches({LAYER: kv})
     store = connector.store
     assert store is not None and store.active  # PROXIMA_POLICY names a policy (`off`) in this worker
+    compression_probe_off(store)  # the actions below come from no step (the probe: test_worker_probe.py)
     todo = [(rid, j, blocks[j], *place) for rid, (blocks, _, _, comp) in REQUESTS.items() for j, place in comp.items()]
     acts = [
         CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=fmt)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +30,7 @@ from proxima.api.auth import SAFE_METHODS, BearerAuthMiddleware, TokenSource
 from proxima.api.controller import Controller, VersionConflict, changes_json, policy_summary
 from proxima.api.limits import BodyLimitMiddleware
 from proxima.policy.loader import PolicyError, clean_loc, field_path
+from proxima.policy.probes import ProbeResult
 from proxima.policy.reader import ReadError, read_json
 from proxima.policy.schema import Policy
 from proxima.policy.store import Change, PolicyVersion
@@ -50,6 +51,13 @@ class RollbackRequest(_Body):
 
 
 _JSON_TYPE_NAMES = {bool: "a boolean", float: "a number", list: "an array", dict: "an object"}
+
+
+class ProbeReport(_Body):
+    kind: Literal["canary", "drift"] = Field(description="Which whole-model probe produced the verdict.")
+    passed: bool
+    values: dict[str, float] = Field(default_factory=dict, description="Named measurements (e.g. kl, top1).")
+    detail: str = Field(default="", max_length=2000)
 
 
 class FallbackRequest(_Body):
@@ -410,10 +418,12 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
     # -- engine state ------------------------------------------------------------------------------
     @app.get("/v1/stats", tags=["engine"])
     def stats() -> dict[str, Any]:
-        """Pressure, blocks per format, bytes saved, effective compression and fragmentation."""
+        """Pressure, blocks per format, bytes saved, effective compression and fragmentation; the
+        fallback level, `probe_status` (what the engine's snapshot says) and each probe's last verdict."""
         s = ctl.stats()
         version, level = ctl.policy_for_step()
-        return {**s.to_json(), "policy_version": version.version, "fallback_level": level}
+        return {**s.to_json(), "policy_version": version.version, "fallback_level": level,
+                "probe_status": ctl.probe_status(), "probes": ctl.last_verdicts()}
 
     @app.get("/v1/probes", tags=["engine"])
     def probes() -> dict[str, Any]:
@@ -458,6 +468,20 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
             return ctl.force_fallback(level)
         except ValueError as exc:
             raise ApiError(422, str(exc), [{"field": "level", "message": str(exc)}]) from None
+
+    @app.post(
+        "/v1/probes",
+        tags=["engine"],
+        dependencies=mutating,
+        openapi_extra=_json_request_body(ProbeReport),
+        responses=_errors(*WRITE_ERRORS),
+    )
+    async def report_probe(request: Request) -> dict[str, Any]:
+        """A canary or drift verdict measured outside the engine thread (e.g. a canary runner):
+        recorded and fed to the fallback ladder like the engine's own; returns the ladder state."""
+        body: ProbeReport = await _request_model(request, ProbeReport)
+        ctl.on_probe(ProbeResult(body.kind, body.passed, dict(body.values), body.detail))
+        return ctl.fallback_state()
 
     # The invariant BearerAuthMiddleware relies on: every handler of an unsafe method is declared
     # `mutating`, so it is checked, and the OpenAPI document shows the bearer scheme on exactly

@@ -90,6 +90,10 @@ class StepReport:
     """Wall time of the step's compression kernels (None when no kernel ran)."""
     backoff: tuple[BackoffEvent, ...] = ()
     """Formats paused or resumed by the compression backoff (`proxima.policy.backoff`)."""
+    probe_errors: tuple[tuple[str, float], ...] = ()
+    """(format, relative attention-output error) of every compression-time probe measurement."""
+    probe_seconds: float | None = None
+    """Wall time of the step's probe measurements (None when none ran)."""
 
 
 @runtime_checkable

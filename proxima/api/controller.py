@@ -30,6 +30,7 @@ from proxima.api.metrics import Metrics
 from proxima.policy import fallback as ladder
 from proxima.policy.loader import PolicyError
 from proxima.policy.probes import ProbeKind, ProbeResult
+from proxima.policy.snapshot import ProbeStatus
 from proxima.policy.store import Change, PolicyStore, PolicyVersion, diff
 
 log = logging.getLogger("proxima.api.changes")
@@ -118,6 +119,10 @@ class Controller:
             m.compression_rejected.inc(report.rejected_by_probe)
         if report.kernel_seconds is not None:
             m.kernel_seconds.observe(report.kernel_seconds)
+        for fmt, err in report.probe_errors:
+            m.probe_error.labels(format=fmt).observe(err)
+        if report.probe_seconds is not None:
+            m.probe_seconds.observe(report.probe_seconds)
         for ev in report.backoff:
             if ev.kind == "paused":
                 m.compression_backoffs.labels(format=ev.fmt).inc()
@@ -137,10 +142,9 @@ class Controller:
             self._probes[result.kind] = ProbeRecord(result, now)
             key = (result.kind, result.passed)
             self._probe_counts[key] = self._probe_counts.get(key, 0) + 1
-            # The compression-time probe already handles its own failures (it refuses the
-            # action); only whole-model probes move the ladder.
-            if result.kind == "compression":
-                return
+            # Every probe moves the ladder. The compression-time probe refuses a lossy block by
+            # itself; its per-step verdict (`probes.compression_step`) fails only when a large
+            # share of the engine's choices were refused, which is the policy's fault.
             self._ladder, event = ladder.observe(self._ladder, result.passed, now, cfg, source=result.kind)
             level = self._ladder.effective_level
         m.fallback_level.set(level)
@@ -148,6 +152,25 @@ class Controller:
             self._ladder_alert(event, result)
 
     # -- read side ---------------------------------------------------------------------------------
+    def probe_status(self) -> ProbeStatus:
+        """`Snapshot.probe_status`: "failing" while the last whole-model verdict (canary or drift)
+        failed and the ladder is counting towards a step down: the engine holds new compressions
+        until a probe passes or the ladder steps down. (The compression-time probe refuses its
+        blocks itself; holding on its verdict would stop the very measurements that could clear it.)"""
+        with self._ladder_lock:
+            last = [rec for kind, rec in self._probes.items() if kind != "compression"]
+            counting = self._ladder.consecutive_failures > 0  # a step down resets it: then compress again
+        latest = max(last, key=lambda rec: rec.at, default=None)
+        return "failing" if latest is not None and not latest.result.passed and counting else "ok"
+
+    def last_verdicts(self) -> dict[str, Any]:
+        """Each probe's last verdict in brief (None: none yet), for `/v1/stats`."""
+        with self._ladder_lock:
+            last = dict(self._probes)
+        return {kind: None if (rec := last.get(kind)) is None  # type: ignore[call-overload]
+                else {"passed": rec.result.passed, "at": rec.at, "detail": rec.result.detail}
+                for kind in ("compression", "canary", "drift")}
+
     def stats(self) -> BackendStats:
         stats = self.backend.stats()
         self.metrics.set_stats(stats)

@@ -114,6 +114,19 @@ class Metrics:
             "Compressions refused by the compression-time probe (error over the policy bound).",
             registry=r,
         )
+        self.probe_error = Histogram(
+            "proxima_probe_compression_error",
+            "Relative attention-output error the compression-time probe measured, by format tried.",
+            ["format"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=r,
+        )
+        self.probe_seconds = Histogram(
+            "proxima_probe_compression_seconds",
+            "Wall time of one step's compression-time probe measurements (the probe's cost).",
+            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5),
+            registry=r,
+        )
         self.fallback_level = Gauge(
             "proxima_fallback_level",
             "Effective fallback ladder level (0 = the policy as written).",

@@ -8,7 +8,7 @@ Public API (shapes use named dims: N blocks, T tokens, H KV heads, Hq query head
 - `decode_attention(q [S, Hq, D], segments)`: attention over hot and compressed blocks of
   several formats, with output, log-sum-exp and per-block attention mass.
 - `attention_error(q_obs [W, Hq, D], k, v, cb)`: the compression-time probe; `attention_errors`
-  the same for N blocks (what the transformers cache calls).
+  the same for N blocks (what the transformers cache and the vLLM worker's probe call).
 - Bytes: `CompressedBlocks.held_nbytes` (what a store keeps, metadata included),
   `kv16_bytes` and `bytes_ratio` (`spec.py`): every reported ratio is 16-bit KV bytes over held bytes.
 - `slot_spec(fmt, ...)`: bytes and metadata layout of a format; `layout`: views onto vLLM's KV

@@ -169,15 +169,18 @@ def attention_errors(
     v: torch.Tensor,
     cb: CompressedBlocks,
     *,
+    q_valid: torch.Tensor | None = None,
     sm_scale: float | None = None,
     ref_log_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The compression-time probe for N blocks at once (every integration calls this one).
 
     q_obs: [W, Hq, D] (the same queries for every block) or [N, W, Hq, D] (each block its own,
-    e.g. one batch row's); k, v: [N, T, H, D] the blocks as they were; cb: those N blocks
-    compressed. Returns float32 [N]: per block, ||O_hat - O||_F / ||O||_F over its W queries and
-    Hq heads (0 where O is zero). Centroids count with their log(count) and empty ones not at all.
+    e.g. its request's recent queries in the vLLM worker); k, v: [N, T, H, D] the blocks as they
+    were; cb: those N blocks compressed. Returns float32 [N] on the CPU: per block,
+    ||O_hat - O||_F / ||O||_F over its W queries and Hq heads (0 where O is zero). Centroids count
+    with their log(count) and empty ones not at all. q_valid: bool [N, W], False for padding
+    queries (a request with fewer than W recent queries): padding counts in neither norm.
     `ref_log_count` [N, T, H]: the reference rows are themselves centroids (recompressing a
     merged block: the error is measured against what the block held before this step).
     """
@@ -195,7 +198,7 @@ def attention_errors(
         raise ValueError(f"Hq={hq} must be a multiple of H={h}")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     g = hq // h
-    kh, vh, lc = decompress_blocks(cb, backend="torch")
+    kh, vh, lc = decompress_blocks(cb, backend="torch")  # [N, C, H, D], [N, C, H]
     qf = q_obs.float()
 
     def attend(kk: torch.Tensor, vv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -208,6 +211,10 @@ def attention_errors(
 
     o = attend(k, v, ref_log_count)
     o_hat = attend(kh, vh, lc)
-    num = (o_hat - o).flatten(1).norm(dim=1)
+    diff = o_hat - o
+    if q_valid is not None:
+        keep = q_valid.to(o.device).view(n, -1, 1, 1).float()
+        o, diff = o * keep, diff * keep
+    num = diff.flatten(1).norm(dim=1)
     den = o.flatten(1).norm(dim=1)
-    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num)).cpu()

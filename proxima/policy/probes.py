@@ -108,6 +108,31 @@ def choose_within_bound(
     return CompressionVerdict(None, tuple(attempts))
 
 
+def compression_step(errors: Sequence[float], measured: int, refused: int, cfg: CompressionProbe) -> ProbeResult:
+    """One engine step's compression-time verdict, the unit the fallback ladder counts.
+
+    `errors`: every measurement of the step; `measured`: blocks measured in the format the engine
+    chose, `refused` of them over the bound. A single refused block is handled by the refusal
+    itself; a step fails when more than `cfg.max_refused_fraction` of its blocks were refused,
+    i.e. when the engine's choices, not a stray block, are too lossy for the model.
+    """
+    if measured <= 0:
+        raise ValueError("compression_step: no block was measured")
+    frac = refused / measured
+    errs = np.asarray(errors, dtype=np.float64)
+    finite = errs[np.isfinite(errs)]  # a NaN error (a refused garbage block) is counted, not averaged
+    passed = frac <= cfg.max_refused_fraction
+    return ProbeResult(
+        "compression",
+        passed=passed,
+        values={"measured": float(measured), "refused": float(refused), "refused_fraction": frac,
+                "max_error": float(finite.max()) if finite.size else 0.0,
+                "nonfinite": float(errs.size - finite.size)},
+        detail=f"{refused} of {measured} blocks over the error bound"
+        + ("" if passed else f" (more than {cfg.max_refused_fraction:.0%})"),
+    )
+
+
 # -- 2. canary probe ---------------------------------------------------------------------------------
 
 
@@ -264,6 +289,7 @@ __all__ = [
     "ProbeKind",
     "ProbeResult",
     "choose_within_bound",
+    "compression_step",
     "drift_test",
     "entropy",
     "evaluate_canary",

@@ -22,6 +22,7 @@ MUTATIONS = [
     ("PATCH", "/v1/policy", {"description": "x"}),
     ("POST", "/v1/policy/rollback", {"version": 1}),
     ("POST", "/v1/fallback", {"level": 1}),
+    ("POST", "/v1/probes", {"kind": "canary", "passed": True}),
 ]
 
 

@@ -145,6 +145,8 @@ def test_stats_shape(client: TestClient, server: SimulatedServer) -> None:
         "total_blocks",
         "policy_version",
         "fallback_level",
+        "probe_status",
+        "probes",
     ):
         assert key in s
     assert s["free_blocks"] + s["owned_blocks"] == s["total_blocks"]
@@ -236,6 +238,7 @@ DOCUMENTED = {
     ("get", "/v1/alerts"): {422},
     ("get", "/v1/fallback"): {422},
     ("post", "/v1/fallback"): {400, 401, 403, 413, 415, 422},
+    ("post", "/v1/probes"): {400, 401, 403, 413, 415, 422},
 }
 
 
@@ -290,3 +293,16 @@ def test_malformed_if_match_is_400_not_500(client: TestClient) -> None:
     for tag in ('"9' + "9" * 5000 + '"', '"\u00b2"', '"-1"'):
         r = client.patch("/v1/policy", json={}, headers={**AUTH, "If-Match": tag.encode()})  # type: ignore[dict-item]
         assert r.status_code == 400 and r.json()["problems"][0]["field"] == "If-Match"
+
+
+def test_posted_canary_verdicts_move_the_ladder(client: TestClient) -> None:
+    """A canary runner outside the engine thread posts its verdicts; failures step the ladder down."""
+    bad = {"kind": "canary", "passed": False, "values": {"kl": 0.4, "top1": 0.6}, "detail": "KL 0.4 > 0.05"}
+    assert client.post("/v1/probes", json=bad, headers=AUTH).json()["consecutive_failures"] == 1
+    st = client.post("/v1/probes", json=bad, headers=AUTH).json()
+    assert st["automatic_level"] == 1  # failures_to_step_down = 2
+    last = client.get("/v1/probes").json()["probes"]["canary"]
+    assert last["failures"] == 2 and last["last"]["values"] == {"kl": 0.4, "top1": 0.6}
+    assert [a["kind"] for a in client.get("/v1/alerts").json()["alerts"]][-1] == "fallback_step_down"
+    r = client.post("/v1/probes", json={"kind": "compression", "passed": True}, headers=AUTH)
+    assert r.status_code == 422  # the engine reports that one itself

@@ -163,3 +163,16 @@ def test_drift_false_alarm_rate_near_p_value() -> None:
     alarms = sum(not drift_test(_sample(rng, 100), _sample(rng, 100), cfg).passed for _ in range(400))
     # Expected 5% (20 of 400); allow generous sampling noise but catch a broken test statistic.
     assert alarms <= 40
+
+
+def test_compression_step_fails_only_when_many_blocks_were_refused() -> None:
+    from proxima.policy.probes import compression_step
+
+    cfg = CompressionProbe(max_refused_fraction=0.25)
+    ok = compression_step([0.01, 0.02, 0.3, float("nan")], measured=4, refused=1, cfg=cfg)
+    assert ok.kind == "compression" and ok.passed and ok.values["refused_fraction"] == 0.25
+    assert ok.values["max_error"] == 0.3 and ok.values["nonfinite"] == 1.0
+    bad = compression_step([0.4, 0.5], measured=2, refused=2, cfg=cfg)
+    assert not bad.passed and "more than 25%" in bad.detail
+    with pytest.raises(ValueError, match="no block"):
+        compression_step([], measured=0, refused=0, cfg=cfg)

@@ -68,7 +68,11 @@ BACKEND_PATH = "proxima.integration.vllm.cuda_backend.ProximaTritonAttentionBack
 
 
 def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.device) -> CompressedBlocks:
-    """Every slot of `fmt` in `layer`, as the worker wrote them, for Proxima's kernels (no copy)."""
+    """Every slot of `fmt` in `layer`, as the worker wrote them, for Proxima's kernels (no copy).
+
+    `fmt` as the worker remembers the blocks; the pool is that of the format this layer stores
+    (`WorkerStore.layer_format`: layer overrides, and the table a block was written under)."""
+    fmt = store.layer_format(layer, fmt)
     p = store.pool(layer, fmt)
     kdt, vdt = store.dtypes[fmt]
     for name, t in p.meta.items():

@@ -95,8 +95,10 @@ def observe(store: WorkerStore, layer_kv: torch.Tensor, query: torch.Tensor, obs
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
         mass = fold(torch.softmax(s, -1))  # [Rd, H, T]
         mass = mass.masked_fill(~visible[:, None, :], float("nan")).cpu()
+        qd = query[obs.decode_q.to(dev)]  # [Rd, Hq, D]: each row's new query, for the compression probe
         for i, (rid, n) in enumerate(zip(obs.decode_rids, obs.decode_lens, strict=True)):
             store.observe(rid, mass[i, :, :n].transpose(0, 1).contiguous(), reset=False)
+            store.recent_queries.add(rid, qd[i: i + 1], scale)
     for rid, qt, blocks, seq_len, compressed in obs.prefill:
         k = layout.read_keys(layer_kv, blocks.to(dev)).permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len].float()
         q = query[qt.to(dev)].view(len(qt), h, g, d).permute(1, 2, 0, 3).float()  # [H, G, W, D]
@@ -110,6 +112,7 @@ def observe(store: WorkerStore, layer_kv: torch.Tensor, query: torch.Tensor, obs
         mass = fold(torch.softmax(s, -1).mean(2)).transpose(0, 1).cpu()  # [H, G, L] -> [H, L] -> [L, H]
         mass[hidden] = float("nan")
         store.observe(rid, mass.contiguous(), reset=True)
+        store.recent_queries.add(rid, query[qt.to(dev)], scale)
 
 
 def observe_safely(store: WorkerStore, layer_kv: torch.Tensor, query: torch.Tensor, obs: Observation,

@@ -42,6 +42,9 @@ class RequestEntry:
     """Logical block index -> the compression planned for it, not yet reported."""
     importance: list[float] = field(default_factory=list)
     """Attention mass of each logical block, as the worker last observed it (NaN: never)."""
+    caps: dict[int, Format] = field(default_factory=dict)
+    """Logical block index -> the harshest format the compression-time probe accepted for it
+    (`bf16`: none, the block stays hot); the manager plans no harsher one."""
 
     def live_slots(self) -> Iterator[tuple[BlockId, SlotIndex]]:
         """Slots this request holds in its destinations: committed, and reserved by in-flight actions."""

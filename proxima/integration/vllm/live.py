@@ -24,6 +24,7 @@ from proxima.api.backend import BackendStats, StepReport
 from proxima.api.controller import Controller
 from proxima.api.metrics import Metrics
 from proxima.integration.vllm.pool_usage import total_blocks
+from proxima.policy.probes import compression_step
 from proxima.policy.schema import Policy
 from proxima.policy.store import PolicyStore
 
@@ -128,15 +129,28 @@ class LiveControl:
         self._committed: Counter[str] = Counter()  # since the last report, by format
         self._failed = 0
         self._kernel_seconds = 0.0
+        self._probe_errors: list[tuple[str, float]] = []
+        self._probe_measured = 0
+        self._probe_refused = 0
+        self._probe_seconds = 0.0
+        self._window: list[float] = []  # errors of the verdict window (`probes.compression.window_blocks`)
+        self._window_measured = 0
+        self._window_refused = 0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     @classmethod
     def from_env(cls, manager: ProximaKVCacheManager, policy: Policy, source: str) -> LiveControl | None:
-        """A started LiveControl when the API is enabled, else None (nothing of this module runs)."""
+        """A started LiveControl when the API is enabled; without the API, one with no server when
+        the policy compresses (its probes move the fallback ladder, its alerts reach the log and
+        the webhook); else None (nothing of this module runs)."""
         address = api_address(policy)
         if address is None:
-            return None
+            if policy.is_off:
+                return None
+            live = cls(manager, policy, "", 0, source=source)
+            live.controller.start()
+            return live
         live = cls(manager, policy, *address, source=source)
         live.start()
         return live
@@ -147,6 +161,7 @@ class LiveControl:
         from proxima.api.auth import TokenSource
         from proxima.api.server import serve_in_thread
 
+        self.controller.start()  # the alert webhook's sender thread
         tokens = TokenSource.from_settings(self.controller.store.policy.api)
         self._server, self._thread = serve_in_thread(create_app(self.controller, tokens), self.host, self.port)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -175,10 +190,11 @@ class LiveControl:
         m = self.manager
         if version.version != self.applied_version:
             # Planned in this very step; blocks already compressed keep their format.
-            m.set_policy(version.policy)
+            m.set_policy(version.policy, version.version)  # and, with this step's plan, the worker's
             self.applied_version = version.version
         if m.px.engine.fallback_level != level:
             m.px.engine = replace(m.px.engine, fallback_level=level)
+        m.px.probe_status = self.controller.probe_status()
         # build_plan consumes (resets) the waiting demand; it is part of the pressure we report.
         self._pending_blocks = m.px.waiting_need
 
@@ -192,6 +208,10 @@ class LiveControl:
         self._committed.update(pending[aid].fmt for aid in report.ok if aid in pending)  # before apply pops them
         self._failed += len(report.failed)
         self._kernel_seconds += report.kernel_seconds
+        self._probe_errors.extend(report.probe_errors)
+        self._probe_measured += report.probe_measured
+        self._probe_refused += report.probe_refused
+        self._probe_seconds += report.probe_seconds
         self.manager.apply_report(report)
         # Only an open step is reported: with vLLM's async scheduling a report can arrive after the
         # next step was planned (and reported); its numbers then ride along with the next report.
@@ -203,12 +223,24 @@ class LiveControl:
         self._step_unreported = False
         errors = {"kernel": self._failed} if self._failed else {}
         kernel = self._kernel_seconds if self._kernel_seconds > 0 else None
+        measured = self._probe_measured > 0
         self.controller.on_step(StepReport(decisions_by_format=dict(self._committed), errors_by_reason=errors,
-                                           kernel_seconds=kernel,
-                                           backoff=tuple(self.manager.px.backoff.take_events())))
+                                           rejected_by_probe=self._probe_refused, kernel_seconds=kernel,
+                                           backoff=tuple(self.manager.px.backoff.take_events()),
+                                           probe_errors=tuple(self._probe_errors),
+                                           probe_seconds=self._probe_seconds if measured else None))
+        # One verdict per `window_blocks` measured blocks: what the fallback ladder counts.
+        self._window += [e for _, e in self._probe_errors]
+        self._window_measured += self._probe_measured
+        self._window_refused += self._probe_refused
+        cfg = self.controller.store.policy.probes.compression
+        if self._window_measured >= cfg.window_blocks:
+            self.controller.on_probe(compression_step(self._window, self._window_measured, self._window_refused, cfg))
+            self._window, self._window_measured, self._window_refused = [], 0, 0
         self._committed = Counter()
         self._failed = 0
         self._kernel_seconds = 0.0
+        self._probe_errors, self._probe_measured, self._probe_refused, self._probe_seconds = [], 0, 0, 0.0
 
 
 __all__ = ["API_HOST_ENV", "API_PORT_ENV", "LiveControl", "ManagerBackend", "api_address"]

@@ -33,7 +33,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from proxima.formats import HOT, Format
-from proxima.integration.vllm import _patches, admission, pool_usage
+from proxima.integration.vllm import _patches, admission, canary, pool_usage
 from proxima.integration.vllm.ledger import CompressedSlot, RequestEntry
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.ranks import expected_remap
@@ -55,9 +55,9 @@ class ProximaKVCacheManager(KVCacheManager):
     px: ProximaState
     """Set by install(); declared for type checkers."""
 
-    def set_policy(self, policy: Policy) -> None:
+    def set_policy(self, policy: Policy, version: int | None = None) -> None:
         """Adopt a (validated) policy from the next planning step on (`ProximaState.adopt`)."""
-        self.px.adopt(policy)
+        self.px.adopt(policy, version)
 
     # --- vLLM hooks -------------------------------------------------------------------------
 
@@ -109,6 +109,7 @@ class ProximaKVCacheManager(KVCacheManager):
         if out is not None:
             if rid not in px.ledger:
                 px.ledger[rid] = RequestEntry(request)
+                px.canaries += rid.startswith(canary.CANARY_PREFIX)
             return out
         # The allocation would fail: vLLM would now preempt. Plan an emergency compression;
         # has_pending_block_frees() then tells the scheduler to wait one step instead.
@@ -164,18 +165,33 @@ class ProximaKVCacheManager(KVCacheManager):
         px = self.px
         if px.policy.is_off or px.disabled:
             return 0
+        # Canaries and their references are not the pressure's to compress (`canary.py`).
+        special = canary.special_requests(px.ledger) if px.canaries else set()
+        restricted = px.backoff.restrict(px.effective, px.stats.steps)
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
-                              pending_blocks, finishing)
-        decision = decide(snap, px.backoff.restrict(px.effective, px.stats.steps), px.engine)
+                              pending_blocks, set(finishing) | special, px.probe_status)
+        decision = decide(snap, restricted, px.engine)
         px.engine = decision.state
+        actions = decision.actions
+        if special:
+            actions += canary.forced_actions(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
+                                             restricted, px.engine, finishing)
         planned = 0
         blocks_of = self._stm.req_to_blocks
         quota = px.backoff.quota(px.stats.steps)  # after failures: small probe batches
-        for act in decision.actions:
+        for act in actions:
             fmt = act.to_format
             if fmt not in px.formats or not quota.take(fmt.name):
                 continue  # (px.formats: filtered out of the ladders by adopt(); kept as a guard)
             entry = px.ledger[act.request_id]
+            cap = entry.caps.get(act.block_index)
+            if cap is not None and cap.pack_ratio < fmt.pack_ratio:
+                # The probe measured this block over the bound in a harsher format: the milder one it accepted.
+                levels = px.effective.fallback.levels
+                level = levels[min(px.engine.fallback_level, len(levels) - 1)]
+                if cap not in px.formats or not level.permits(cap) or not quota.take(cap.name):
+                    continue
+                fmt = cap
             src = blocks_of[act.request_id][act.block_index]
             prev = entry.compressed.get(act.block_index)
             if prev is None and (src.is_null or src.ref_cnt != 1):
@@ -225,6 +241,9 @@ class ProximaKVCacheManager(KVCacheManager):
             check_remap=expected_remap(px.ledger) if px.check else None,
         )
         px.sent.update(a.action_id for a in plan.actions)
+        plan.policy_version = px.policy_version
+        if px.worker_version != px.policy_version:  # the worker applies it before this plan's work
+            plan.policy, px.worker_version = px.policy, px.policy_version
         px.dropped, px.revoked = [], []
         px.charge.settle(self.side_table_bytes())  # with this step's reservations in flight
         b = self.block_size
@@ -281,6 +300,15 @@ class ProximaKVCacheManager(KVCacheManager):
         px.prefill_actions.difference_update(report.ok)
         px.prefill_actions.difference_update(report.failed)
         failed = [px.pending.pop(aid, None) for aid in report.failed]
+        for aid, milder in report.rejected.items():  # the probe refused: the block is as it was
+            ca = px.pending.pop(aid, None)
+            px.sent.discard(aid)
+            px.prefill_actions.discard(aid)
+            if ca is not None:
+                if milder != ca.fmt:  # (its own format: not measured yet, planned again later)
+                    px.ledger[ca.req_id].caps[ca.index] = Format.parse(milder) if milder else HOT
+                failed.append(ca)
+        px.stats.rejected += len(report.rejected)
         px.stats.failed += len(report.failed)
         px.sent.difference_update(report.failed)
         # Latest slots first, so that an open destination can take its failed slots back.

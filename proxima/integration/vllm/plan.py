@@ -13,6 +13,7 @@ from typing import NewType
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from proxima.placement import BlockId, SlotIndex
+from proxima.policy.schema import Policy
 
 NO_BLOCK = BlockId(-1)
 """`src` of a recompression, `from_dst` of a first compression."""
@@ -65,6 +66,11 @@ class ProximaPlan(KVConnectorMetadata):
     check_remap: dict[str, dict[int, list[tuple[str, int, int]]]] | None = None
     """With PROXIMA_CHECK_ACCOUNTING=1: the slots the scheduler holds (`ranks.expected_remap`);
     every rank asserts its block map points nowhere else."""
+    policy_version: int = 0
+    """The scheduler's live policy version when it built this plan (0: the startup policy)."""
+    policy: Policy | None = None
+    """The live policy, in the first plan after it changed (else None): the worker adopts it
+    (importance settings, compression probe, layer overrides) before this plan's work."""
 
 
 @dataclass
@@ -83,6 +89,19 @@ class ProximaReport(KVConnectorWorkerMetadata):
     ranks: int = 1
     """Worker ranks merged into this report (tensor parallelism: `merge_reports`)."""
 
+    rejected: dict[ActionId, str] = field(default_factory=dict)
+    """Actions the compression-time probe refused (the block is as it was) -> the milder format
+    within the bound, "" for none (the block stays hot), or the action's own format when the
+    block could not be measured yet (planned again later)."""
+    probe_errors: list[tuple[str, float]] = field(default_factory=list)
+    """(format, relative attention-output error) of every probe measurement this step."""
+    probe_measured: int = 0
+    """Blocks the probe measured in their chosen format (the denominator of the refusals)."""
+    probe_refused: int = 0
+    """Of those, over the bound."""
+    probe_seconds: float = 0.0
+    """Wall time of this step's probe measurements."""
+
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """vLLM merges the ranks' reports pairwise with this (tensor parallelism)."""
         if not isinstance(other, ProximaReport):
@@ -91,9 +110,15 @@ class ProximaReport(KVConnectorWorkerMetadata):
 
 
 def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
-    """One report for the ranks behind `a` and `b` (vLLM calls it pairwise, in rank order)."""
-    ok = set(a.ok) & set(b.ok)
-    failed = set(a.failed) | set(b.failed) | (set(a.ok) ^ set(b.ok))
+    """One report for the ranks behind `a` and `b` (vLLM calls it pairwise, in rank order).
+
+    An action is written only if every rank wrote it. A block the compression-time probe refused
+    on any rank stays as it was everywhere (`rejected`: each rank measures its own heads); a rank
+    that wrote it undoes it from the next plan (`ProximaPlan.revoked`, as for a failure)."""
+    rejected_any = set(a.rejected) | set(b.rejected)
+    failed = set(a.failed) | set(b.failed) | ((set(a.ok) ^ set(b.ok)) - rejected_any)
+    rejected = {aid: f for aid, f in {**b.rejected, **a.rejected}.items() if aid not in failed}
+    ok = (set(a.ok) & set(b.ok)) - failed - set(rejected)
     importance = dict(a.importance)
     for rid, imp in b.importance.items():
         mine = importance.get(rid)
@@ -101,9 +126,13 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
     errors = a.errors + [e for e in b.errors if e not in a.errors]
     # The ranks run a step's parts in parallel: the slowest bounds the step.
     timings = {k: max(a.timings.get(k, 0.0), b.timings.get(k, 0.0)) for k in a.timings.keys() | b.timings.keys()}
-    return ProximaReport(ok=sorted(ok - failed), failed=sorted(failed), errors=errors,
+    return ProximaReport(ok=sorted(ok), failed=sorted(failed), errors=errors,
                          kernel_seconds=a.kernel_seconds + b.kernel_seconds, importance=importance,
-                         timings=timings, ranks=a.ranks + b.ranks)
+                         timings=timings, ranks=a.ranks + b.ranks, rejected=rejected,
+                         probe_errors=a.probe_errors + b.probe_errors,
+                         probe_measured=max(a.probe_measured, b.probe_measured),
+                         probe_refused=max(a.probe_refused, b.probe_refused),
+                         probe_seconds=max(a.probe_seconds, b.probe_seconds))
 
 
 def settle(report: ProximaReport, ranks: int) -> ProximaReport:
@@ -117,7 +146,9 @@ def settle(report: ProximaReport, ranks: int) -> ProximaReport:
                "they are undone")
     return ProximaReport(ok=[], failed=sorted(set(report.failed) | set(report.ok)), errors=[*report.errors, missing],
                          kernel_seconds=report.kernel_seconds, importance=report.importance, timings=report.timings,
-                         ranks=report.ranks)
+                         ranks=report.ranks, rejected=report.rejected, probe_errors=report.probe_errors,
+                         probe_measured=report.probe_measured, probe_refused=report.probe_refused,
+                         probe_seconds=report.probe_seconds)
 
 
 def _nanmax_lists(a: list[float], b: list[float]) -> list[float]:

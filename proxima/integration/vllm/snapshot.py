@@ -17,11 +17,12 @@ from proxima.formats import HOT
 from proxima.integration.vllm.ledger import RequestEntry, RequestLedger
 from proxima.integration.vllm.pool_usage import BlockLists, total_blocks
 from proxima.policy.schema import Protect
-from proxima.policy.snapshot import RequestBlocks, Snapshot
+from proxima.policy.snapshot import ProbeStatus, RequestBlocks, Snapshot
 
 
 def build_snapshot(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool, block_size: int,
-                   pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset()) -> Snapshot:
+                   pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset(),
+                   probe_status: ProbeStatus = "ok") -> Snapshot:
     """The pool and every resident request's blocks for the policy engine; requests in
     `finishing` are left out (none of their blocks is eligible)."""
     b = block_size
@@ -45,6 +46,7 @@ def build_snapshot(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool
         block_size=b,
         requests=reqs,
         pending_blocks=pending_blocks,
+        probe_status=probe_status,
     )
 
 

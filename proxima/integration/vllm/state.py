@@ -17,6 +17,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from proxima.formats import Format
 from proxima.integration.vllm.blocks import VllmBlockSource
+from proxima.integration.vllm.canary import CANARY_PREFIX
 from proxima.integration.vllm.ledger import RequestLedger
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.integration.vllm.side_tables import SideTableCharge
@@ -25,6 +26,7 @@ from proxima.placement import BlockId, SlotPacker
 from proxima.policy.backoff import FormatBackoff
 from proxima.policy.engine import EngineState
 from proxima.policy.schema import Policy
+from proxima.policy.snapshot import ProbeStatus
 
 logger = logging.getLogger("proxima.vllm")
 
@@ -74,6 +76,15 @@ class ProximaState:
     """Blocks the largest waiting request needed this step (counted as pressure)."""
     backoff: FormatBackoff = field(default_factory=FormatBackoff)
     """Formats whose batches failed are left out of planning for a growing number of steps."""
+    policy_version: int = 0
+    """Version of `policy` (0: the startup policy; the runtime API's store numbers the changes)."""
+    worker_version: int = 0
+    """The policy version last sent to the worker (`ProximaPlan.policy`)."""
+    canaries: int = 0
+    """Resident canary and reference requests (`canary.py`; 0: planning skips looking for them)."""
+    probe_status: ProbeStatus = "ok"
+    """What the quality probes say, for the policy engine (`Snapshot.probe_status`; set each step
+    by `live.LiveControl` from the controller)."""
     disabled: str | None = None
     """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
 
@@ -84,13 +95,15 @@ class ProximaState:
         meta = MetaSizes(config, ranks)
         st = cls(policy=policy, effective=policy, formats=set(), blocks=blocks, packer=SlotPacker(blocks),
                  meta=meta, charge=SideTableCharge(pool, meta.block_bytes), check=check)
-        st.adopt(policy)
+        st.adopt(policy, version=0)  # the worker loaded the same startup policy: nothing to send
         return st
 
-    def adopt(self, policy: Policy) -> None:
-        """Adopt a (validated) policy; takes effect at the next planning step. Blocks already
-        compressed keep their format, in-flight actions still commit."""
+    def adopt(self, policy: Policy, version: int | None = None) -> None:
+        """Adopt a (validated) policy; takes effect at the next planning step, in this process and
+        (sent with that step's plan) in the worker. Blocks already compressed keep their format,
+        in-flight actions still commit. `version`: the store's (else the next number)."""
         self.policy = policy
+        self.policy_version = self.policy_version + 1 if version is None else version
         self.formats = supported_formats(policy)
         self.effective = policy.model_copy(update={"bands": [
             b.model_copy(update={"ladder": [f for f in b.ladder if f in self.formats]}) for b in policy.bands
@@ -108,6 +121,7 @@ class ProximaState:
         entry = self.ledger.pop(req_id, None)
         if entry is None:
             return []
+        self.canaries -= req_id.startswith(CANARY_PREFIX)
         for ca in entry.in_flight.values():
             self.pending.pop(ca.action_id, None)
         self.dropped.append(req_id)

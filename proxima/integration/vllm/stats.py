@@ -24,6 +24,8 @@ class ProximaStats:
     planned: int = 0
     committed: int = 0
     failed: int = 0
+    rejected: int = 0
+    """Compressions the worker's compression-time probe refused (error over the policy's bound)."""
     emergencies: int = 0
     peak_running: int = 0
     running_sum: int = 0
@@ -103,6 +105,7 @@ def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool
     s = stats
     return {
         "steps": s.steps, "planned": s.planned, "committed": s.committed, "failed": s.failed,
+        "rejected_by_probe": s.rejected,
         "emergencies": s.emergencies, "freed_blocks": s.freed_blocks,
         "importance_updates": s.importance_updates, "planned_in_prefill": s.planned_in_prefill,
         "committed_in_prefill": s.committed_in_prefill, "disabled": disabled,

@@ -27,9 +27,11 @@ from proxima.formats import HOT, Format
 from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.debug import SplitErrors
 from proxima.integration.vllm.faults import FaultInjector
+from proxima.integration.vllm.layer_formats import LayerFormats, plain
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.ranks import check_remap
 from proxima.integration.vllm.timing import StepTimes
+from proxima.integration.vllm.worker_probe import RecentQueries, check_batch
 from proxima.policy.schema import Policy
 
 logger = logging.getLogger("proxima.vllm")
@@ -116,7 +118,14 @@ class WorkerStore:
         """Tests and benchmarks: failures injected into compression batches (`faults`)."""
         self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
         self.policy: Policy | None = None
-        """Its `layer_overrides` decide the format each layer stores (same pack ratio, same slot)."""
+        """The live policy, as the scheduler last sent it (`ProximaPlan.policy`): its importance
+        settings, compression probe and `layer_overrides` apply here."""
+        self.policy_version = 0
+        """The version of `policy` (0: the startup policy, before any change was sent)."""
+        self.formats = LayerFormats()
+        """The format each layer stores, for every override table used so far (`layer_formats`)."""
+        self.recent_queries = RecentQueries()
+        """Each request's newest queries in the observed layer (the compression-time probe's)."""
         self.layer_numbers: dict[str, int] = {}
         self.layout: PageLayout | None = None
         """The attention kernel's order of keys and values inside a block's page (see cpu_layout)."""
@@ -153,15 +162,24 @@ class WorkerStore:
         self.observe_layer = names[len(names) // 2] if names else None
         policy = policy if policy is not None else _startup_policy()
         if policy is not None:
-            imp = policy.importance
-            self.ema_decay, self.aggregate = imp.ema_decay, imp.aggregate
-            self.observation_window = imp.observation_window
-            self.policy = policy
+            self.formats = LayerFormats(policy)
+            self.adopt(policy, self.policy_version)
         self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
         self.layout = _page_layout(next(iter(kv_caches.values()))) if kv_caches else None
         shapes = {tuple(t.shape) for t in kv_caches.values()}
         logger.info("proxima worker: %d KV layers, shapes %s, importance observed in %s",
                     len(kv_caches), shapes, self.observe_layer)
+
+    def adopt(self, policy: Policy, version: int) -> None:
+        """The scheduler's live policy (sent with the plan when it changed), before the step's work.
+
+        Blocks already compressed keep the layer formats they were written with (`LayerFormats`)."""
+        imp = policy.importance
+        self.ema_decay, self.aggregate = imp.ema_decay, imp.aggregate
+        self.observation_window = imp.observation_window
+        self.recent_queries.window = imp.observation_window
+        self.formats.adopt(policy)
+        self.policy, self.policy_version = policy, version
 
     def geometry(self, layer: str) -> tuple[int, int, int, int]:
         """(num_blocks, H_kv, block_size, head_dim) of a layer's `[N, H, B, 2D]` tensor."""
@@ -193,15 +211,10 @@ class WorkerStore:
     def layer_format(self, layer: str, fmt: Format) -> Format:
         """The format `layer` stores when the scheduler chose `fmt` (policy `layer_overrides`).
 
-        A substitution that changes the number of stored tokens between a sparse format and any
-        other would change the scratch layout per layer; the vLLM path keeps the chosen format.
+        `fmt` as the worker remembers the block (`remap`): a block written under an older override
+        table is read with that table (`layer_formats.StoredFormat`).
         """
-        if self.policy is None or fmt.is_hot:
-            return fmt
-        sub = self.policy.layer_format(fmt, self.layer_numbers.get(layer, -1))
-        if (sub.reduction == "sparse") != (fmt.reduction == "sparse"):
-            return fmt
-        return sub
+        return self.formats.of(fmt, self.layer_numbers.get(layer, -1))
 
     def stored_formats(self) -> dict[Format, str]:
         """Every format the startup policy can store (its bands' ladders, after each layer's
@@ -222,9 +235,11 @@ class WorkerStore:
     # --- executor ---------------------------------------------------------------------------
 
     def apply(self, plan: ProximaPlan) -> None:
-        """Undo writes that failed on another rank, zero released destinations, drop freed requests,
-        then run this step's compressions (before the forward pass, so before this step writes
-        into a reused block)."""
+        """Adopt a changed policy, undo writes that failed on another rank, zero released
+        destinations, drop freed requests, then run this step's compressions (before the forward
+        pass, so before this step writes into a reused block)."""
+        if plan.policy is not None:
+            self.adopt(plan.policy, plan.policy_version)
         self.revoke(plan.revoked)
         if plan.scrub and self.kv_caches:
             ids = torch.tensor(plan.scrub, dtype=torch.long, device=next(iter(self.kv_caches.values())).device)
@@ -234,6 +249,7 @@ class WorkerStore:
             self.remap.pop(rid, None)
             self.sources.pop(rid, None)
             self.token_importance.pop(rid, None)
+            self.recent_queries.drop(rid)
         if plan.check_remap is not None:
             check_remap(self.remap, plan.check_remap, self.rank)
         self.key_blocks = dict(plan.key_blocks)
@@ -244,68 +260,102 @@ class WorkerStore:
             self.report.failed.extend(a.action_id for a in plan.actions)
             self.report.errors.append(NO_READER)
             return
-        by_fmt: dict[tuple[str, str], list[CompressAction]] = {}
+        by_fmt: dict[tuple[str, Format], list[CompressAction]] = {}
         for a in plan.actions:
-            by_fmt.setdefault((a.fmt, a.from_fmt), []).append(a)
-        for (name, from_name), acts in by_fmt.items():
+            by_fmt.setdefault((a.fmt, self._current_format(a)), []).append(a)
+        for (name, from_fmt), acts in by_fmt.items():
+            fmt = Format.parse(name)
             t0 = time.perf_counter()
             try:
-                self._compress(Format.parse(name), Format.parse(from_name), acts)
+                acts = self._probe(fmt, from_fmt, acts)
+                t1 = time.perf_counter()
+                self.report.probe_seconds += t1 - t0
+                t0 = t1
+                if acts:
+                    self._compress(fmt, from_fmt, acts)
             except Exception as e:  # a failure must never fail a request: keep the blocks hot
                 self.report.kernel_seconds += time.perf_counter() - t0
                 self.report.failed.extend(a.action_id for a in acts)
                 self.report.errors.append(f"{type(e).__name__}: {e}")
                 continue
+            stored = self.formats.stored(fmt)
             for a in acts:
-                self.remap.setdefault(a.req_id, {})[a.index] = (Format.parse(a.fmt), a.dst, a.slot)
+                self.remap.setdefault(a.req_id, {})[a.index] = (stored, a.dst, a.slot)
                 self.sources.setdefault(a.req_id, {})[a.index] = a.src
             self.report.kernel_seconds += time.perf_counter() - t0
             self.report.ok.extend(a.action_id for a in acts)
 
     def revoke(self, actions: list[CompressAction]) -> None:
-        """Point the block map back where it was for actions that failed on some rank (tensor
-        parallelism: the scheduler kept the block where it was and released the slot). A rank that
-        did not write an action (it failed here too) has nothing to undo."""
+        """Point the block map back where it was for actions that failed (or were refused by the
+        probe) on some rank (tensor parallelism: the scheduler kept the block where it was and
+        released the slot). A rank that did not write an action has nothing to undo."""
         for a in actions:
             blocks = self.remap.get(a.req_id)
-            if blocks is None or blocks.get(a.index) != (Format.parse(a.fmt), a.dst, a.slot):
+            hit = blocks.get(a.index) if blocks is not None else None
+            if blocks is None or hit is None or (plain(hit[0]), hit[1], hit[2]) != (Format.parse(a.fmt), a.dst, a.slot):
                 continue
             if a.from_fmt == HOT.name:
                 del blocks[a.index]
                 self.sources.get(a.req_id, {}).pop(a.index, None)
             else:  # a recompression: the old slot was not touched (a new slot is always another one)
+                # (restored under the startup override table: a live override change between the
+                # old write and this revocation is not remembered)
                 blocks[a.index] = (Format.parse(a.from_fmt), a.from_dst, a.from_slot)
+
+    def _current_format(self, a: CompressAction) -> Format:
+        """The block's format now, as this worker stored it (a recompression reads it back)."""
+        if a.from_fmt == "bf16":
+            return Format()
+        hit = self.remap.get(a.req_id, {}).get(a.index)
+        return hit[0] if hit is not None else Format.parse(a.from_fmt)
+
+    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> list[CompressAction]:
+        """The compression-time probe (`worker_probe`): the actions within the error bound; the
+        refused ones and every measurement go into the report."""
+        if self.policy is None or not self.policy.probes.compression.enabled:
+            return acts
+        out = check_batch(self, fmt, from_fmt, acts, self.policy.probes.compression)
+        self.report.rejected.update(out.rejected)
+        self.report.probe_errors.extend(out.errors)
+        self.report.probe_measured += out.measured
+        self.report.probe_refused += out.refused
+        return out.accepted
+
+    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The actions' blocks in `layer` as they are now: k, v [N, T, H, D] (bf16 pages, or the
+        current slots of a recompression) and, when those slots hold reduced (sparse or merged)
+        tokens, their log-counts [N, T, H] (a merge weighs centroids by them); else None."""
+        kv = self.kv_caches[layer]
+        if from_fmt.is_hot:
+            src = torch.tensor([a.src for a in acts], dtype=torch.long, device=kv.device)
+            k, v = self.page_layout(kv).read_blocks(kv, src)
+            return k.contiguous(), v.contiguous(), None
+        dst = torch.tensor([a.from_dst for a in acts], dtype=torch.long, device=kv.device)
+        slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long, device=kv.device)
+        k, v, counts = self.read_with_counts(layer, from_fmt, dst, slot)
+        return k, v, (counts if self.layer_format(layer, from_fmt).reduction is not None else None)
 
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
         self.faults.check()
         dev = next(iter(self.kv_caches.values())).device
-        src = torch.tensor([a.src for a in acts], dtype=torch.long, device=dev)
         r = fmt.pack_ratio
         slots = torch.tensor([a.dst * r + a.slot for a in acts], dtype=torch.long, device=dev)
         staged: list[tuple[_LayerPool, CompressedBlocks]] = []
-        from_dst = torch.tensor([a.from_dst for a in acts], dtype=torch.long, device=dev)
-        from_slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long, device=dev)
+        now = self.formats.current(fmt)  # new blocks use the latest override table
         for layer, kv in self.kv_caches.items():
             _n, h, b, _d = self.geometry(layer)
-            fmt_l = self.layer_format(layer, fmt)
-            counts = None
-            if from_fmt.is_hot:
-                k, v = self.page_layout(kv).read_blocks(kv, src)  # [N, B, H, D]
-                k, v = k.contiguous(), v.contiguous()
-            else:  # recompression: from the current slot (its loss is kept, not undone)
-                from_l = self.layer_format(layer, from_fmt)
-                if not recompressible(from_l, fmt_l):
-                    raise ValueError(
-                        f"cannot recompress {from_l} into {fmt_l} (proxima.compression.blocks.recompressible)"
-                    )
-                k, v, counts = self.read_with_counts(layer, from_fmt, from_dst, from_slot)
-                if from_l.reduction is None:
-                    counts = None
+            # A recompression starts from the current slot (its loss is kept, not undone).
+            fmt_l = self.layer_format(layer, now)
+            if not from_fmt.is_hot and not recompressible(self.layer_format(layer, from_fmt), fmt_l):
+                raise ValueError(f"cannot recompress {self.layer_format(layer, from_fmt)} into {fmt_l} "
+                                 "(proxima.compression.blocks.recompressible)")
+            k, v, counts = self.read_current(layer, from_fmt, acts)  # [N, T, H, D]
             imp = None
             if fmt_l.reduction is not None:
                 # A reduced block's rows are no longer token positions: uniform importance (the
                 # counts still weight the merge), as its per-token history cannot be mapped to them.
-                imp = (self._importance_of(acts, b, h) if counts is None else torch.ones(counts.shape)).to(kv.device)
+                imp = (self.importance_of(acts, b, h) if counts is None else torch.ones(counts.shape)).to(kv.device)
             cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_size,
                                  backend=_kernels(kv), log_count=counts, source_tokens=b)
             staged.append((self.pool(layer, fmt_l), cb))
@@ -325,7 +375,7 @@ class WorkerStore:
     def take_report(self) -> ProximaReport | None:
         rep, self.report = self.report, ProximaReport()
         rep.timings = self.times.take()
-        return rep if (rep.ok or rep.failed or rep.importance or rep.timings) else None
+        return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings) else None
 
     # --- importance -------------------------------------------------------------------------
 
@@ -368,7 +418,7 @@ class WorkerStore:
         per_block[~vis.view(nb, b).any(1)] = float("nan")
         self.report.importance[req_id] = per_block.tolist()
 
-    def _importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor:
+    def importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor:
         """[N, B, H] token importance of the actions' blocks (1 where never observed)."""
         out = torch.ones(len(acts), b, h)
         for i, a in enumerate(acts):

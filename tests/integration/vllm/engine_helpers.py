@@ -77,3 +77,13 @@ def run_engine(tmp: Path, name: str, env_extra: dict[str, str], churn: int = 0, 
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"{name} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return dict(json.loads(lines[-1]))
+
+
+def compression_probe_off(store: object) -> None:
+    """Switch the compression-time probe off in a worker store (`WorkerStore`) whose test feeds it
+    actions directly: no step observed their requests, so the probe would defer every block."""
+    policy = store.policy  # type: ignore[attr-defined]
+    assert policy is not None
+    probe = policy.probes.compression.model_copy(update={"enabled": False})
+    store.adopt(policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": probe})}),  # type: ignore[attr-defined]
+                store.policy_version)  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from proxima.integration.vllm.connector import ProximaConnector, worker_store
 from proxima.integration.vllm.cuda_backend import ProximaTritonAttentionImpl
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.worker import WorkerStore
+from tests.integration.vllm.engine_helpers import compression_probe_off
 
 NB, H, HQ, B, D = 16, 2, 4, 32, 64
 
@@ -41,6 +42,7 @@ def _build_layers(connector: ProximaConnector, impl_cls: type, names: list[str])
 
 def _compress_one(connector: ProximaConnector, action_id: int) -> ProximaReport:
     """One step as vLLM drives the worker's connector: bind the plan, then collect the report."""
+    compression_probe_off(connector.store)  # (the probe: test_worker_probe.py)
     connector.bind_connector_metadata(ProximaPlan(actions=[CompressAction(action_id, "r", 0, src=1, dst=10, slot=0,
                                                                           fmt="int4")]))  # fmt: skip
     rep = connector.build_connector_worker_meta()

@@ -34,6 +34,7 @@ from proxima.integration.vllm import cuda_backend as cb
 from proxima.integration.vllm.connector import ProximaConnector
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
 from proxima.integration.vllm.worker import WorkerStore
+from tests.integration.vllm.engine_helpers import compression_probe_off
 
 NB, H, HQ, B, D = 16, 2, 4, 16, 32
 LAYER = "layer.0"
@@ -92,6 +93,7 @@ def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, Comm
     connector.register_kv_caches({LAYER: kv})
     store = connector.store
     assert store is not None and store.active  # PROXIMA_POLICY names a policy (`off`) in this worker
+    compression_probe_off(store)  # the actions below come from no step (the probe: test_worker_probe.py)
     todo = [(rid, j, blocks[j], *place) for rid, (blocks, _, _, comp) in REQUESTS.items() for j, place in comp.items()]
     acts = [
         CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=fmt)
@@ -141,6 +143,7 @@ def test_the_worker_compresses_cuda_pages_in_the_order_vllms_kernel_reads_them(
     worker_connector.register_kv_caches({LAYER: kv})
     store = worker_connector.store
     assert store is not None
+    compression_probe_off(store)  # the action below comes from no step (the probe: test_worker_probe.py)
     act = CompressAction(0, "r", 0, src=4, dst=9, slot=0, fmt=fmt)
     worker_connector.bind_connector_metadata(ProximaPlan(actions=[act]))
     assert worker_connector.build_connector_worker_meta().ok == [0]  # type: ignore[union-attr]

@@ -17,6 +17,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
+from proxima.formats import Format
 from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV, LiveControl, api_address
 from proxima.integration.vllm.manager import ProximaKVCacheManager, install
 from proxima.integration.vllm.plan import ProximaReport
@@ -197,3 +198,101 @@ def test_failing_compressions_back_off_with_one_alert_then_resume() -> None:
     assert m.summary()["backoff"]["formats"] == {} and metrics.compression_backoff_formats._value.get() == 0
     assert len(live.controller.alerts.recent()) == 1
     m.check_accounting()
+
+
+def test_a_policy_change_reaches_the_worker_with_the_next_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    live = LiveControl(m, m.px.policy, "127.0.0.1", _free_port())
+    live.start()
+    api = httpx.Client(base_url=f"http://{live.host}:{live.port}", timeout=10)
+    try:
+        _prefilled(m, "a", 2 * B)
+        live.before_plan()
+        plan = m.build_plan(["a"])
+        assert plan.policy is None and plan.policy_version == 0  # the worker loaded the startup policy itself
+        r = api.patch("/v1/policy", json={"importance": {"observation_window": 7}}, headers=AUTH)
+        assert r.status_code == 200
+        live.before_plan()
+        plan = m.build_plan(["a"])
+        assert plan.policy_version == 2 and plan.policy is not None
+        assert plan.policy.importance.observation_window == 7
+        live.before_plan()
+        later = m.build_plan(["a"])
+        assert later.policy is None and later.policy_version == 2  # sent once
+    finally:
+        api.close()
+        live.stop()
+
+
+def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down() -> None:
+    """The worker's probe refuses every int4 block (naming int8, within the bound): the manager
+    plans those blocks as int8 next, and the steps' verdicts move the ladder by themselves."""
+    policy = load_policy(HERE / "force-int4.yaml")
+    band = policy.bands[0].model_copy(update={"ladder": [Format.parse("int4"), Format.parse("int8")]})
+    probes = policy.probes.model_copy(update={"compression": policy.probes.compression.model_copy(
+        update={"enabled": True, "window_blocks": 4})})
+    policy = policy.model_copy(update={"bands": [band], "probes": probes})
+    m = _manager(policy, blocks=32)
+    live = LiveControl(m, m.px.policy, "127.0.0.1", 0)  # hooks only, no server
+    _prefilled(m, "a", 6 * B)
+    live.before_plan()
+    plan = m.build_plan(["a"])
+    live.after_plan()
+    assert plan.actions and {a.fmt for a in plan.actions} == {"int4"}
+    refused = {a.action_id: "int8" for a in plan.actions}
+    first = len(refused)
+    live.commit(ProximaReport(rejected=refused, probe_errors=[("int4", 0.3)] * len(refused) + [("int8", 0.004)],
+                              probe_measured=len(refused), probe_refused=len(refused), probe_seconds=0.001))
+    assert m.px.stats.rejected == len(refused) and not m.px.pending and m.px.stats.failed == 0
+    assert m.summary()["backoff"]["formats"] == {}, "a refusal is not a kernel failure"
+    m.check_accounting()
+    assert live.controller.fallback_state()["consecutive_failures"] == 1
+    live.before_plan()
+    plan = m.build_plan(["a"])
+    live.after_plan()
+    assert plan.actions and {a.fmt for a in plan.actions} == {"int8"}, "the cap the probe named"
+    refused = {a.action_id: "" for a in plan.actions}
+    live.commit(ProximaReport(rejected=refused, probe_errors=[("int8", 0.5)] * len(refused),
+                              probe_measured=len(refused), probe_refused=len(refused)))
+    st = live.controller.fallback_state()
+    assert st["level"] == 1 and st["automatic_level"] == 1  # failures_to_step_down = 2
+    alerts = live.controller.alerts.recent()
+    assert [a.kind for a in alerts] == ["fallback_step_down"] and alerts[0].details["probe"]["kind"] == "compression"
+    probes = live.controller.probes()["probes"]["compression"]
+    assert probes["failures"] == 2 and probes["last"]["values"]["refused_fraction"] == 1.0
+    metrics = live.controller.metrics
+    assert metrics.probe_error.labels(format="int4")._sum.get() == pytest.approx(0.3 * first)
+    assert metrics.probe_error.labels(format="int8")._sum.get() == pytest.approx(0.004 + 0.5 * len(refused))
+    assert metrics.compression_rejected._value.get() == first + len(refused)
+    live.before_plan()
+    assert m.px.engine.fallback_level == 1
+    assert not m.build_plan(["a"]).actions, "every block is capped at bf16 or refused: nothing left to try"
+    m.check_accounting()
+
+
+def test_a_block_not_measured_yet_is_planned_again_in_its_format() -> None:
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    _prefilled(m, "a", 3 * B)
+    plan = m.build_plan(["a"])
+    assert plan.actions
+    m.apply_report(ProximaReport(rejected={a.action_id: a.fmt for a in plan.actions}))  # the worker deferred them
+    assert not m.px.ledger["a"].caps and not m.px.pending and m.px.stats.failed == 0
+    again = m.build_plan(["a"])
+    assert [(a.index, a.fmt) for a in again.actions] == [(a.index, a.fmt) for a in plan.actions]
+    m.check_accounting()
+
+
+def test_without_the_api_a_compressing_policy_still_gets_its_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_PORT_ENV, raising=False)
+    off = _manager(Policy(enabled=False))
+    assert LiveControl.from_env(off, off.px.policy, "initial") is None  # nothing of live.py runs
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    live = LiveControl.from_env(m, m.px.policy, "initial")
+    assert live is not None
+    try:
+        assert live._server is None and live.controller.webhook._thread is not None  # no HTTP, alerts delivered
+        _prefilled(m, "a", 3 * B)
+        assert _step(live, m, ["a"]) > 0 and live.controller.metrics.steps._value.get() == 1
+    finally:
+        live.stop()

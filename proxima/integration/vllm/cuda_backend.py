@@ -186,20 +186,21 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
         from proxima.compression import compress_blocks, decompress_blocks
 
         t0 = time.perf_counter()
-        for fmt, layer in formats.items():
+        for stored, (chosen, layer) in formats.items():
             kv = store.kv_caches[layer]
             _n, h, b, d = store.geometry(layer)
             k = torch.zeros(1, b, h, d, dtype=kv.dtype, device=kv.device)
-            imp = torch.ones(1, b, h, device=kv.device) if fmt.reduction is not None else None
-            cb = compress_blocks(fmt, k, k, token_importance=imp, group_size=store.group_size,
+            imp = torch.ones(1, b, h, device=kv.device) if stored.reduction is not None else None
+            cb = compress_blocks(stored, k, k, token_importance=imp, group_size=store.group_size,
                                  backend=self.kernel_backend)
             decompress_blocks(cb, backend=self.kernel_backend)
-            store.dtypes.setdefault(fmt, (cb.k_data.dtype, cb.v_data.dtype))
+            store.dtypes.setdefault(stored, (cb.k_data.dtype, cb.v_data.dtype))
             hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=h, head_dim=d)
-            pools = {fmt: slot_pool_of(store, layer, fmt, kv.device)}
+            # Keyed by the scheduler's format, as a step's plan is (the pool maps it to `stored`).
+            pools = {chosen: slot_pool_of(store, layer, chosen, kv.device)}
             # Two rows, each reading a compressed slot and a hot block: the launches of a step.
-            plan = plan_rows([PagedRow([0, 0], b + 1, 1, {0: (fmt, 0, 0)}),
-                              PagedRow([0, 0], b + 2, 1, {0: (fmt, 0, 0)})], b).to(kv.device)
+            plan = plan_rows([PagedRow([0, 0], b + 1, 1, {0: (chosen, 0, 0)}),
+                              PagedRow([0, 0], b + 2, 1, {0: (chosen, 0, 0)})], b).to(kv.device)
             q = torch.zeros(2, self.num_heads, self.head_size, dtype=kv.dtype, device=kv.device)
             paged_attention(q, plan, hot, pools, sm_scale=self.scale, backend=self.kernel_backend)
             if kv.is_cuda:

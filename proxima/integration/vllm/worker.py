@@ -216,15 +216,16 @@ class WorkerStore:
         """
         return self.formats.of(fmt, self.layer_numbers.get(layer, -1))
 
-    def stored_formats(self) -> dict[Format, str]:
-        """Every format the startup policy can store (its bands' ladders, after each layer's
-        overrides), with the first layer that stores it: what a kernel warm-up must cover."""
+    def stored_formats(self) -> dict[Format, tuple[Format, str]]:
+        """Every format the policy can store (its bands' ladders, after each layer's overrides)
+        -> (the scheduler's format that stores it, the first layer where it does): what a kernel
+        warm-up must cover."""
         if self.policy is None or not self.policy.enabled:
             return {}
-        out: dict[Format, str] = {}
+        out: dict[Format, tuple[Format, str]] = {}
         for layer in self.kv_caches:
             for f in self.policy.all_formats():
-                out.setdefault(self.layer_format(layer, f), layer)
+                out.setdefault(self.layer_format(layer, self.formats.current(f)), (f, layer))
         return out
 
     def page_layout(self, kv: torch.Tensor) -> PageLayout:

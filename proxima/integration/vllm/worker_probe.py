@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from proxima.compression.attention import attention_errors
-from proxima.compression.blocks import compress_blocks
+from proxima.compression.blocks import compress_blocks, recompressible
 from proxima.formats import Format
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.policy.probes import choose_within_bound
@@ -149,6 +149,9 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
     first = errors_of(fmt, list(range(len(measurable))))
     out = ProbeOutcome(rejected=deferred, measured=len(measurable))
     milder = milder_formats(store.policy, fmt, from_fmt)
+    if not from_fmt.is_hot:  # a recompression: only formats this block can still move into
+        src_l = store.layer_format(layer, from_fmt)
+        milder = [f for f in milder if recompressible(src_l, store.layer_format(layer, store.formats.current(f)))]
     for i, a in enumerate(measurable):
         def measure(f: Format, i: int = i) -> float:
             err = float(first[i]) if f == fmt else float(errors_of(f, [i])[0])

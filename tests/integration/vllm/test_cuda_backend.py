@@ -169,8 +169,9 @@ def test_warm_up_runs_every_stored_format_and_changes_nothing_vllm_reads() -> No
     store.layout = token_interleaved_layout(B, D)
     formats = store.stored_formats()
     # balanced stores cluster(2)+int4 where it chose int2 in layers 0 and 1: int2 lives in layer 5
-    assert {str(f): n.split(".")[2] for f, n in formats.items()} == {
-        "int8": "0", "int4": "0", "cluster(2)+int4": "0", "int2": "5"}
+    assert {str(f): (str(c), n.split(".")[2]) for f, (c, n) in formats.items()} == {
+        "int8": ("int8", "0"), "int4": ("int4", "0"), "cluster(2)+int4": ("cluster(2)+int4", "0"),
+        "int2": ("int2", "5")}
     _impl("triton").warm_up(store)
     assert set(store.dtypes) == set(formats)  # every format went through compress -> pool -> decode
     assert all(torch.equal(layers[n], before[n]) for n in layers)

@@ -90,15 +90,17 @@ def observe(store: WorkerStore, layer_kv: torch.Tensor, query: torch.Tensor, obs
         visible = obs.decode_visible.to(dev)
         keys = layout.read_keys(layer_kv, obs.decode_table.to(dev))
         k = keys.permute(0, 2, 1, 3, 4).reshape(rd, h, w * b, d).float()
-        q = query[obs.decode_q.to(dev)].view(rd, h, g, d).float()
+        qd = query[obs.decode_q.to(dev)]  # [Rd, Hq, D]: each row's new query (also the probe's)
+        q = qd.view(rd, h, g, d).float()
         s = torch.einsum("rhgd,rhtd->rhgt", q, k) * scale
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
         mass = fold(torch.softmax(s, -1))  # [Rd, H, T]
         mass = mass.masked_fill(~visible[:, None, :], float("nan")).cpu()
-        qd = query[obs.decode_q.to(dev)]  # [Rd, Hq, D]: each row's new query, for the compression probe
+        keep_queries = store.probes_compressions
         for i, (rid, n) in enumerate(zip(obs.decode_rids, obs.decode_lens, strict=True)):
             store.observe(rid, mass[i, :, :n].transpose(0, 1).contiguous(), reset=False)
-            store.recent_queries.add(rid, qd[i: i + 1], scale)
+            if keep_queries:
+                store.recent_queries.add(rid, qd[i: i + 1], scale)
     for rid, qt, blocks, seq_len, compressed in obs.prefill:
         k = layout.read_keys(layer_kv, blocks.to(dev)).permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len].float()
         q = query[qt.to(dev)].view(len(qt), h, g, d).permute(1, 2, 0, 3).float()  # [H, G, W, D]
@@ -112,7 +114,8 @@ def observe(store: WorkerStore, layer_kv: torch.Tensor, query: torch.Tensor, obs
         mass = fold(torch.softmax(s, -1).mean(2)).transpose(0, 1).cpu()  # [H, G, L] -> [H, L] -> [L, H]
         mass[hidden] = float("nan")
         store.observe(rid, mass.contiguous(), reset=True)
-        store.recent_queries.add(rid, query[qt.to(dev)], scale)
+        if store.probes_compressions:
+            store.recent_queries.add(rid, query[qt.to(dev)], scale)
 
 
 def observe_safely(store: WorkerStore, layer_kv: torch.Tensor, query: torch.Tensor, obs: Observation,

@@ -228,6 +228,13 @@ class WorkerStore:
                 out.setdefault(self.layer_format(layer, self.formats.current(f)), (f, layer))
         return out
 
+    @property
+    def probes_compressions(self) -> bool:
+        """The live policy compresses and runs the compression-time probe: only then are the observed layer's
+        recent queries kept (a copy per row and step). A policy that turns the probe on later
+        defers each block until its request has been observed once (`worker_probe.check_batch`)."""
+        return self.policy is not None and self.policy.enabled and self.policy.probes.compression.enabled
+
     def page_layout(self, kv: torch.Tensor) -> PageLayout:
         if self.layout is None:
             self.layout = _page_layout(kv)

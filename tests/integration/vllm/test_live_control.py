@@ -6,7 +6,9 @@ vLLM does (`before_plan`, `build_plan`, `after_plan`, `commit`) and talks to the
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -75,13 +77,23 @@ def test_api_address_from_policy_and_environment() -> None:
         api_address(off, {API_PORT_ENV: "http"})
 
 
-def test_live_control_swaps_policy_reports_steps_and_publishes_stats(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
-    m = _manager(load_policy(HERE / "force-int4.yaml"))
+@contextlib.contextmanager
+def _served(m: ProximaKVCacheManager) -> Iterator[tuple[LiveControl, httpx.Client]]:
+    """The runtime API serving `m` on a free port, and a client for it; both stopped after."""
     live = LiveControl(m, m.px.policy, "127.0.0.1", _free_port())
     live.start()
     api = httpx.Client(base_url=f"http://{live.host}:{live.port}", timeout=10)
     try:
+        yield live, api
+    finally:
+        api.close()
+        live.stop()
+
+
+def test_live_control_swaps_policy_reports_steps_and_publishes_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
+    m = _manager(load_policy(HERE / "force-int4.yaml"))
+    with _served(m) as (live, api):
         _prefilled(m, "a", 6 * B)  # 6 full blocks and the hot tail block (never compressed): 7 logical
         s0 = api.get("/v1/stats").json()
         assert s0["blocks_by_format"] == {}, "stats are what the engine published, not a read of live state"
@@ -131,9 +143,6 @@ def test_live_control_swaps_policy_reports_steps_and_publishes_stats(monkeypatch
         assert f'proxima_engine_compression_errors_total{{reason="kernel"}} {float(failed)}' in metrics
         assert "proxima_policy_version 3.0" in metrics
         m.check_accounting()
-    finally:
-        api.close()
-        live.stop()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn's SystemExit
@@ -203,10 +212,7 @@ def test_failing_compressions_back_off_with_one_alert_then_resume() -> None:
 def test_a_policy_change_reaches_the_worker_with_the_next_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
     m = _manager(load_policy(HERE / "force-int4.yaml"))
-    live = LiveControl(m, m.px.policy, "127.0.0.1", _free_port())
-    live.start()
-    api = httpx.Client(base_url=f"http://{live.host}:{live.port}", timeout=10)
-    try:
+    with _served(m) as (live, api):
         _prefilled(m, "a", 2 * B)
         live.before_plan()
         plan = m.build_plan(["a"])
@@ -220,9 +226,6 @@ def test_a_policy_change_reaches_the_worker_with_the_next_plan(monkeypatch: pyte
         live.before_plan()
         later = m.build_plan(["a"])
         assert later.policy is None and later.policy_version == 2  # sent once
-    finally:
-        api.close()
-        live.stop()
 
 
 def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down() -> None:

@@ -2,9 +2,11 @@
 
 One program handles (sequence, KV head, split): all G query heads of the KV head at once (the
 GQA group padded to 16 rows so `tl.dot` runs on the tensor cores) and a contiguous range of the
-sequence's entries, `EPT` entries (slots) per iteration. Each row's slot id and valid-token count
-are loaded as vectors the software pipeliner prefetches together with the data tiles that
-depend on them; KIVI key scales are loaded once per group of `RS` tokens and broadcast.
+sequence's entries, `EPT` entries (slots) per iteration. With one entry per iteration (the
+shipped configurations of bf16 and int4) the slot id is a scalar load and every address is a scalar
+base plus a loop-invariant row offset; with several, each row's slot id and valid-token count are
+loaded as vectors the software pipeliner prefetches together with the data tiles that depend on
+them. KIVI key scales are loaded once per group of `RS` tokens and broadcast.
 
 Dequantization happens in registers and never goes through an int -> float conversion
 instruction (a unit at an eighth of the FMA rate on the H200): int4 / int2 codes become float16
@@ -199,21 +201,34 @@ def _decode_kernel(
     col_entry = tl.arange(0, BLOCK_N) // C  # tile entry of each row / score column
     tn = tl.arange(0, BLOCK_N) % C  # token of each row within its slot
     oe = tl.arange(0, EPT)
+    # loop-invariant parts of every per-row offset (the token within its slot, the KV head)
+    k_row = tn * sk_t + h * sk_h
+    v_row = tn * sv_t + h * sv_h
+    ks_row = tn * sks_t + h * sks_h
+    vs_row = tn * svs_t + h * svs_h
+    lc_row = tn * slc_t + h * slc_h
     for e0 in range(e_begin, e_end, EPT):
-        # ---- per-row metadata: the slot id and valid-token count of each row's entry (EPT
-        # distinct values per tile; the repeats hit L1). The software pipeliner prefetches these
-        # and the data tiles that depend on them.
-        en = e0 + col_entry
-        men = en < e_end
-        slot_n = tl.load(tab_ptr + seq * E + en, mask=men, other=0).to(tl.int64)
-        nt_n = tl.load(ntok_ptr + seq * E + en, mask=men, other=0)
-        valid_n = men & (tn < nt_n)
+        # ---- per-row metadata: the slot id and valid-token count of each row's entry.
+        if EPT == 1:
+            # one entry per tile: its slot id is a scalar, so every address below is a scalar base
+            # plus a loop-invariant row offset (no per-row 64-bit multiply); e0 < e_end here
+            slot_n = tl.load(tab_ptr + seq * E + e0).to(tl.int64)
+            nt_n = tl.load(ntok_ptr + seq * E + e0)
+            valid_n = tn < nt_n
+        else:
+            # EPT distinct values per tile, loaded per row (the repeats hit L1); the software
+            # pipeliner prefetches these and the data tiles that depend on them
+            en = e0 + col_entry
+            men = en < e_end
+            slot_n = tl.load(tab_ptr + seq * E + en, mask=men, other=0).to(tl.int64)
+            nt_n = tl.load(ntok_ptr + seq * E + en, mask=men, other=0)
+            valid_n = men & (tn < nt_n)
         if P == BP:  # noqa: SIM108 - constexpr branch: Triton compiles one side
             m2 = valid_n[:, None]
         else:
             m2 = valid_n[:, None] & (op < P)[None, :]
-        k_ptrs = k_ptr + (slot_n * sk_slot + tn * sk_t + h * sk_h)[:, None] + op[None, :]
-        v_ptrs = v_ptr + (slot_n * sv_slot + tn * sv_t + h * sv_h)[:, None] + op[None, :]
+        k_ptrs = k_ptr + (slot_n * sk_slot + k_row)[:, None] + op[None, :]
+        v_ptrs = v_ptr + (slot_n * sv_slot + v_row)[:, None] + op[None, :]
         # ---- keys -> scores [G_PAD, BLOCK_N] in log2 units
         if QUANT == 0:
             k = tl.trans(tl.load(k_ptrs, mask=m2, other=0.0).to(dot_t))
@@ -222,18 +237,22 @@ def _decode_kernel(
         else:  # KIVI keys: per channel, one scale / zero row per row group of RS tokens
             if W4:
                 kw_ptrs = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                kw_ptrs = kw_ptrs + ((slot_n * sk_slot + tn * sk_t + h * sk_h) // 4)[:, None] + ow[None, :]
+                kw_ptrs = kw_ptrs + ((slot_n * sk_slot + k_row) // 4)[:, None] + ow[None, :]
                 kc = _int4_words_f16(tl.load(kw_ptrs, mask=valid_n[:, None] & (ow < P // 4)[None, :], other=0))
             elif SMALL:
                 kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), BITS, PER)
             else:
                 kc = _bytes_f16(tl.load(k_ptrs, mask=m2, other=0), 0)
             kc = tl.reshape(kc, (NR, RS, BLOCK_D))
-            er = e0 + orr // RPE
-            mr = er < e_end
-            slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
-            g_off = slot_r[:, None] * sks_slot + (t0 // GROUP)[:, None] * sks_t + h * sks_h + od[None, :]
-            gm = mr[:, None] & md[None, :]
+            if EPT == 1:
+                g_off = slot_n * sks_slot + ((t0 // GROUP) * sks_t + h * sks_h)[:, None] + od[None, :]
+                gm = (orr >= 0)[:, None] & md[None, :]
+            else:
+                er = e0 + orr // RPE
+                mr = er < e_end
+                slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
+                g_off = slot_r[:, None] * sks_slot + (t0 // GROUP)[:, None] * sks_t + h * sks_h + od[None, :]
+                gm = mr[:, None] & md[None, :]
             sc = tl.load(ks_ptr + g_off, mask=gm, other=0.0)
             zp = tl.load(kz_ptr + g_off, mask=gm, other=0.0)
             if SMALL:
@@ -242,12 +261,12 @@ def _decode_kernel(
             k = tl.trans(k)
         s = tl.dot(q, k)  # k is [BLOCK_D, BLOCK_N]
         if QUANT == 1:
-            ks = tl.load(ks_ptr + slot_n * sks_slot + tn * sks_t + h * sks_h, mask=valid_n, other=0.0)
+            ks = tl.load(ks_ptr + slot_n * sks_slot + ks_row, mask=valid_n, other=0.0)
             s = s * (ks * score_scale)[None, :]
         else:
             s = s * score_scale
         if HAS_COUNT:
-            lc = tl.load(lc_ptr + slot_n * slc_slot + tn * slc_t + h * slc_h, mask=valid_n, other=0.0)
+            lc = tl.load(lc_ptr + slot_n * slc_slot + lc_row, mask=valid_n, other=0.0)
             s = s + lc[None, :] * LOG2E_C
         s = tl.where(valid_n[None, :], s, float("-inf"))
         # ---- online softmax
@@ -270,12 +289,12 @@ def _decode_kernel(
             ogr = tl.arange(0, NG)
             if W4:
                 vw_ptrs = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                vw_ptrs = vw_ptrs + ((slot_n * sv_slot + tn * sv_t + h * sv_h) // 4)[:, None] + ow[None, :]
+                vw_ptrs = vw_ptrs + ((slot_n * sv_slot + v_row) // 4)[:, None] + ow[None, :]
                 vc = _int4_words_f16(tl.load(vw_ptrs, mask=valid_n[:, None] & (ow < P // 4)[None, :], other=0))
             else:
                 vc = _small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER)
             vc = tl.reshape(vc, (BLOCK_N, NG, GROUP))
-            vg_off = (slot_n * svs_slot + tn * svs_t + h * svs_h)[:, None] + ogr[None, :]
+            vg_off = (slot_n * svs_slot + vs_row)[:, None] + ogr[None, :]
             vgm = valid_n[:, None] & (ogr < D // GROUP)[None, :]
             vsc = tl.load(vs_ptr + vg_off, mask=vgm, other=0.0)
             vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0)
@@ -285,7 +304,7 @@ def _decode_kernel(
         if QUANT == 1 or QUANT == 2:
             # per-token value scale relative to the tile's largest (so f16 operands stay in range);
             # the dot is scaled back in f32
-            vs = tl.load(vs_ptr + slot_n * svs_slot + tn * svs_t + h * svs_h, mask=valid_n, other=0.0)
+            vs = tl.load(vs_ptr + slot_n * svs_slot + vs_row, mask=valid_n, other=0.0)
             vmax = tl.maximum(tl.max(vs, axis=0), 1e-30)
             if SCALE_V:
                 # on the value rows (one f16 multiply per code); this also keeps the compiler from

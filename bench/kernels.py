@@ -52,6 +52,8 @@ T_START = time.time()
 DEADLINE_S = 420
 """Decode shapes still to run are skipped past this many seconds, so a run always writes results
 inside the device tool's 10-minute command limit."""
+PARTS = ("compress", "decode", "quality")
+"""What a plain run measures, in order; `--only` picks some (the compress rows take ~20 s)."""
 DECODE_SHAPES = [(4096, 1), (4096, 16), (4096, 64), (32768, 1), (32768, 8), (32768, 32), (131072, 1), (131072, 8)]
 
 
@@ -183,7 +185,12 @@ def _compress_one(fmt, k, v, imp, src, copy_gbps, n_blocks) -> list[dict]:
             "op": "decompress", "format": fmt, "context": n_blocks * B, "batch": n_blocks, "time_us": ms * 1e3,
             "gbps": moved / ms / 1e6, "copy_gbps": copy_gbps, "bytes": moved,
         })  # fmt: skip
-        print(f"  compress {fmt:16s} {rows[-2]['time_us']:9.1f} us {rows[-2]['gbps']:7.0f} GB/s", flush=True)
+        for r in rows[-2:]:
+            print(
+                f"  {r['op']:10s} {fmt:16s} {r['time_us']:9.1f} us {r['gbps']:7.0f} GB/s "
+                f"{100 * r['gbps'] / copy_gbps:5.1f}% of copy",
+                flush=True,
+            )
         del cb
     return rows
 
@@ -734,6 +741,13 @@ def main() -> int:
     ap.add_argument("--profile", metavar="FMT", help="run five decodes of FMT at 32k x 8 (for ncu)")
     ap.add_argument("--render", metavar="RUN_DIR", help="write kernels-h200.{json,md} from a --sweep run's files")
     ap.add_argument("--previous", help="with --render: an earlier kernels-h200.json for the rows not re-measured")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="parts to run (the GPU checks and the copy roofline always run); e.g. --only compress",
+    )
     args = ap.parse_args()
     if args.render:
         render_run(args.render, args.out, args.previous)
@@ -779,11 +793,15 @@ def main() -> int:
             "copy_gbps": meta["copy_gbps"],
         }
     ]
-    rows += compress_rows(meta["copy_gbps"], 64 if args.quick else 1024)
-    print(f"compress done ({time.time() - t0:.0f}s)", flush=True)
-    rows += decode_rows(meta["copy_gbps"], [(4096, 1), (32768, 2)] if args.quick else DECODE_SHAPES)
-    print(f"decode done ({time.time() - t0:.0f}s)", flush=True)
-    rows += quality_rows()
+    meta["parts"] = args.only
+    if "compress" in args.only:
+        rows += compress_rows(meta["copy_gbps"], 64 if args.quick else 1024)
+        print(f"compress done ({time.time() - t0:.0f}s)", flush=True)
+    if "decode" in args.only:
+        rows += decode_rows(meta["copy_gbps"], [(4096, 1), (32768, 2)] if args.quick else DECODE_SHAPES)
+        print(f"decode done ({time.time() - t0:.0f}s)", flush=True)
+    if "quality" in args.only:
+        rows += quality_rows()
     try:
         tg = targets([r for r in rows if "error" not in r])
     except Exception as e:

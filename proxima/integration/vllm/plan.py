@@ -7,7 +7,7 @@ They ride vLLM's KV-connector channel: `ProximaPlan` is the scheduler's per-step
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NewType
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -165,9 +165,10 @@ def _mildest(a: str | None, b: str | None) -> str:
     no verdict): the format that keeps more, i.e. the lower pack ratio, "" (stays hot) mildest.
 
     A rank's verdict is the harshest format within the bound on its heads (or the action's own
-    format when it could not measure yet, which any measured verdict is milder than); the milder
-    of two is the harshest one both can accept. The scheduler plans the block into it later and
-    every rank measures it again then. Equal pack ratios (e.g. int4 and sparse(4)) are the same
+    format when it could not measure yet, which any measured verdict is milder than), so every
+    harsher one failed on some rank: the milder of two is the harshest format still possible on
+    all of them. It is a cap, not a write: the scheduler plans the block into it later, and every
+    rank measures it again then. Equal pack ratios (e.g. int4 and sparse(4)) are the same
     cap for the scheduler, which compares caps by pack ratio; the name breaks the tie so that the
     merge does not depend on the rank order."""
     verdicts = [v for v in (a, b) if v is not None]
@@ -183,11 +184,8 @@ def settle(report: ProximaReport, ranks: int) -> ProximaReport:
         return report
     missing = (f"proxima: {ranks - report.ranks} of {ranks} ranks sent no report for a step with compressions; "
                "they are undone")
-    return ProximaReport(ok=[], failed=sorted(set(report.failed) | set(report.ok)), errors=[*report.errors, missing],
-                         kernel_seconds=report.kernel_seconds, importance=report.importance, timings=report.timings,
-                         ranks=report.ranks, rejected=report.rejected, probe_errors=report.probe_errors,
-                         probe_measured_ids=report.probe_measured_ids, probe_refused_ids=report.probe_refused_ids,
-                         probe_seconds=report.probe_seconds)
+    # (`replace`: every other field, including ones added later, passes through as it is)
+    return replace(report, ok=[], failed=sorted(set(report.failed) | set(report.ok)), errors=[*report.errors, missing])
 
 
 def _nanmax_lists(a: list[float], b: list[float]) -> list[float]:

@@ -182,7 +182,8 @@ def main() -> int:
     meta = {
         "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "PYTHONPATH=/tmp/triton-3.6:. python bench/decode_sass.py " + " ".join(args.specs), "python": sys.version.split()[0],
+        "command": "PYTHONPATH=/tmp/triton-3.6:. python bench/decode_sass.py " + " ".join(args.specs),
+        "python": sys.version.split()[0],
     }  # fmt: skip
     if args.out:
         os.makedirs(args.out, exist_ok=True)

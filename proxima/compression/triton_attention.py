@@ -10,8 +10,9 @@ them. KIVI key scales are loaded once per group of `RS` tokens and broadcast.
 
 Dequantization happens in registers and never goes through an int -> float conversion
 instruction (a unit at an eighth of the FMA rate on the H200): int4 / int2 codes become float16
-through the hardware e4m3 -> f16 convert (`_small_codes_f16`), int8 codes by the f16 magic
-number (`_bytes_f16`), fp8 by the e4m3 convert. Compressed formats multiply in f16, the hot path
+through the hardware e4m3 -> f16 convert (`_small_codes_f16`), or, for int4 with `word_unpack`,
+by inline PTX that puts two nibbles into the mantissas of a packed f16 pair at once
+(`_int4_words_f16`); int8 codes by the f16 magic number (`_bytes_f16`), fp8 by the e4m3 convert. Compressed formats multiply in f16, the hot path
 in bf16. Per-token scales (fp8 keys and values, int8 values) are not applied per element: a key
 scale multiplies the score column, a value scale the probability column before P @ V.
 
@@ -67,49 +68,38 @@ def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
 
 _NIBBLES_PTX = tl.constexpr("""
 {
-.reg .b32 a, b, t, m;
-mov.b32 m, 0x64006400;
-prmt.b32 a, $8, $9, 0x5410;
-prmt.b32 b, $8, $9, 0x7632;
-lop3.b32 t, a, 0x000F000F, m, 0xEA;
-sub.f16x2 $0, t, m;
-shr.b32 a, a, 4;
-lop3.b32 t, a, 0x000F000F, m, 0xEA;
-sub.f16x2 $1, t, m;
-shr.b32 a, a, 4;
-lop3.b32 t, a, 0x000F000F, m, 0xEA;
-sub.f16x2 $2, t, m;
-shr.b32 a, a, 4;
-lop3.b32 t, a, 0x000F000F, m, 0xEA;
-sub.f16x2 $3, t, m;
-lop3.b32 t, b, 0x000F000F, m, 0xEA;
-sub.f16x2 $4, t, m;
-shr.b32 b, b, 4;
-lop3.b32 t, b, 0x000F000F, m, 0xEA;
-sub.f16x2 $5, t, m;
-shr.b32 b, b, 4;
-lop3.b32 t, b, 0x000F000F, m, 0xEA;
-sub.f16x2 $6, t, m;
-shr.b32 b, b, 4;
-lop3.b32 t, b, 0x000F000F, m, 0xEA;
-sub.f16x2 $7, t, m;
+.reg .b32 t, m, z;
+mov.b32 m, 0x54006400;
+mov.b32 z, 0x00F0000F;
+prmt.b32 t, $8, 0, 0x4040;
+lop3.b32 t, t, z, m, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$0, $1}, t;
+prmt.b32 t, $8, 0, 0x4141;
+lop3.b32 t, t, z, m, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$2, $3}, t;
+prmt.b32 t, $8, 0, 0x4242;
+lop3.b32 t, t, z, m, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$4, $5}, t;
+prmt.b32 t, $8, 0, 0x4343;
+lop3.b32 t, t, z, m, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$6, $7}, t;
 }
 """)
-"""Two words w, w' of packed int4 codes ($8, $9; nibble k of a word is code k) -> eight f16x2
-registers $0..$7, register k = (code k of w, code k of w'), exact. A byte permute puts bytes 0-1
-of w in the low half and of w' in the high half (bytes 2-3 for codes 4-7); one mask-and-or with
-0x000F000F | 0x64006400 moves a code from each half into the mantissas of 1024.0, a 4-bit shift
-brings the next code down, and a packed subtraction of 1024 leaves the code: 26 instructions for
-16 codes, no int-to-float convert."""
+"""One word of packed int4 codes ($8; nibble k is code k) -> its eight codes as exact f16 ($0..$7),
+code pairs (2j, 2j+1) as the halves of one register: a byte permute copies byte j into bytes 0 and
+2, one mask-and-or puts its low nibble into the mantissa of 1024.0 (low half, mantissa bits 0-3)
+and its high nibble into that of 64.0 (high half, bits 4-7, whose weight at 64 is 1), and one
+packed subtraction of (1024, 64) leaves both codes: 3 instructions for 2 codes, no convert."""
 
 
 @triton.jit
-def _int4_split_f16(w, INTERPRETED: tl.constexpr):
+def _int4_words_f16(w, INTERPRETED: tl.constexpr):
     """int32 words [rows, W] of packed int4 codes (word m holds channels 8m .. 8m+7, nibble k is
-    channel 8m + k) -> exact float16 codes [rows, 8W] in *split* order: element k * W + m is
-    channel 8m + k (`split_channel`). Each code plane k stays contiguous, so the f16 pairs the PTX
-    makes (words m, m+1) reach the dot as they are. The kernel loads queries and key scales,
-    groups value scales and stores outputs in the same order; dots over D do not see it."""
+    channel 8m + k) -> exact float16 codes [rows, 8W] in channel order."""
     if INTERPRETED:  # the interpreter runs no PTX: the same codes by plain ops
         c0 = (w & 15).to(tl.float16)
         c1 = ((w >> 4) & 15).to(tl.float16)
@@ -121,20 +111,11 @@ def _int4_split_f16(w, INTERPRETED: tl.constexpr):
         c7 = ((w >> 28) & 15).to(tl.float16)
     else:
         c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _NIBBLES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=2
+            _NIBBLES_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1
         )
     # x[r, m, k4, k2, k1] is code k = 4 k4 + 2 k2 + k1 of word m (a join appends the fastest axis)
     x = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-    x = tl.permute(x, 0, 2, 3, 4, 1)  # [r, k4, k2, k1, m]: element k * W + m
     return tl.reshape(x, w.shape[0], 8 * w.shape[1])
-
-
-@triton.jit
-def split_channel(od, W: tl.constexpr, SPLIT: tl.constexpr):
-    """The channel held at element od of a split-order row of W words (`_int4_split_f16`), or od."""
-    if SPLIT:
-        return 8 * (od % W) + od // W
-    return od
 
 
 @triton.jit
@@ -197,7 +178,7 @@ def _decode_kernel(
     RS: tl.constexpr,  # tokens per row group: min(GROUP, C) for KIVI keys, else C
     DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
     SCALE_V: tl.constexpr,  # fp8 / int8: per-token value scales on the value rows, not on P
-    WORDS: tl.constexpr,  # int4: load 32-bit words, unpack them by PTX, split channel order (no 2^-9)
+    WORDS: tl.constexpr,  # int4: load 32-bit words and unpack them by PTX (`_int4_words_f16`; no 2^-9)
 ):
     """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
     float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
@@ -212,7 +193,7 @@ def _decode_kernel(
     RPE: tl.constexpr = C // RS  # row groups per entry
     BP: tl.constexpr = BLOCK_D // PER  # stored elements per row, padded to a power of two
     P: tl.constexpr = D // PER
-    W4: tl.constexpr = WORDS and PER == 2 and BLOCK_D == D and GROUP % 8 == 0  # whole words, groups
+    W4: tl.constexpr = WORDS and PER == 2 and BLOCK_D == D  # whole words per row
     SMALL: tl.constexpr = QUANT >= 3 and not W4  # e4m3-unpacked int4 / int2: tiles hold code * 2^-9
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
@@ -221,8 +202,7 @@ def _decode_kernel(
     qh = h * G + og  # query heads of this KV head
     BW: tl.constexpr = BP // 4  # 32-bit words per row (W4)
     ow = tl.arange(0, BW)
-    ch = split_channel(od, BW, W4)  # the channel of each element of a row (W4 rows are split)
-    q = tl.load(q_ptr + seq * sq_s + qh[:, None] * sq_h + ch[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+    q = tl.load(q_ptr + seq * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :], other=0.0)
     score_scale = sm_scale_log2
     if SMALL:
         score_scale = score_scale * 512.0
@@ -286,20 +266,20 @@ def _decode_kernel(
             if W4:
                 kw_ptrs = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
                 kw_ptrs = kw_ptrs + ((slot_n * sk_slot + k_row) // 4)[:, None] + ow[None, :]
-                kc = _int4_split_f16(tl.load(kw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
+                kc = _int4_words_f16(tl.load(kw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
             elif SMALL:
                 kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), BITS, PER)
             else:
                 kc = _bytes_f16(tl.load(k_ptrs, mask=m2, other=0), 0)
             kc = tl.reshape(kc, (NR, RS, BLOCK_D))
             if EPT == 1:
-                g_off = slot_n * sks_slot + ((t0 // GROUP) * sks_t + h * sks_h)[:, None] + ch[None, :]
+                g_off = slot_n * sks_slot + ((t0 // GROUP) * sks_t + h * sks_h)[:, None] + od[None, :]
                 gm = (orr >= 0)[:, None] & md[None, :]
             else:
                 er = e0 + orr // RPE
                 mr = er < e_end
                 slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
-                g_off = slot_r[:, None] * sks_slot + (t0 // GROUP)[:, None] * sks_t + h * sks_h + ch[None, :]
+                g_off = slot_r[:, None] * sks_slot + (t0 // GROUP)[:, None] * sks_t + h * sks_h + od[None, :]
                 gm = mr[:, None] & md[None, :]
             sc = tl.load(ks_ptr + g_off, mask=gm, other=0.0)
             zp = tl.load(kz_ptr + g_off, mask=gm, other=0.0)
@@ -340,13 +320,11 @@ def _decode_kernel(
             vsc = tl.load(vs_ptr + vg_off, mask=vgm, other=0.0).to(dot_t)
             vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0).to(dot_t)
             if W4:
-                # split order: element (plane k, group g, word r) is channel 8 * (g * GROUP / 8 + r) + k,
-                # which lies in channel group g for every plane
                 vw_ptrs = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
                 vw_ptrs = vw_ptrs + ((slot_n * sv_slot + v_row) // 4)[:, None] + ow[None, :]
-                vc = _int4_split_f16(tl.load(vw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
-                vc = tl.reshape(vc, (BLOCK_N, 8, NG, GROUP // 8))
-                v = vc.to(dot_t) * vsc[:, None, :, None] + vzp[:, None, :, None]
+                vc = _int4_words_f16(tl.load(vw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
+                vc = tl.reshape(vc, (BLOCK_N, NG, GROUP))
+                v = vc.to(dot_t) * vsc[:, :, None] + vzp[:, :, None]
             else:
                 vc = tl.reshape(_small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER), (BLOCK_N, NG, GROUP))
                 if SMALL:
@@ -384,7 +362,7 @@ def _decode_kernel(
     o = acc * (out_scale / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * LN2_C, float("-inf"))
     row = (split * S + seq) * Hq + qh
-    tl.store(o_ptr + row[:, None] * D + ch[None, :], o, mask=mg[:, None] & md[None, :])
+    tl.store(o_ptr + row[:, None] * D + od[None, :], o, mask=mg[:, None] & md[None, :])
     tl.store(lse_ptr + row, lse, mask=mg)
 
 
@@ -405,8 +383,8 @@ class DecodeConfig:
     (fewer instructions and registers when compiled; not yet timed on the H200)."""
     word_unpack: bool = False
     """int4: load 32-bit words of packed codes and unpack them by inline PTX into exact f16 codes,
-    26 instructions for 16 codes, in split channel order (`_int4_split_f16`); head dims a power of
-    two, 4-byte aligned pools. The e4m3 path otherwise. Chosen by `bench/kernels.py --sweep`."""
+    3 instructions per 2 codes (`_int4_words_f16`), head dims a multiple of 8, 4-byte aligned pools;
+    the e4m3 path otherwise. Chosen by `bench/kernels.py --sweep` on the H200."""
 
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {

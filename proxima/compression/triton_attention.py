@@ -12,9 +12,10 @@ Dequantization happens in registers and never goes through an int -> float conve
 instruction (a unit at an eighth of the FMA rate on the H200): int4 / int2 codes become float16
 through the hardware e4m3 -> f16 convert (`_small_codes_f16`), or, for int4 with `word_unpack`,
 by inline PTX that puts two nibbles into the mantissas of a packed f16 pair at once
-(`_int4_words_f16`); int8 codes by the f16 magic number (`_bytes_f16`), fp8 by the e4m3 convert. Compressed formats multiply in f16, the hot path
-in bf16. Per-token scales (fp8 keys and values, int8 values) are not applied per element: a key
-scale multiplies the score column, a value scale the probability column before P @ V.
+(`_int4_words_f16`); int8 codes by the f16 magic number (`_bytes_f16`), fp8 by the e4m3 convert.
+Compressed formats multiply in f16, the hot path in bf16. Per-token scales (fp8 keys and values,
+int8 values) are not applied per element: a key scale multiplies the score column, a value scale
+the probability column before P @ V.
 
 The launch configuration (tokens per iteration, warps, pipeline stages) is per format
 (`DECODE_CONFIGS`, chosen by `bench/kernels.py --sweep` on the H200), and the split count follows

@@ -480,13 +480,20 @@ def _small_check(fmt: str) -> float:
     return max(rel(o.out.float(), r.out.float()), float((o.lse - r.lse).abs().max()) / 10, mass)
 
 
-def sweep(out_dir: str) -> None:
+def sweep(out_dir: str, shapes_only: bool = False) -> None:
     """Time every SWEEP_CONFIGS entry per format at 32k x 8, keep the best, then time the best
-    configs at the issue's shapes against SDPA. Writes sweep.json."""
+    configs at the issue's shapes against SDPA (`shapes_only`: the shipped DECODE_CONFIGS at the
+    shapes). Writes sweep.json after every format and shape, so a run stopped by a fault (a CUDA
+    error kills the process's context) keeps what it measured."""
     from proxima.compression import triton_attention as ta
 
     res: dict = {"configs": [], "shapes": [], "best": {}}
-    for fmt in SWEEP_FORMATS:
+
+    def save() -> None:
+        with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+    for fmt in [] if shapes_only else SWEEP_FORMATS:
         q, seg, moved, _ = _decode_case(32768, 8, fmt)
         best = None
         for tok, nw, ns, variant in SWEEP_CONFIGS:
@@ -515,6 +522,7 @@ def sweep(out_dir: str) -> None:
             res["best"][fmt] = [b.tokens, b.num_warps, b.num_stages, b.scale_values or b.word_unpack, best[0] * 1e3]
         del q, seg
         torch.cuda.empty_cache()
+        save()
     for ctx, batch in [(4096, 1), (32768, 8), (32768, 32), (131072, 8)]:
         q, seg, moved, (k, v) = _decode_case(ctx, batch, "bf16")
         per_seq = ctx // B
@@ -536,8 +544,7 @@ def sweep(out_dir: str) -> None:
             torch.cuda.empty_cache()
         res["shapes"].append(row)
         print(f"  shape {row}", flush=True)
-    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        save()
 
 
 def profile_one(fmt: str) -> None:
@@ -640,9 +647,8 @@ def render_run(run_dir: str, out_dir: str, previous: str | None) -> None:
             f"python bench/kernels.py --render RUN_DIR --previous OLD_JSON --out {out_dir}",
         ],
         "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D, "block_size": B},
-        "note": "decode-only device run (the session's device time allowed one call); compress / decompress / "
-        "quality rows are from the previous run" + (f" ({prev['meta']['date']})" if prev else "") + ", whose "
-        "compression kernels this code still uses",
+        "note": "decode rows from the --sweep run; copy / compress / decompress / quality rows from the run of "
+        + (prev["meta"].get("date", "?") if prev else "nobody (no --previous)"),
         "previous_run": prev["meta"] if prev else None,
     }
     result = {
@@ -738,6 +744,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="time decode launch configs; write sweep.json")
+    ap.add_argument("--shapes-only", action="store_true", help="with --sweep: the shipped configs at the shapes only")
     ap.add_argument("--profile", metavar="FMT", help="run five decodes of FMT at 32k x 8 (for ncu)")
     ap.add_argument("--render", metavar="RUN_DIR", help="write kernels-h200.{json,md} from a --sweep run's files")
     ap.add_argument("--previous", help="with --render: an earlier kernels-h200.json for the rows not re-measured")
@@ -761,7 +768,7 @@ def main() -> int:
     if args.sweep:
         os.makedirs(args.out, exist_ok=True)
         print("fp8 diag", fp8_diag(), flush=True)
-        sweep(args.out)
+        sweep(args.out, shapes_only=args.shapes_only)
         return 0
     t0 = time.time()
     meta = {

@@ -608,7 +608,8 @@ def _ncu_summary(text: str) -> dict:
 
 def render_run(run_dir: str, out_dir: str, previous: str | None) -> None:
     """kernels-h200.{json,md} from a device run's files: sweep.json and sweep.log (`--sweep`),
-    ncu_<fmt>.txt (`ncu --set full ... --profile <fmt>`), pytest.log and env.txt. Rows that run
+    ncu_<fmt>.txt (`ncu --set full ... --profile <fmt>`), pytest.log, env.txt and, if the run's
+    commands differ from the usual ones, commands.txt (one per line, notes too). Rows that run
     did not measure (compress, decompress, quality) are carried from `previous` (an earlier
     kernels-h200.json) with its date, labelled as such."""
     import ast
@@ -639,7 +640,7 @@ def render_run(run_dir: str, out_dir: str, previous: str | None) -> None:
         "date": datetime.datetime.fromtimestamp(
             os.path.getmtime(os.path.join(run_dir, "sweep.json")), datetime.UTC
         ).isoformat(timespec="seconds"),
-        "commands": [
+        "commands": read("commands.txt").strip().splitlines() or [
             "PYTHONPATH=. python3 bench/kernels.py --sweep --out $OUT",
             "ncu --clock-control none --set full -k regex:_decode_kernel --launch-skip 2 --launch-count 1 "
             "python3 bench/kernels.py --profile {int4,bf16,fp8}",

@@ -640,7 +640,8 @@ def render_run(run_dir: str, out_dir: str, previous: str | None) -> None:
         "date": datetime.datetime.fromtimestamp(
             os.path.getmtime(os.path.join(run_dir, "sweep.json")), datetime.UTC
         ).isoformat(timespec="seconds"),
-        "commands": read("commands.txt").strip().splitlines() or [
+        "commands": read("commands.txt").strip().splitlines()
+        or [
             "PYTHONPATH=. python3 bench/kernels.py --sweep --out $OUT",
             "ncu --clock-control none --set full -k regex:_decode_kernel --launch-skip 2 --launch-count 1 "
             "python3 bench/kernels.py --profile {int4,bf16,fp8}",

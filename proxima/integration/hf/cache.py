@@ -28,6 +28,7 @@ recorded by the attention function.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ from proxima.policy.schema import OFF, Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
 
 NEG_INF = float("-inf")
+BYTE_PASSES = 3
+"""`apply_policy(target_ratio=)`: engine passes from the same state, each asking for more by the
+byte shortfall of the last (pack ratios overstate bytes by the metadata)."""
 
 
 @dataclass
@@ -900,14 +904,40 @@ class ProximaCache(Cache):
 
     def apply_policy(self, *, target_ratio: float | None = None, max_steps: int = 32) -> CompressionReport:
         """Run the engine until it has nothing left to do (or `max_steps`). With `target_ratio`,
-        the pool is sized so that reaching the top band's target means a `target_ratio`x smaller store."""
+        the pool is sized so that reaching the top band's target means a `target_ratio`x smaller
+        store *in bytes* (`achieved_ratio`, metadata and hot blocks included). The engine counts
+        blocks at their pack ratios, which overstate bytes by the metadata (int4: 4x packed, 3.2x
+        in bytes), so a pass that ends short is redone from the same starting state with the ask
+        raised by the shortfall, at most `BYTE_PASSES` passes; the first pass that reaches the
+        target (else the last) is kept. Each pass is the policy as written on a fresh pool: a
+        second engine round on the compressed state would start below the top band's `enter`
+        and, in a policy whose lower band cannot upgrade, change nothing."""
         report = CompressionReport()
         if self.policy.is_off or not self.layers or self.proxima_layers[0].n_blocks == 0:
             return report
-        self.refresh_importance()
-        total = self._pool_for_ratio(target_ratio) if target_ratio else self.capacity_blocks
-        if total is None:
-            raise ValueError("apply_policy needs target_ratio, or capacity_blocks set on the cache")
+        if target_ratio is None:
+            if self.capacity_blocks is None:
+                raise ValueError("apply_policy needs target_ratio, or capacity_blocks set on the cache")
+            self.refresh_importance()
+            self._run_engine(self.capacity_blocks, max_steps, report)
+            return report
+        ask = target_ratio
+        for i in range(BYTE_PASSES):
+            last = i == BYTE_PASSES - 1
+            trial = self if last else copy.deepcopy(self)
+            report = CompressionReport()
+            trial.refresh_importance()
+            trial._run_engine(trial._pool_for_ratio(ask), max_steps, report)
+            achieved = trial.achieved_ratio()
+            if last:
+                break
+            if achieved >= target_ratio * (1 - 1e-3) or report.actions == 0:
+                self.__dict__.update(trial.__dict__)  # keep this pass's state
+                break
+            ask *= target_ratio / achieved
+        return report
+
+    def _run_engine(self, total: int, max_steps: int, report: CompressionReport) -> None:
         probe = self.policy.probes.compression
         for _ in range(max_steps):
             snap = self.snapshot(total)
@@ -930,4 +960,4 @@ class ProximaCache(Cache):
                     report.formats[k] = report.formats.get(k, 0) + v
             if report.actions + report.rejected == done_before:
                 break  # the engine only proposed blocks we cannot touch: no progress possible
-        return report
+

@@ -108,8 +108,9 @@ def write_results(out: Path, suffix: str, rows: list, meta: dict, *, png: bool) 
     if png:
         try:
             report.plot(rows, out / f"quality-smollm2{suffix}.png")
-        except ImportError as e:  # the GPU image has no matplotlib: render afterwards (--render)
-            print(f"[quality] no plot ({e}); render it with: bench/quality.py --render {js}", flush=True)
+        except Exception as e:  # no matplotlib (the GPU image), or nothing to plot: JSON and md are written
+            print(f"[quality] no plot ({type(e).__name__}: {e}); render it with: bench/quality.py --render {js}",
+                  flush=True)
     return js
 
 
@@ -120,6 +121,16 @@ def render(path: Path) -> int:
     suffix = path.stem.removeprefix("quality-smollm2")
     (path.parent / f"quality-smollm2{suffix}.md").write_text(report.markdown(rows, meta))
     report.plot(rows, path.parent / f"quality-smollm2{suffix}.png")
+    print(report.markdown(rows, meta))
+    return 0
+
+
+def merge(paths: list[Path], out: Path) -> int:
+    """Join the results of shards (`--shard I/N` runs, e.g. one per GPU) into one results set
+    (`report.merge_shards`)."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    rows, meta = report.merge_shards([d["rows"] for d in docs], [d["meta"] for d in docs], [str(p) for p in paths])
+    write_results(out, "", rows, meta, png=True)
     print(report.markdown(rows, meta))
     return 0
 
@@ -180,11 +191,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", type=Path, default=None, metavar="JSON",
                     help="re-render md + png from a results JSON, exit")
     ap.add_argument("--stage-text", type=Path, default=None, metavar="DIR", help="copy the text files to DIR, exit")
+    ap.add_argument("--shard", default=None, metavar="I/N",
+                    help="run only samples j with j %% N == I (one shard per GPU; join them with --merge)")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="join shards' results JSONs into --out, exit")
     args = ap.parse_args(argv)
     if args.render is not None:
         return render(args.render)
     if args.stage_text is not None:
         return stage_text(args.stage_text)
+    if args.merge:
+        return merge(args.merge, args.out)
+    shard, shards = 0, 1
+    if args.shard:
+        try:
+            shard, shards = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            raise SystemExit(f"--shard {args.shard!r}: expected I/N, e.g. 0/4") from None
+        if not 0 <= shard < shards:
+            raise SystemExit(f"--shard {args.shard!r}: need 0 <= I < N")
     base = FULL if args.full else {
         "text": 1, "text_len": 1024, "passkey_lengths": "1024", "depths": "0.1,0.5,0.9",
         "passkeys_per_cell": 1, "greedy": 64,
@@ -224,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             int(cfg["passkeys_per_cell"]),
         )
         greedy = int(cfg["greedy"])
+    text, needles = text[shard::shards], needles[shard::shards]
     settings = tuple(x for x in args.settings.split(",") if x)
     method_batch = args.method_batch or (len(chosen) if device.type == "cuda" else 4)
     print(
@@ -239,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": 64,
         "text_samples": [s.name for s in text],
         "text_context_tokens": sorted({len(s.context_ids) for s in text}),
-        "continuation_tokens": len(text[0].continuation_ids),
+        "continuation_tokens": len(text[0].continuation_ids) if text else 0,
         "greedy_tokens": greedy,
         "passkey_samples": len(needles),
         "passkey_lengths": sorted({len(s.context_ids) for s in needles}),
@@ -251,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "method_batch": method_batch,
         "budget_s": args.budget_s,
+        "shard": args.shard,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }

@@ -185,3 +185,25 @@ def test_the_gpu_kernels_give_the_cpu_rows():
         assert a.method == b.method and a.formats == b.formats and a.achieved_ratio == b.achieved_ratio
         assert a.ppl == pytest.approx(b.ppl, rel=2e-3) and a.kl == pytest.approx(b.kl, abs=2e-3)
     assert any(r.formats.get("int4") for r in tri) and any(r.formats.get("sparse(4)") for r in tri)
+
+
+def test_shards_merge_into_the_whole_run():
+    """`bench/quality.py --shard I/N` runs (one per GPU) joined by `--merge` give the rows of one
+    run over all the samples."""
+    model = tiny_llama()
+    text, needles = _suite()
+    text = [*text, TextSample("t2", list(range(30, 158)), list(range(40, 56)))]
+    chosen = methods.select(["proxima:aggressive@4x", "kivi-int4", "snapkv@8x"])
+    kw = {"block_size": 32, "greedy_tokens": 4, "method_batch": 8, "log": lambda _m: None}
+    whole = harness.evaluate(model, _Tok(), chosen, text, needles, **kw)
+    shards = [harness.evaluate(model, _Tok(), chosen, text[i::2], needles[i::2], **kw) for i in range(2)]
+    as_dicts = [json.loads(json.dumps([r.as_dict() for r in rows])) for rows in shards]
+    rows, meta = report.merge_shards(as_dicts, [{"shard": "0/2", "complete": True}, {"shard": "1/2"}], ["a", "b"])
+    assert meta["shards"] == ["0/2", "1/2"] and meta["complete"] is False
+    for a, b in zip(whole, rows, strict=True):
+        assert (a.method, a.setting, a.needle_n, a.text_n) == (b["method"], b["setting"], b["needle_n"], b["text_n"])
+        for key in ("needle_acc", "ppl", "tf_top1", "kl", "achieved_ratio", "nominal_ratio", "agreement"):
+            assert getattr(a, key) == pytest.approx(b[key], rel=1e-3, abs=1e-3), key
+        assert a.formats == b["formats"]
+    with pytest.raises(ValueError, match="b: its rows are not the same"):
+        report.merge_shards([as_dicts[0], as_dicts[1][:2]], [{}, {}], ["a", "b"])

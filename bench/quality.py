@@ -1,17 +1,27 @@
-"""Quality of every compression method on SmolLM2-135M-Instruct, CPU, offline.
+"""Quality of every compression method on SmolLM2-135M-Instruct, offline, on CPU or CUDA.
 
     nice -n 10 .venv/bin/python bench/quality.py --full     # issue 18's suite (hours on 2 shared cores)
     nice -n 10 .venv/bin/python bench/quality.py            # 1 text + 3 passkeys, both settings
     .venv/bin/python bench/quality.py --quick               # 1 text + 1 passkey sample, smoke test
+    python3 bench/quality.py --full --device cuda --model $PX_MODEL --no-calibrate --no-probe-fit \
+        --budget-s 420 --shard I/N --out DIR                # one GPU's share; join with --merge
+    python3 bench/quality.py --merge DIR*/quality-smollm2.json --out bench/results
+    python3 bench/quality.py --render bench/results/quality-smollm2.json   # the plot, afterwards
 
-Writes bench/results/quality-smollm2.{json,md,png} and the damage model fitted from the same
-run's compression-time probes (proxima/quality/data/damage-smollm2.json).
+Writes bench/results/quality-smollm2.{json,md,png} (rewritten after every sample) and the damage
+model fitted from the same run's compression-time probes (proxima/quality/data/damage-smollm2.json).
 
-Sizing. Every sample's context is prefilled once and each method compresses a copy of that
-cache, so the cost is per-method compression and decoding. On this project's machine (2 CPU
-cores shared with other jobs) one 1,536-token text window took 41-76 s for 14 methods and a
-passkey (both settings) about 60 s at 1k and 120 s at 2k; `--full` (45 passkeys up to 4k, 8
-windows, all methods) therefore takes several hours there; run it on an idle machine.
+Sizing. Every sample's context is prefilled once; each method compresses its own copy, then all
+methods are decoded together as one batch. The cost is the compression: kernel launches, not
+arithmetic, on a GPU. Counted on CPU (torch operations that launch a kernel, views excluded), one
+4k passkey setting costs about 1.3M operations for `FULL_METHODS` (the policies 0.08-0.37M each,
+the uniform formats and the references 2-23k, a copy of the prefilled cache 20k), both settings
+2.6M; 1k and 2k samples about 1/4 and 1/2 of that. At 8-16 us per eager operation that is 20-40 s
+per 4k sample, 7-14 min for the full suite on one GPU, plus a minute or two of start-up and
+Triton compilation: four GPUs (`--shard I/4`) fit 8 minutes; `--budget-s` keeps any run inside
+its limit (samples that would end past it are not started, the rows say how many ran). On this
+project's CPU machine (2 shared cores) one 1,536-token text window took 41-76 s for 14 methods
+and a passkey (both settings) about 60 s at 1k and 120 s at 2k: hours for `--full`.
 - The damage model is calibrated first (1 context x 9 formats, no generation) and written to
   proxima/quality/data/damage-smollm2.json (`--no-calibrate` reuses it); the `-cal` policies read it.
 - Block size 64 (vLLM's CPU default is 128; 64 gives 1k contexts 16 blocks to choose from).
@@ -57,8 +67,6 @@ FULL_METHODS = (
     "proxima:conservative@4x",
     "proxima:balanced@4x",
     "proxima:aggressive@4x",
-    "proxima:balanced-cal@4x",
-    "proxima:aggressive-cal@8x",
     "proxima:quantized@4x",
     "proxima:quantized@8x",
     "kivi-int4",
@@ -72,11 +80,12 @@ FULL_METHODS = (
     "streaming_llm@8x",
 )
 """The methods of a `--full` run unless `--methods` says otherwise (baseline is always added): the
-shipped policies as written, the calibrated ones that reach 4x / 8x, the experimental quantized
-policy, the uniform formats with a ratio near 2x / 4x / 8x and the token-eviction references at
-4x and 8x. Left out of the default (each `--methods` away): the 2x calibrated policies,
-conservative-cal, aggressive-cal@4x (its row matched aggressive@4x within 0.02x in the reduced
-run), adaptive, snapkv / streaming_llm at 2x, format:int4 / sparse(4) / cluster(4)."""
+shipped policies as written, the experimental quantized policy at 4x and 8x, the uniform formats
+near 2x / 4x / 8x and the token-eviction references at 4x and 8x. Left out to fit a GPU call
+(each a `--methods` away): the calibrated `-cal` policies (aggressive-cal@8x alone cost as many
+kernel launches as the eight cheapest methods together: 0.70M operations per 4k sample and
+setting, counted on CPU), adaptive, snapkv / streaming_llm at 2x, format:int4 / sparse(4) /
+cluster(4)."""
 
 
 def needle_suite(tok, lengths: list[int], depths: list[float], per_cell: int) -> list:

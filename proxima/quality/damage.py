@@ -121,7 +121,7 @@ def calibrate(
     for i, s in enumerate(text_samples(tokenizer, context_len, contexts, seed=7)):
         cache = ProximaCache(block_size=block_size, record_probes=True)
         with torch.no_grad():
-            model(torch.tensor([s.context_ids]), past_key_values=cache)
+            model(torch.tensor([s.context_ids], device=model.device), past_key_values=cache)
         n = cache.proxima_layers[0].n_blocks
         for f in formats:
             c = copy.deepcopy(cache)

@@ -7,6 +7,8 @@
   passkey task (news prose, unrelated to the needle).
 
 The files are read directly: importing gensim needs scipy, which we do not install.
+`PROXIMA_TEXT_DIR` names a folder holding the same two files instead (a machine without gensim,
+e.g. the GPU device, gets them carried over: `bench/quality.py --stage-text DIR`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import bz2
 import html
 import importlib.util
+import os
 import random
 import re
 from collections.abc import Iterator
@@ -24,10 +27,24 @@ WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz
 LEE_FILE = "lee_background.cor"
 
 
+TEXT_DIR_ENV = "PROXIMA_TEXT_DIR"
+TEXT_FILES = (WIKI_FILE, LEE_FILE)
+
+
 def data_dir() -> Path:
+    """The folder holding `TEXT_FILES`: `$PROXIMA_TEXT_DIR` if set, else gensim's test data."""
+    override = os.environ.get(TEXT_DIR_ENV)
+    if override:
+        folder = Path(override)
+        missing = [f for f in TEXT_FILES if not (folder / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{TEXT_DIR_ENV}={override}: missing {', '.join(missing)}")
+        return folder
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("gensim is not installed; install it with `pip install --no-deps gensim==4.4.0`")
+        raise FileNotFoundError(
+            f"gensim is not installed; install it with `pip install --no-deps gensim==4.4.0`, or set {TEXT_DIR_ENV}"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "test" / "test_data"
 
 

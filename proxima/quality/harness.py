@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from proxima.compression.blocks import Backend
 from proxima.integration.hf import ProximaCache, enable
 from proxima.quality.datasets import NeedleSample, TextSample
 from proxima.quality.methods import Method
@@ -53,6 +54,9 @@ class Row:
     """The same counting each format at its pack ratio, metadata excluded (labelled nominal)."""
     needle_acc: float = float("nan")
     needle_n: int = 0
+    """Passkey samples behind `needle_acc`."""
+    text_n: int = 0
+    """Text windows behind `ppl`, `tf_top1`, `kl`."""
     ppl: float = float("nan")
     tf_top1: float = float("nan")
     kl: float = float("nan")
@@ -79,6 +83,7 @@ class _TextAcc:
     top1: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     agree: list[float] = field(default_factory=list)
+    windows: int = 0
     ratio: list[float] = field(default_factory=list)
     nominal: list[float] = field(default_factory=list)
     formats: dict[str, int] = field(default_factory=dict)
@@ -90,22 +95,32 @@ def _mean(x: list[float]) -> float:
 
 
 @torch.no_grad()
-def _prefill(model, ids: list[int], block_size: int) -> tuple[ProximaCache, torch.Tensor]:
-    cache = ProximaCache(block_size=block_size, record_probes=True)
-    out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+def _prefill(
+    model, ids: list[int], block_size: int, record_probes: bool, backend: Backend
+) -> tuple[ProximaCache, torch.Tensor]:
+    cache = ProximaCache(block_size=block_size, record_probes=record_probes, backend=backend)
+    out = model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
     return cache, out.logits[0, -1]
 
 
 @torch.no_grad()
-def _greedy(model, cache: ProximaCache, first: int, n: int) -> list[int]:
-    toks = [first]
-    nxt = torch.tensor([[first]])
-    for _ in range(n - 1):
-        logits = model(nxt, past_key_values=cache, use_cache=True).logits[0, -1]
-        tok = int(logits.argmax())
-        toks.append(tok)
-        nxt = torch.tensor([[tok]])
-    return toks
+def _generate(model, cache: ProximaCache, prompt: list[int], rows: int, n: int) -> list[list[int]]:
+    """Greedy: feed `prompt` to every row of `cache`, then take `n` tokens (n forward passes).
+    Returns the tokens per row."""
+    out: list[list[int]] = [[] for _ in range(rows)]
+    nxt = torch.tensor([prompt], device=model.device).expand(rows, -1)
+    for _ in range(n):
+        logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        tok = logits.argmax(-1)
+        for r, t in enumerate(tok.tolist()):
+            out[r].append(int(t))
+        nxt = tok[:, None]
+    return out
+
+
+def _chunks(methods: list[Method], size: int) -> list[list[Method]]:
+    size = max(1, size)
+    return [methods[i : i + size] for i in range(0, len(methods), size)]
 
 
 def _record_formats(acc: _Acc | _TextAcc, cache: ProximaCache) -> None:
@@ -128,62 +143,120 @@ def evaluate(
     settings: tuple[str, ...] = SETTINGS,
     log: Log = print,
     probe_sink: list | None = None,
+    method_batch: int = 1,
+    deadline: float | None = None,
+    checkpoint: Callable[[list[Row]], None] | None = None,
+    backend: Backend = "auto",
 ) -> list[Row]:
     """Run every method on every sample; the first method must be `baseline`. One row per
-    (method, setting); `greedy_tokens=0` skips the free-running agreement (the costly part)."""
+    (method, setting); `greedy_tokens=0` skips the free-running agreement (the costly part).
+
+    Runs wherever `model` is (CPU or CUDA: every tensor is made on `model.device`, and the
+    compression calls pick their Triton kernels for CUDA tensors). `method_batch` methods are
+    compressed one by one, each on its own copy of the sample's prefill, then decoded together as
+    the rows of one batch (`ProximaCache.stacked`): the same tokens as one forward per method,
+    far fewer kernel launches. `deadline` (a `time.monotonic()` value): a sample whose expected
+    duration would end past it is not started (the rows say how many samples each metric saw:
+    `needle_n`, `text_n`). `checkpoint` receives the rows so far after every sample. `backend`:
+    the caches' compression kernels ("triton" tests the GPU's kernels on CPU, interpreted)."""
     if not methods or methods[0].name != "baseline":
         raise ValueError("the first method must be 'baseline' (metrics are relative to it)")
     unknown = set(settings) - set(SETTINGS)
     if unknown or not settings:
         raise ValueError(f"settings must be a non-empty subset of {SETTINGS}, got {settings}")
     enable(model)
+    dev = model.device
     text_acc = {m.name: _TextAcc() for m in methods}
     accs = {(m.name, st): _Acc() for m in methods for st in settings}
     t_start = time.monotonic()
     total = len(text) + len(needles)
+    # Seconds per context token of the last finished sample of each kind: the last, not the
+    # worst, because the first samples also pay for compiling the Triton kernels on a GPU.
+    per_token: dict[str, float] = {}
 
-    for si, s in enumerate(text):
-        t0 = time.monotonic()
-        base_cache, last_logits = _prefill(model, s.context_ids, block_size)
-        first = int(last_logits.argmax())
-        cont = torch.tensor([s.continuation_ids])
-        base_logp: torch.Tensor | None = None
-        base_greedy: list[int] = []
-        for m in methods:
+    def out_of_time(n_tokens: int, what: str, kind: str) -> bool:
+        if deadline is None:
+            return False
+        expected = per_token.get(kind, 0.0) * n_tokens
+        if time.monotonic() + expected <= deadline:
+            return False
+        log(f"[budget] {what} not started: expected {expected:.0f}s, {deadline - time.monotonic():.0f}s left")
+        return True
+
+    def progress(i: int, name: str, t0: float, detail: str, n_tokens: int, kind: str) -> None:
+        now = time.monotonic()
+        per_token[kind] = (now - t0) / max(1, n_tokens)
+        left = "" if deadline is None else f", budget left {deadline - now:.0f}s"
+        log(
+            f"[{i}/{total}] {name} ({n_tokens} tok): {detail} in {now - t0:.1f}s "
+            f"(elapsed {now - t_start:.0f}s{left})"
+        )
+        if checkpoint is not None:
+            checkpoint(_rows(methods, settings, text_acc, accs))
+
+    def compressed(prefilled: ProximaCache, chunk: list[Method], acc_of) -> list[ProximaCache]:
+        caches = []
+        for m in chunk:
             tm = time.monotonic()
-            cache = copy.deepcopy(base_cache)
+            cache = copy.deepcopy(prefilled)
             m.apply(cache)
-            ta = text_acc[m.name]
-            _record_formats(ta, cache)
+            acc = acc_of(m)
+            _record_formats(acc, cache)
             if probe_sink is not None:
                 probe_sink.extend(cache.probe_log)
-            gen_cache = copy.deepcopy(cache) if greedy_tokens else None
-            logits = model(cont, past_key_values=cache, use_cache=True).logits[0, :-1].float()
-            logp = torch.log_softmax(logits, -1)
-            target = cont[0, 1:]
-            nll = -logp.gather(-1, target[:, None]).squeeze(-1)
-            greedy = _greedy(model, gen_cache, first, greedy_tokens) if gen_cache is not None else []
-            if base_logp is None:
-                base_logp, base_greedy = logp, greedy
-            ta.nll += nll.tolist()
-            ta.top1 += (logp.argmax(-1) == base_logp.argmax(-1)).float().tolist()
-            ta.kl += (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_min(0).tolist()
-            if greedy_tokens:
-                same = 0
-                for a, b in zip(greedy, base_greedy, strict=True):
-                    if a != b:
-                        break
-                    same += 1
-                ta.agree.append(same / greedy_tokens)
-            ta.seconds += time.monotonic() - tm
-        log(
-            f"[{si + 1}/{total}] {s.name[:40]} ({len(s.context_ids)} tok): {len(methods)} methods "
-            f"in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
-        )
+            acc.seconds += time.monotonic() - tm
+            caches.append(cache)
+        return caches
+
+    for si, s in enumerate(text):
+        if out_of_time(len(s.context_ids), f"text window {si + 1}/{len(text)}", "text"):
+            break
+        t0 = time.monotonic()
+        base_cache, last_logits = _prefill(model, s.context_ids, block_size, probe_sink is not None, backend)
+        first = int(last_logits.argmax())
+        cont = torch.tensor([s.continuation_ids], device=dev)
+        target = cont[0, 1:]
+        base_logp: torch.Tensor | None = None
+        base_greedy: list[int] = []
+        for chunk in _chunks(methods, method_batch):
+            caches = compressed(base_cache, chunk, lambda m: text_acc[m.name])
+            tm = time.monotonic()
+            batch = ProximaCache.stacked(caches)
+            gen = ProximaCache.stacked(caches) if greedy_tokens else None
+            del caches
+            logits = model(cont.expand(len(chunk), -1), past_key_values=batch, use_cache=True).logits[:, :-1].float()
+            logps = torch.log_softmax(logits, -1)
+            del batch, logits
+            greedy = (
+                [[first, *g] for g in _generate(model, gen, [first], len(chunk), greedy_tokens - 1)]
+                if gen is not None
+                else [[] for _ in chunk]
+            )
+            for m, logp, toks in zip(chunk, logps, greedy, strict=True):
+                if base_logp is None:
+                    base_logp, base_greedy = logp, toks
+                ta = text_acc[m.name]
+                ta.nll += (-logp.gather(-1, target[:, None]).squeeze(-1)).tolist()
+                ta.top1 += (logp.argmax(-1) == base_logp.argmax(-1)).float().tolist()
+                ta.kl += (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_min(0).tolist()
+                if greedy_tokens:
+                    same = 0
+                    for a, b in zip(toks, base_greedy, strict=True):
+                        if a != b:
+                            break
+                        same += 1
+                    ta.agree.append(same / greedy_tokens)
+                ta.windows += 1
+            shared = (time.monotonic() - tm) / len(chunk)  # the batched decode, split evenly
+            for m in chunk:
+                text_acc[m.name].seconds += shared
+        progress(si + 1, s.name[:40], t0, f"{len(methods)} methods", len(s.context_ids), "text")
 
     for ni, ns in enumerate(needles):
+        if out_of_time(len(ns.context_ids), f"passkey {ns.name}", "needle"):
+            break
         t0 = time.monotonic()
-        base_cache, _ = _prefill(model, ns.context_ids, block_size)
+        base_cache, _ = _prefill(model, ns.context_ids, block_size, probe_sink is not None, backend)
         q = ns.question_ids
         prompts: dict[str, tuple[ProximaCache, list[int]]] = {}
         if "after" in settings:
@@ -191,26 +264,33 @@ def evaluate(
         if "inside" in settings:
             inside = copy.deepcopy(base_cache)
             if len(q) > 1:
-                model(torch.tensor([q[:-1]]), past_key_values=inside, use_cache=True)
+                model(torch.tensor([q[:-1]], device=dev), past_key_values=inside, use_cache=True)
             prompts["inside"] = (inside, q[-1:])  # the question is in the compressed prompt
         status = []
         for st, (prefilled, rest) in prompts.items():
-            for m in methods:
+            for chunk in _chunks(methods, method_batch):
+                caches = compressed(prefilled, chunk, lambda m, st=st: accs[(m.name, st)])
                 tm = time.monotonic()
-                cache = copy.deepcopy(prefilled)
-                m.apply(cache)
-                acc = accs[(m.name, st)]
-                _record_formats(acc, cache)
-                logits = model(torch.tensor([rest]), past_key_values=cache, use_cache=True).logits[0, -1]
-                toks = _greedy(model, cache, int(logits.argmax()), 6)
-                acc.needle.append(float(ns.answer in tokenizer.decode(toks)))
-                acc.seconds += time.monotonic() - tm
+                batch = ProximaCache.stacked(caches)
+                del caches
+                answers = _generate(model, batch, rest, len(chunk), 6)
+                del batch
+                shared = (time.monotonic() - tm) / len(chunk)
+                for m, toks in zip(chunk, answers, strict=True):
+                    acc = accs[(m.name, st)]
+                    acc.needle.append(float(ns.answer in tokenizer.decode(toks)))
+                    acc.seconds += shared
             status.append(f"{st}: baseline {'ok' if accs[('baseline', st)].needle[-1] else 'MISS'}")
-        log(
-            f"[{len(text) + ni + 1}/{total}] {ns.name} ({', '.join(status)}): {len(methods)} methods x "
-            f"{len(prompts)} settings in {time.monotonic() - t0:.0f}s (elapsed {time.monotonic() - t_start:.0f}s)"
+        progress(
+            len(text) + ni + 1, ns.name, t0, f"{', '.join(status)}; {len(methods)} methods x {len(prompts)} settings",
+            len(ns.context_ids), "needle",
         )
+    return _rows(methods, settings, text_acc, accs)
 
+
+def _rows(
+    methods: list[Method], settings: tuple[str, ...], text_acc: dict[str, _TextAcc], accs: dict[tuple[str, str], _Acc]
+) -> list[Row]:
     rows = []
     for m in methods:
         ta = text_acc[m.name]
@@ -230,6 +310,7 @@ def evaluate(
                     nominal_ratio=round(_mean(nominal), 3),
                     needle_acc=_mean(res.needle),
                     needle_n=len(res.needle),
+                    text_n=ta.windows,
                     ppl=math.exp(_mean(ta.nll)) if ta.nll else float("nan"),
                     tf_top1=_mean(ta.top1),
                     kl=_mean(ta.kl),

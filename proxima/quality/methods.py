@@ -110,7 +110,7 @@ def _tokens(cache: ProximaCache) -> tuple[int, int]:
 def _streaming(ratio: float, cache: ProximaCache) -> None:
     t, tail = _tokens(cache)
     budget = round((t + tail) / ratio)
-    keep = torch.zeros(t, dtype=torch.bool)
+    keep = torch.zeros(t, dtype=torch.bool, device=cache.proxima_layers[0].device)
     keep[:SINKS] = True
     recent = max(0, budget - SINKS - tail)
     if recent:
@@ -139,7 +139,7 @@ def _snapkv(ratio: float, cache: ProximaCache) -> None:
         if window:
             pooled[..., t - window :] = float("inf")  # the window itself is always kept
         top = pooled.topk(budget, dim=-1).indices
-        keep = torch.zeros(b, h, t, dtype=torch.bool)
+        keep = torch.zeros(b, h, t, dtype=torch.bool, device=imp.device)
         keep.scatter_(-1, top, True)
         masks.append(keep)
     cache.evict_tokens(masks)

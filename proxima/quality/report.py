@@ -177,21 +177,88 @@ def plot(rows: Sequence[Any], path: Path) -> None:
     for ax, metric, label in zip(
         axes, ("needle_acc", "tf_top1", "ppl"), ("passkey accuracy", "teacher-forced top-1", "perplexity"), strict=True
     ):
+        plotted = 0
         for key, rs in sorted(_series(rows).items()):
             rs = sorted(rs, key=lambda r: _num(_get(r, "achieved_ratio")))
-            xs = [_num(_get(r, "achieved_ratio")) for r in rs]
-            ys = [_num(_get(r, metric)) for r in rs]
+            pts = [(_num(_get(r, "achieved_ratio")), _num(_get(r, metric))) for r in rs]
+            pts = [(x, y) for x, y in pts if math.isfinite(x) and math.isfinite(y) and x > 0]
+            if not pts:
+                continue  # a metric this run did not measure (e.g. no passkey sample fitted the budget)
             style = "-o" if key.startswith("proxima") else ("--s" if not key.startswith("format") else ":.")
             lw = 2.5 if key.startswith("proxima") else 1.2
-            ax.plot(xs, ys, style, label=key, linewidth=lw, markersize=5)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=key, linewidth=lw, markersize=5)
+            plotted += 1
+        ax.set_title(label)
+        if not plotted:
+            ax.text(0.5, 0.5, "not measured in this run", ha="center", transform=ax.transAxes)
+            continue
         ax.axhline(_num(_get(base, metric)), color="k", linewidth=0.8, label="uncompressed")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("achieved compression ratio of the context KV (16-bit bytes / bytes held)")
-        ax.set_title(label)
         if metric == "ppl":
             ax.set_yscale("log")
-    axes[0].legend(fontsize=7, loc="lower left")
+    with_lines = [ax for ax in axes if ax.get_lines()]
+    if with_lines:
+        with_lines[0].legend(fontsize=7, loc="lower left")
     fig.suptitle("SmolLM2-135M-Instruct: quality against KV compression (higher ratio = less memory)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def merge_shards(
+    shard_rows: Sequence[Sequence[dict]], shard_meta: Sequence[dict], names: Sequence[str]
+) -> tuple[list[dict], dict]:
+    """Join shards' result rows (JSON dicts; each shard ran a disjoint part of the samples, the
+    same methods and settings) into the rows of the whole run: every metric is the mean over all
+    the shards' samples, weighted by `needle_n` for the passkey, by `text_n` for the
+    teacher-forced metrics (every window scores the same number of positions; perplexity is
+    joined in log space) and by their sum for the ratios, which every sample measured."""
+    keys = [(r["method"], r["setting"]) for r in shard_rows[0]]
+    for name, rows in zip(names, shard_rows, strict=True):
+        if [(r["method"], r["setting"]) for r in rows] != keys:
+            raise ValueError(f"{name}: its rows are not the same methods and settings as {names[0]}'s")
+    out = []
+    for i in range(len(keys)):
+        parts = [rows[i] for rows in shard_rows]
+
+        def mean(key: str, weight: str, parts: list[dict] = parts) -> float | None:
+            pairs = [(r[key], _weight(r, weight)) for r in parts if r[key] is not None and _weight(r, weight) > 0]
+            total = sum(w for _, w in pairs)
+            return sum(v * w for v, w in pairs) / total if total else None
+
+        logs = [(math.log(r["ppl"]), r["text_n"]) for r in parts if r["ppl"] is not None and r["text_n"]]
+        n_text = sum(w for _, w in logs)
+        formats: dict[str, int] = {}
+        for r in parts:
+            for k, v in r["formats"].items():
+                formats[k] = formats.get(k, 0) + v
+        row = dict(parts[0])
+        row.update(
+            achieved_ratio=round(mean("achieved_ratio", "samples") or 0.0, 3),
+            nominal_ratio=round(mean("nominal_ratio", "samples") or 0.0, 3),
+            needle_acc=mean("needle_acc", "needle_n"),
+            needle_n=sum(r["needle_n"] for r in parts),
+            text_n=sum(r["text_n"] for r in parts),
+            ppl=math.exp(sum(v * w for v, w in logs) / n_text) if n_text else None,
+            tf_top1=mean("tf_top1", "text_n"),
+            kl=mean("kl", "text_n"),
+            agreement=mean("agreement", "text_n"),
+            formats=formats,
+            seconds=round(sum(r["seconds"] for r in parts), 1),
+        )
+        out.append(row)
+    meta = {k: v for k, v in shard_meta[0].items() if k not in ("shard", "partial")}
+    meta.update(
+        shards=[m.get("shard") for m in shard_meta],
+        seconds=max(m.get("seconds", 0) for m in shard_meta),
+        passkey_samples_run=out[0]["needle_n"],
+        text_samples_run=out[0]["text_n"],
+        complete=all(m.get("complete", False) for m in shard_meta),
+        merged_from=list(names),
+    )
+    return out, meta
+
+
+def _weight(row: dict, weight: str) -> int:
+    return int(row["needle_n"] + row["text_n"]) if weight == "samples" else int(row[weight])

@@ -48,3 +48,17 @@ def test_offline_text_is_there():
     assert len(arts) > 200
     title, text = next(iter(datasets.wiki_pages()))
     assert title and len(text) > 100
+
+
+def test_text_dir_override_reads_staged_files(tmp_path, monkeypatch):
+    """A machine without gensim (the GPU device) reads the same files from PROXIMA_TEXT_DIR."""
+    import shutil
+
+    src = datasets.data_dir()
+    monkeypatch.setenv(datasets.TEXT_DIR_ENV, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"{datasets.TEXT_DIR_ENV}=.*missing {datasets.WIKI_FILE}"):
+        datasets.data_dir()
+    for f in datasets.TEXT_FILES:
+        shutil.copyfile(src / f, tmp_path / f)
+    assert datasets.data_dir() == tmp_path
+    assert len(datasets.lee_articles()) > 200

@@ -118,3 +118,92 @@ def test_targets_read_the_rows():
     assert all(line.startswith("- PASS") for line in at4[1:]), lines
     assert "- FAIL: >= 6x: no policy reaches it (best achieved 4.00)" in lines
     assert "- FAIL: >= 8x: no policy reaches it (best achieved 4.00)" in lines
+
+
+def _suite():
+    g = torch.Generator().manual_seed(0)
+    text = [TextSample("t", torch.randint(0, 256, (128,), generator=g).tolist(), list(range(10, 26)))]
+    needles = [
+        NeedleSample(f"n{i}", torch.randint(0, 256, (160,), generator=g).tolist(), [1, 2, 3], "7", 0.5)
+        for i in range(2)
+    ]
+    return text, needles
+
+
+def test_batched_methods_give_the_rows_of_one_at_a_time():
+    """The harness decodes `method_batch` methods as one batch (what makes the GPU run fit its
+    time): every metric equals the one-method-per-forward run."""
+    model = tiny_llama()
+    text, needles = _suite()
+    chosen = methods.select(
+        ["proxima:aggressive@4x", "snapkv@4x", "streaming_llm@8x", "kivi-int4", "format:cluster(2)+int4"]
+    )
+    kw = {"block_size": 32, "greedy_tokens": 6, "log": lambda _m: None}
+    one = harness.evaluate(model, _Tok(), chosen, text, needles, method_batch=1, **kw)
+    many = harness.evaluate(model, _Tok(), chosen, text, needles, method_batch=4, **kw)
+    for a, b in zip(one, many, strict=True):
+        assert (a.method, a.setting, a.needle_n, a.text_n) == (b.method, b.setting, 2, 1)
+        assert a.achieved_ratio == b.achieved_ratio and a.formats == b.formats
+        assert a.needle_acc == b.needle_acc and a.agreement == b.agreement
+        assert a.ppl == pytest.approx(b.ppl, rel=1e-5) and a.kl == pytest.approx(b.kl, abs=1e-5)
+        assert a.tf_top1 == b.tf_top1
+
+
+def test_time_budget_stops_before_a_sample_and_checkpoints_every_one():
+    import time
+
+    model = tiny_llama()
+    text, needles = _suite()
+    chosen = methods.select(["kivi-int4"])
+    seen: list[list[harness.Row]] = []
+    rows = harness.evaluate(
+        model, _Tok(), chosen, text, needles, block_size=32, greedy_tokens=0, log=lambda _m: None,
+        checkpoint=seen.append,
+    )
+    assert [r[0].needle_n for r in seen] == [0, 1, 2] and [r[0].text_n for r in seen] == [1, 1, 1]
+    # A deadline already passed: the first sample is expected to end after it, nothing starts.
+    logs: list[str] = []
+    rows = harness.evaluate(
+        model, _Tok(), chosen, text, needles, block_size=32, greedy_tokens=0, log=logs.append,
+        deadline=time.monotonic() - 1,
+    )
+    assert all(r.needle_n == 0 and r.text_n == 0 for r in rows)
+    assert any(line.startswith("[budget] text window 1/1 not started") for line in logs)
+
+
+def test_the_gpu_kernels_give_the_cpu_rows():
+    """What `bench/quality.py --device cuda` runs differs from the CPU run only in the compression
+    kernels (Triton for CUDA tensors); here they run interpreted (conftest: TRITON_INTERPRET=1) on CPU
+    tensors through the same harness: same formats and bytes, metrics within rounding."""
+    model = tiny_llama()
+    text, needles = _suite()
+    chosen = methods.select(["proxima:aggressive@4x", "proxima:quantized@4x", "kivi-int4", "format:sparse(4)"])
+    kw = {"block_size": 32, "greedy_tokens": 0, "method_batch": 8, "log": lambda _m: None}
+    ref = harness.evaluate(model, _Tok(), chosen, text, needles[:1], backend="torch", **kw)
+    tri = harness.evaluate(model, _Tok(), chosen, text, needles[:1], backend="triton", **kw)
+    for a, b in zip(ref, tri, strict=True):
+        assert a.method == b.method and a.formats == b.formats and a.achieved_ratio == b.achieved_ratio
+        assert a.ppl == pytest.approx(b.ppl, rel=2e-3) and a.kl == pytest.approx(b.kl, abs=2e-3)
+    assert any(r.formats.get("int4") for r in tri) and any(r.formats.get("sparse(4)") for r in tri)
+
+
+def test_shards_merge_into_the_whole_run():
+    """`bench/quality.py --shard I/N` runs (one per GPU) joined by `--merge` give the rows of one
+    run over all the samples."""
+    model = tiny_llama()
+    text, needles = _suite()
+    text = [*text, TextSample("t2", list(range(30, 158)), list(range(40, 56)))]
+    chosen = methods.select(["proxima:aggressive@4x", "kivi-int4", "snapkv@8x"])
+    kw = {"block_size": 32, "greedy_tokens": 4, "method_batch": 8, "log": lambda _m: None}
+    whole = harness.evaluate(model, _Tok(), chosen, text, needles, **kw)
+    shards = [harness.evaluate(model, _Tok(), chosen, text[i::2], needles[i::2], **kw) for i in range(2)]
+    as_dicts = [json.loads(json.dumps([r.as_dict() for r in rows])) for rows in shards]
+    rows, meta = report.merge_shards(as_dicts, [{"shard": "0/2", "complete": True}, {"shard": "1/2"}], ["a", "b"])
+    assert meta["shards"] == ["0/2", "1/2"] and meta["complete"] is False
+    for a, b in zip(whole, rows, strict=True):
+        assert (a.method, a.setting, a.needle_n, a.text_n) == (b["method"], b["setting"], b["needle_n"], b["text_n"])
+        for key in ("needle_acc", "ppl", "tf_top1", "kl", "achieved_ratio", "nominal_ratio", "agreement"):
+            assert getattr(a, key) == pytest.approx(b[key], rel=1e-3, abs=1e-3), key
+        assert a.formats == b["formats"]
+    with pytest.raises(ValueError, match="b: its rows are not the same"):
+        report.merge_shards([as_dicts[0], as_dicts[1][:2]], [{}, {}], ["a", "b"])

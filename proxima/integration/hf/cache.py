@@ -28,6 +28,7 @@ recorded by the attention function.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from proxima.compression.attention import attention_errors
-from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks, recompressible
+from proxima.compression.blocks import Backend, CompressedBlocks, compress_blocks, decompress_blocks, recompressible
 from proxima.compression.spec import bytes_ratio, kv16_bytes
 from proxima.formats import HOT, Format
 from proxima.integration.hf import attention
@@ -47,6 +48,9 @@ from proxima.policy.schema import OFF, Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
 
 NEG_INF = float("-inf")
+BYTE_PASSES = 3
+"""`apply_policy(target_ratio=)`: engine passes from the same state, each asking for more by the
+byte shortfall of the last (pack ratios overstate bytes by the metadata)."""
 
 
 @dataclass
@@ -77,9 +81,10 @@ class _Slot:
     """Row of each batch element in `cb`."""
     nbytes: int
     """Held bytes of this block's rows (data and metadata)."""
+    backend: Backend = "auto"
 
     def decode(self) -> Decoded:
-        return decompress_blocks(self.cb)
+        return decompress_blocks(self.cb, backend=self.backend)
 
 
 class ProximaLayer(CacheLayerMixin):
@@ -253,18 +258,54 @@ class ProximaLayer(CacheLayerMixin):
             wb[..., sl] = 0.0 if b is None else b
         self._work = (wk, wv, wb)
 
-    def store(self, blocks: Sequence[int], fmt: Format, cb: CompressedBlocks, batch: int) -> None:
+    def store(
+        self, blocks: Sequence[int], fmt: Format, cb: CompressedBlocks, batch: int, backend: Backend = "auto"
+    ) -> None:
         """Commit compressed blocks: `cb` rows are ordered (block, batch element)."""
         if cb.num_slots != len(blocks) * batch:
             raise ValueError(f"{cb.num_slots} compressed rows for {len(blocks)} blocks x batch {batch}")
         per_row = cb.held_nbytes // max(1, cb.num_slots)  # every row has the same shapes
-        decoded = decompress_blocks(cb) if self._work is not None else None
+        decoded = decompress_blocks(cb, backend=backend) if self._work is not None else None
         for j, i in enumerate(blocks):
-            self.slots[i] = _Slot(cb, [j * batch + b for b in range(batch)], per_row * batch)
+            self.slots[i] = _Slot(cb, [j * batch + b for b in range(batch)], per_row * batch, backend)
             self.hot_k[i] = None
             self.hot_v[i] = None
             self.formats[i] = fmt
-            self._patch_work(i, decoded)
+        if decoded is None:
+            return
+        if any(self.keep[i] is not None for i in blocks):
+            for i in blocks:  # token-evicted blocks (baselines) take the per-block path
+                self._patch_work(i, decoded)
+        else:
+            self._patch_stored(list(blocks), fmt, decoded)
+
+    def _patch_stored(self, blocks: list[int], fmt: Format, decoded: Decoded) -> None:
+        """`block_kv` + `_patch_work` for all `blocks` of one stored batch at once (rows ordered
+        (block, batch element)): one scatter per working-copy tensor instead of a dozen small ops
+        per block, which is what bounds a GPU run (kernel launches, not arithmetic)."""
+        assert self._work is not None
+        wk, wv, wb = self._work
+        kh, vh, lc = decoded  # [N, C, H, D], [N, C, H]
+        n, bs = len(blocks), self.block_size
+        c, h, d = kh.shape[1], kh.shape[2], kh.shape[3]
+        b = kh.shape[0] // n
+        tot = wk.shape[2] // bs  # the working copy covers the full blocks exactly
+        idx = torch.tensor(blocks, device=wk.device)
+        wk5, wv5 = wk.view(b, h, tot, bs, d), wv.view(b, h, tot, bs, d)
+        wk5[:, :, idx, :c] = kh.view(n, b, c, h, d).permute(1, 3, 0, 2, 4).to(self.dtype)
+        wv5[:, :, idx, :c] = vh.view(n, b, c, h, d).permute(1, 3, 0, 2, 4).to(self.dtype)
+        if c < bs:
+            wk5[:, :, idx, c:] = 0.0
+            wv5[:, :, idx, c:] = 0.0
+        if c < bs or fmt.attention_uses_counts:
+            bias = torch.full((b, h, n, bs), NEG_INF, dtype=torch.float32, device=wk.device)
+            bias[..., :c] = lc.view(n, b, c, h).permute(1, 3, 0, 2).float()
+            if wb is None:
+                wb = torch.zeros(b, h, wk.shape[2], dtype=torch.float32, device=wk.device)
+            wb.view(b, h, tot, bs)[:, :, idx] = bias
+        elif wb is not None:
+            wb.view(b, h, tot, bs)[:, :, idx] = 0.0
+        self._work = (wk, wv, wb)
 
     def evict(self, keep: torch.Tensor) -> None:
         """Token eviction (baselines): keep `[B, H, n_blocks * bs]` bool over the full blocks."""
@@ -350,6 +391,10 @@ class ProximaCache(Cache):
             `compress_blocks`, so payloads equal vLLM's even when the model runs in float32 (the
             CPU harness), and hot blocks are counted at its size in `held_nbytes`. None: the
             model's dtype.
+        backend: the compression kernels (`proxima.compression.blocks.Backend`): "auto" runs
+            Triton on CUDA tensors and the torch reference on CPU tensors, as the vLLM worker
+            does; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1, to test the
+            path a GPU run takes).
     """
 
     def __init__(
@@ -363,6 +408,7 @@ class ProximaCache(Cache):
         record_probes: bool = False,
         group_size: int = 32,
         kv_dtype: torch.dtype | None = torch.bfloat16,
+        backend: Backend = "auto",
     ) -> None:
         super().__init__(layers=[])
         if isinstance(policy, (str, Path)):
@@ -379,6 +425,7 @@ class ProximaCache(Cache):
         self.record_probes = record_probes
         self.group_size = group_size
         self.kv_dtype = kv_dtype
+        self.backend: Backend = backend
         self.engine_state = EngineState()
         self.block_importance: torch.Tensor | None = None  # EMA per logical block
         self.probe_log: list[ProbeRecord] = []
@@ -578,7 +625,7 @@ class ProximaCache(Cache):
             for cand in [target, *milder]:
                 if not todo:
                     break
-                encs, errs = self._encode_all_layers(todo, cand)
+                encs, errs = self._encode_all_layers(todo, cand, measure=probe)
                 err = torch.stack(errs).mean(0)  # [len(todo)]
                 bound = self.policy.probes.compression.bound(cand) if probe else float("inf")
                 ok = (err <= bound).tolist()
@@ -620,9 +667,11 @@ class ProximaCache(Cache):
         return self.policy.layer_format(fmt, layer)
 
     def _encode_all_layers(
-        self, blocks: list[int], fmt: Format
+        self, blocks: list[int], fmt: Format, *, measure: bool = True
     ) -> tuple[list[tuple[Format, CompressedBlocks]], list[torch.Tensor]]:
-        """Compress `blocks` (each layer's stored format the same for all of them) into `fmt`."""
+        """Compress `blocks` (each layer's stored format the same for all of them) into `fmt`.
+        The probe error is measured when `measure` or probes are recorded, else reported as 0
+        (nobody reads it: a third of an unprobed compression's time went to it)."""
         encs, errs = [], []
         for li, layer in enumerate(self.proxima_layers):
             lf = self._layer_format(fmt, li)
@@ -632,9 +681,10 @@ class ProximaCache(Cache):
             kk, vv = kk.to(self.kv_dtype or kk.dtype), vv.to(self.kv_dtype or vv.dtype)
             cb = compress_blocks(
                 lf, kk, vv, token_importance=timp, group_size=self.group_size, log_count=lc,
-                source_tokens=layer.block_size,
+                source_tokens=layer.block_size, backend=self.backend,
             )
-            err = self._probe(li, kk, vv, cb, b, lc)  # [n]
+            measured = measure or self.record_probes
+            err = self._probe(li, kk, vv, cb, b, lc) if measured else torch.zeros(len(blocks))  # [n]
             if self.record_probes:
                 self._record(li, blocks, lf, kk, timp, err, b)
             encs.append((lf, cb))
@@ -713,22 +763,22 @@ class ProximaCache(Cache):
         norms = k.float().norm(dim=-1)  # [N, bs, H]
         spread = (norms.std(1) / norms.mean(1).clamp_min(1e-12)).mean(1).view(-1, batch).mean(1)
         mass = timp.sum(1).amax(1).view(-1, batch).amax(1) if timp is not None else torch.zeros(len(blocks))
+        # One device-to-host copy per tensor (a float() per element would synchronise a GPU each time).
+        masses, spreads, errs = mass.tolist(), spread.tolist(), err.tolist()
         for j, blk in enumerate(blocks):
-            self.probe_log.append(
-                ProbeRecord(layer_idx, blk, fmt.name, float(mass[j]), float(spread[j]), float(err[j]))
-            )
+            self.probe_log.append(ProbeRecord(layer_idx, blk, fmt.name, masses[j], spreads[j], errs[j]))
 
     def _commit(self, blocks: list[int], fmt: Format, encs: list[tuple[Format, CompressedBlocks]]) -> None:
         for layer, (lf, enc) in zip(self.proxima_layers, encs, strict=True):
             assert layer.tail_k is not None
-            layer.store(blocks, lf, enc, layer.tail_k.shape[0])
+            layer.store(blocks, lf, enc, layer.tail_k.shape[0], self.backend)
         for i in blocks:
             self.chosen[i] = fmt
 
     def _reencode(self, blocks: list[int], fmt: Format) -> list[tuple[Format, CompressedBlocks]]:
         record, self.record_probes = self.record_probes, False
         try:
-            encs, _ = self._encode_all_layers(blocks, fmt)
+            encs, _ = self._encode_all_layers(blocks, fmt, measure=False)
         finally:
             self.record_probes = record
         return encs
@@ -749,6 +799,60 @@ class ProximaCache(Cache):
         """Token eviction for the baselines: per layer a bool `[B, H_kv, T_full]` over full blocks."""
         for layer, kp in zip(self.proxima_layers, keep, strict=True):
             layer.evict(kp)
+
+    @classmethod
+    def stacked(cls, caches: Sequence[ProximaCache]) -> ProximaCache:
+        """The caches side by side as the rows of one batch (row i = `caches[i]`, each of batch 1),
+        to decode their continuations in one forward pass instead of one per cache (the quality
+        harness: every method's compressed copy of the same prefill reads the same question).
+
+        Each layer of the result holds, as hot blocks, what attention reads from each cache: its
+        working copy (decompressed blocks at their logical length) and per-key bias (log-counts,
+        evicted and unused slots), its tail as the tail. Tokens appended later go to the tail and
+        to new hot blocks exactly as they would in every cache alone, so row i's logits are those
+        of `caches[i]` (up to the batched kernels' rounding). The compressed store is not carried:
+        the result has policy off and is for reading and appending, not for compressing or for
+        byte accounting (take ratios from the caches themselves)."""
+        if not caches:
+            raise ValueError("stacked() needs at least one cache")
+        first = caches[0]
+        n_layers, n_tok = len(first.layers), first.get_seq_length()
+        for c in caches:
+            if len(c.layers) != n_layers or c.get_seq_length() != n_tok or c.block_size != first.block_size:
+                raise ValueError(
+                    f"stacked caches must match: {len(c.layers)} layers / {c.get_seq_length()} tokens / block "
+                    f"{c.block_size}, first has {n_layers} / {n_tok} / {first.block_size}"
+                )
+            if c.proxima_layers and c.proxima_layers[0].tail_k is not None and c.proxima_layers[0].tail_k.shape[0] != 1:
+                raise ValueError("stacked() takes caches of batch 1")
+        out = cls(block_size=first.block_size, kv_dtype=first.kv_dtype, observation_window=first.window)
+        for li in range(n_layers):
+            src = [c.proxima_layers[li] for c in caches]
+            layer = ProximaLayer(first.block_size, keep_working_copy=True)
+            views = [s.materialize() for s in src]
+            wk = torch.cat([v[0] for v in views])
+            wv = torch.cat([v[1] for v in views])
+            if any(v[2] is not None for v in views):
+                wb: torch.Tensor | None = torch.cat(
+                    [v[2] if v[2] is not None else v[0].new_zeros(v[0].shape[:3], dtype=torch.float32) for v in views]
+                )
+            else:
+                wb = None
+            tails_k = [s.tail_k for s in src]
+            tails_v = [s.tail_v for s in src]
+            assert all(t is not None for t in tails_k) and all(t is not None for t in tails_v)
+            layer.lazy_initialization(torch.cat(tails_k), torch.cat(tails_v))  # type: ignore[arg-type]
+            layer.tail_k, layer.tail_v = torch.cat(tails_k), torch.cat(tails_v)  # type: ignore[arg-type]
+            bs, n = layer.block_size, src[0].n_blocks
+            layer.hot_k = [wk[..., i * bs : (i + 1) * bs, :] for i in range(n)]
+            layer.hot_v = [wv[..., i * bs : (i + 1) * bs, :] for i in range(n)]
+            layer.slots = [None] * n
+            layer.formats = [HOT] * n
+            layer.keep = [None] * n
+            layer.n_tokens = src[0].n_tokens
+            layer._work = (wk, wv, wb)
+            out.layers.append(layer)
+        return out
 
     # -- the policy engine ---------------------------------------------------------------------
 
@@ -800,14 +904,40 @@ class ProximaCache(Cache):
 
     def apply_policy(self, *, target_ratio: float | None = None, max_steps: int = 32) -> CompressionReport:
         """Run the engine until it has nothing left to do (or `max_steps`). With `target_ratio`,
-        the pool is sized so that reaching the top band's target means a `target_ratio`x smaller store."""
+        the pool is sized so that reaching the top band's target means a `target_ratio`x smaller
+        store *in bytes* (`achieved_ratio`, metadata and hot blocks included). The engine counts
+        blocks at their pack ratios, which overstate bytes by the metadata (int4: 4x packed, 3.2x
+        in bytes), so a pass that ends short is redone from the same starting state with the ask
+        raised by the shortfall, at most `BYTE_PASSES` passes; the first pass that reaches the
+        target (else the last) is kept. Each pass is the policy as written on a fresh pool: a
+        second engine round on the compressed state would start below the top band's `enter`
+        and, in a policy whose lower band cannot upgrade, change nothing."""
         report = CompressionReport()
         if self.policy.is_off or not self.layers or self.proxima_layers[0].n_blocks == 0:
             return report
-        self.refresh_importance()
-        total = self._pool_for_ratio(target_ratio) if target_ratio else self.capacity_blocks
-        if total is None:
-            raise ValueError("apply_policy needs target_ratio, or capacity_blocks set on the cache")
+        if target_ratio is None:
+            if self.capacity_blocks is None:
+                raise ValueError("apply_policy needs target_ratio, or capacity_blocks set on the cache")
+            self.refresh_importance()
+            self._run_engine(self.capacity_blocks, max_steps, report)
+            return report
+        ask = target_ratio
+        for i in range(BYTE_PASSES):
+            last = i == BYTE_PASSES - 1
+            trial = self if last else copy.deepcopy(self)
+            report = CompressionReport()
+            trial.refresh_importance()
+            trial._run_engine(trial._pool_for_ratio(ask), max_steps, report)
+            achieved = trial.achieved_ratio()
+            if last:
+                break
+            if achieved >= target_ratio * (1 - 1e-3) or report.actions == 0:
+                self.__dict__.update(trial.__dict__)  # keep this pass's state
+                break
+            ask *= target_ratio / achieved
+        return report
+
+    def _run_engine(self, total: int, max_steps: int, report: CompressionReport) -> None:
         probe = self.policy.probes.compression
         for _ in range(max_steps):
             snap = self.snapshot(total)
@@ -830,4 +960,4 @@ class ProximaCache(Cache):
                     report.formats[k] = report.formats.get(k, 0) + v
             if report.actions + report.rejected == done_before:
                 break  # the engine only proposed blocks we cannot touch: no progress possible
-        return report
+

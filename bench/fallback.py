@@ -41,10 +41,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info
+
+if TYPE_CHECKING:
+    from proxima.integration.vllm.canary_runner import CanaryRunner, EngineTransport
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "fallback-bench"
@@ -115,7 +118,16 @@ class _Engine:
         self.finished: dict[str, Any] = {}
         self.steps = 0
         self.generated = 0
-        self.canaries: _Canaries | None = None
+        self.canaries: CanaryRunner | None = None
+        self.canary_transport: EngineTransport | None = None
+
+    def start_canaries(self) -> None:
+        """The canary runner `proxima serve` runs, over this engine (`canary_runner.py`)."""
+        from proxima.integration.vllm.canary_runner import CanaryRunner, EngineTransport, RuntimeApi, canary_prompts
+
+        self.canary_transport = EngineTransport(self.engine)
+        self.canaries = CanaryRunner(canary_prompts(), self.canary_transport,
+                                     RuntimeApi(str(self.api.base_url), TOKEN))
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, score: bool = False) -> None:
         from vllm import SamplingParams
@@ -127,11 +139,13 @@ class _Engine:
 
     def step(self) -> None:
         self.steps += 1
-        for r in self.engine.step():
+        outputs = self.engine.step()
+        for r in outputs:
             if r.finished:
                 self.finished[r.request_id] = r
                 self.generated += len(r.outputs[0].token_ids)
-        if self.canaries is not None:
+        if self.canaries is not None and self.canary_transport is not None:
+            self.canary_transport.offer(outputs)
             self.canaries.tick()
 
     def drain(self) -> None:
@@ -151,65 +165,6 @@ class _Engine:
         return dict(self.api.get("/v1/fallback").json())
 
 
-class _Canaries:
-    """A canary runner over the hand-stepped engine (`proxima.integration.vllm.canary`): references
-    when the policy version changes, a live round every `probes.canary.interval_s`, each verdict
-    posted to the runtime API."""
-
-    def __init__(self, e: _Engine, prompts: list[list[int]]) -> None:
-        self.e, self.prompts = e, prompts
-        self.version: int | None = None
-        self.round = 0
-        self.next_at = 0.0
-        self.ref: str | None = None
-        self.live: str | None = None
-        self.verdicts: list[dict[str, Any]] = []
-
-    def _submit(self, prefix: str) -> str:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        from proxima.integration.vllm.canary import TOP_K
-
-        self.round += 1
-        tag = f"{prefix}{self.round}-"
-        sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP_K)
-        for i, p in enumerate(self.prompts):
-            self.e.engine.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=p), sp)
-        return tag
-
-    def _done(self, tag: str) -> list[Any] | None:
-        got = [self.e.finished.get(f"{tag}{i}") for i in range(len(self.prompts))]
-        return None if any(r is None for r in got) else got
-
-    def tick(self) -> None:
-        from proxima.integration.vllm.canary import CANARY_PREFIX, REFERENCE_PREFIX, evaluate
-        from proxima.policy.schema import CanaryProbe
-
-        if self.ref is None or (self.live is None and time.monotonic() >= self.next_at):
-            doc = self.e.api.get("/v1/policy").json()
-            cfg = CanaryProbe.model_validate(doc["policy"]["probes"]["canary"])
-            if not cfg.enabled or not doc["policy"]["enabled"]:
-                self.next_at = time.monotonic() + 1.0
-                return
-            if doc["version"] != self.version:  # a new policy: new references, then a live round
-                self.version, self.ref = doc["version"], self._submit(REFERENCE_PREFIX)
-            elif self.live is None:
-                self.live = self._submit(CANARY_PREFIX)
-                self.cfg = cfg
-            return
-        if self.live is None:
-            return
-        ref, live = self._done(self.ref), self._done(self.live)
-        if ref is None or live is None:
-            return
-        verdict = evaluate([r.prompt_logprobs for r in ref], [r.prompt_logprobs for r in live], self.cfg)
-        body = {"kind": "canary", "passed": verdict.passed, "values": verdict.values, "detail": verdict.detail}
-        self.e.api.post("/v1/probes", json=body, headers=self.e.auth)
-        self.verdicts.append({"step": self.e.steps, **body})
-        self.live, self.next_at = None, time.monotonic() + self.cfg.interval_s
-
-
 def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict[str, Any]:
     from proxima.integration.vllm.connector import worker_store
 
@@ -217,7 +172,7 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
     res: dict[str, Any] = {}
     score_prompts = _prompts(model, scored, 0)
     load = _prompts(model, pressure * 2, scored)
-    e.canaries = _Canaries(e, _prompts(model, 2, 300))  # canary prompts: the same corpus, elsewhere
+    e.start_canaries()  # (it idles while the policy's canary is off)
     # Compression off first (token-identical to vanilla vLLM): the ladder sees nothing before (c).
     e.api.patch("/v1/policy", json={"enabled": False}, headers=e.auth)
     # a. a worker-side knob changed live.

@@ -11,8 +11,11 @@ its completions endpoint puts `cmpl-` in front of it, which the tests below look
   were full), so the canary measures the damage the policy would do when it is needed most.
 
 Both are ordinary requests of `max_tokens=1` with `prompt_logprobs=TOP_K`; the prompt is chunked,
-so the later chunks attend to earlier ones compressed (the live run's blocks are compressed while
-its prompt is prefilled, hence `protect.prefilling: false` is what makes a canary informative).
+so the later chunks attend to earlier ones compressed: the live run's blocks are compressed while
+its prompt is prefilled (whatever `protect.prefilling` says). A canary is therefore informative
+only when its prompt takes more than one engine step, i.e. is longer than vLLM's
+`max_num_batched_tokens` (or `long_prefill_token_threshold`): vLLM 0.32 chunks prompts only
+engine-wide, there is no per-request chunk size.
 `canary_runner.CanaryRunner` submits them (into an engine the caller steps, or through a server's
 completions endpoint: `proxima serve` starts one) at the policy's `probes.canary.interval_s`, and
 posts the verdict of `evaluate` to the runtime API (`POST /v1/probes`), where it feeds the
@@ -90,8 +93,11 @@ def forced_actions(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool
     if not live:
         return []
     snap = build_snapshot(live, blocks_of, pool, block_size, pending_blocks=total_blocks(pool))
+    # A canary is a prompt and one token: its blocks are compressed between its prefill chunks
+    # whatever `protect.prefilling` says, else it would finish before any block could be.
+    unprotected = policy.model_copy(update={"protect": policy.protect.model_copy(update={"prefilling": False})})
     # The decision's state is dropped: a canary must not move the engine's band hysteresis.
-    return decide(snap, policy, state).actions
+    return decide(snap, unprotected, state).actions
 
 
 def _row(entry: Mapping[Any, Any] | None) -> dict[int, tuple[float, int]]:

@@ -206,8 +206,10 @@ class ProximaKVCacheManager(KVCacheManager):
             if prev is not None and (prev.fmt.pack_ratio >= fmt.pack_ratio or not px.policy.recompressible(prev.fmt)):
                 continue
             if px.check:
-                check_protected(entry, act.block_index, len(blocks_of[act.request_id]), self.block_size,
-                                px.policy.protect)
+                protect = px.policy.protect  # (a live canary's prefill is not protected: `canary.forced_actions`)
+                if canary.is_canary(act.request_id):
+                    protect = protect.model_copy(update={"prefilling": False})
+                check_protected(entry, act.block_index, len(blocks_of[act.request_id]), self.block_size, protect)
             res = px.packer.reserve(act.request_id, fmt)
             if res is None:
                 break

@@ -44,7 +44,6 @@ def main() -> None:
     for _ in range(8):  # idle steps: the last reports close the last requests' windows
         engine.step()
     w = live.drift
-    px = live.manager.px
     print(json.dumps({
         "wall_s": wall, "finished": len(logprobs), "vllm_logprobs": logprobs,
         "history": list(w.history), "progress": w.progress(), "probes": live.controller.probes(),

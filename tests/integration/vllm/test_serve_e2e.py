@@ -218,9 +218,12 @@ def test_the_canary_runner_feeds_the_ladder_and_follows_the_policy(server: Serve
     assert 0.0 <= canary["values"]["kl"] <= 0.05 and canary["values"]["top1"] >= 0.95
     assert time.time() - canary["at"] < CANARY_TIMEOUT_S
     assert probes["probes"]["canary"]["passes"] >= 1 and probes["fallback"]["level"] == 0
-    # Nothing else is under pressure here: the committed compressions are the live canaries'.
-    committed = json.loads(server.stats_file.read_text())["committed_by_format"]
-    assert sum(committed.values()) > 0, committed
+    # Nothing else is under pressure here: the planned compressions are the live canaries'. (They
+    # are written before their last chunk's forward; the canary finishes in that step, so vLLM frees
+    # it before the step's report could commit them: `planned`, not `committed`.)
+    summary = json.loads(server.stats_file.read_text())
+    assert summary["planned"] > 0 and summary["failed"] == 0, summary
+    assert canary["values"]["kl_max"] > 1e-4, canary  # the live runs read compressed blocks
 
 
 def test_sigterm_stops_the_server_and_every_process_it_started(server: Server) -> None:

@@ -144,3 +144,21 @@ def test_the_observer_measures_what_vllm_samples_and_the_verdict_reaches_the_lad
     assert last["values"]["requests_per_side"] == 10.0
     assert res["stats_probe_progress"]["drift"]["verdicts"] >= 1
     assert sum(res["summary"]["committed_by_format"].values()) > 0
+
+
+def test_the_plugin_adds_the_observer_only_when_the_startup_policy_enables_drift() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from proxima.integration.vllm._patches import add_drift_observer
+
+    off = load_policy(ROOT / "configs" / "conservative.yaml")
+    on = _with_drift(off)
+    args = EngineArgs(model="m")
+    add_drift_observer(args, off)
+    assert not args.logits_processors
+    add_drift_observer(args, on)
+    add_drift_observer(args, on)  # idempotent
+    assert args.logits_processors == [drift.DriftObserver]
+    spec = EngineArgs(model="m", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    add_drift_observer(spec, on)  # vLLM refuses custom logits processors with speculative decoding
+    assert not spec.logits_processors

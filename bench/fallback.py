@@ -249,7 +249,7 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
 
 def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int) -> dict[str, Any]:
     # Longer chunks than the bad run's: this run is about many requests (fewer, larger steps).
-    e = _Engine(model, pool_blocks, chunk_tokens=128)  # (canary prompts: more than one chunk, canary.py)
+    e = _Engine(model, pool_blocks, chunk_tokens=256)  # (canary prompts, ~300 tokens: two chunks, canary.py)
     e.start_canaries()
     prompts = _prompts(model, requests, 0)
     load_before = os.getloadavg()

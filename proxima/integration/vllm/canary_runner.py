@@ -37,10 +37,11 @@ from proxima.policy.schema import CanaryProbe
 logger = logging.getLogger("proxima.canary")
 
 PROMPTS = 2
-PROMPT_CHARS = 1000
+PROMPT_CHARS = 1400
 """Canary prompts: the last `PROMPTS` articles of the bundled news corpus (gensim's Lee corpus,
 `quality.datasets.lee_articles`) of at least this many characters, cut at a word before it
-(about 230 SmolLM2 tokens: several compressible blocks between the protected sink and recent ones)."""
+(about 300 SmolLM2 tokens: several compressible blocks between the protected sink and recent
+ones, and more than one prefill chunk at `max_num_batched_tokens` 256)."""
 CANARY_PRIORITY = 10
 """vLLM priority of a canary when the server schedules by priority (lower runs first; user
 requests have 0)."""

@@ -125,7 +125,7 @@ def test_a_round_straddling_a_policy_change_is_dropped_and_errors_are_retried(
 def test_canary_prompts_come_from_the_bundled_corpus() -> None:
     prompts = canary_prompts()
     assert len(prompts) == 2 and len(set(prompts)) == 2
-    assert all(800 <= len(p) <= 1000 and not p.endswith(" ") for p in prompts)
+    assert all(1200 <= len(p) <= 1400 and not p.endswith(" ") for p in prompts)
 
 
 def test_server_address_and_priority_scheduling_from_vllms_arguments() -> None:

@@ -268,7 +268,8 @@ def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int) ->
     return {"wall_s": wall, "generated_tokens": e.generated, "tokens_per_s": e.generated / wall, "steps": e.steps,
             "load_before": load_before, "load_after": os.getloadavg(),
             "canary_verdicts": e.canaries.verdicts if e.canaries is not None else [],
-            "finished": len(e.finished), "probes": probes, "alerts": alerts,
+            "finished": sum(1 for r in e.finished if not r.startswith(CANARY_PREFIX)),  # users' requests
+            "probes": probes, "alerts": alerts,
             "committed_by_format": stats.get("committed_by_format"),
             "rejected_by_probe": stats.get("rejected_by_probe"),
             "peak_resident": stats.get("peak_resident"), "preemptions": stats.get("preemptions")}

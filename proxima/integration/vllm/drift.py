@@ -20,9 +20,10 @@ Three parts, in the three places that can see what each needs:
   compressed side when its request held committed compressed blocks when the token's step ran
   (the report arrives two engine steps after that step's forward: see `LiveControl`), for the
   holdout when its request is in the holdout; other tokens (a request not compressed yet) are
-  not used. When a request leaves the engine its tokens' mean log-prob and entropy become one
-  sample of its side (per-request means: tokens of one request are correlated); with
-  `probes.drift.window` requests on each side, `drift_test` gives one verdict for the ladder.
+  not used. With `probes.drift.window` finished requests on each side, `drift_test` gives one
+  verdict for the ladder over per-request means (tokens of one request are correlated), each
+  compressed request paired with a holdout one and both averaged over the output positions they
+  share (`DriftWindows.verdict`: the compressed side's tokens are its requests' later ones).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class DriftObserver(_logits_processor_base()):  # type: ignore[misc]
             at = torch.tensor([p[1] for _, p in done], device=self._prev.device)
             tok = torch.tensor([t.output[-1] for t, _ in done], device=self._prev.device)
             lps = self._prev[at, tok].tolist()
-            store.report.drift.extend((t.req_id, lp, p[2]) for (t, p), lp in zip(done, lps, strict=True))
+            store.report.drift.extend((t.req_id, p[0], lp, p[2]) for (t, p), lp in zip(done, lps, strict=True))
         for i in self.rows:
             self.rows[i].pending = None
         if not rows:
@@ -157,11 +158,11 @@ class DriftObserver(_logits_processor_base()):  # type: ignore[misc]
 class DriftWindows:
     """Per-request means of each side, and the verdict once both sides have a window."""
 
-    open: dict[tuple[str, Side], list[float]] = field(default_factory=dict)
-    """(request, side) -> [sum of log-probs, sum of entropies, tokens], while it runs."""
-    closed: dict[Side, list[tuple[str, float, float, int]]] = field(
+    open: dict[tuple[str, Side], dict[int, tuple[float, float]]] = field(default_factory=dict)
+    """(request, side) -> output position -> (log-prob, entropy), while it runs."""
+    closed: dict[Side, list[tuple[str, dict[int, tuple[float, float]]]]] = field(
         default_factory=lambda: {"compressed": [], "holdout": []})
-    """Finished requests of each side: (request, mean log-prob, mean entropy, tokens)."""
+    """Finished requests of each side, with their tokens by output position."""
     tokens: dict[Side, int] = field(default_factory=lambda: {"compressed": 0, "holdout": 0})
     verdicts: int = 0
     history: deque[tuple[Side, str, float, float, int]] = field(default_factory=lambda: deque(maxlen=1000))
@@ -169,11 +170,8 @@ class DriftWindows:
     missing: dict[tuple[str, Side], int] = field(default_factory=dict)
     """Open requests absent from the engine, and for how many calls of `close_absent`."""
 
-    def add(self, req_id: str, side: Side, logprob: float, entropy: float) -> None:
-        acc = self.open.setdefault((req_id, side), [0.0, 0.0, 0])
-        acc[0] += logprob
-        acc[1] += entropy
-        acc[2] += 1
+    def add(self, req_id: str, side: Side, position: int, logprob: float, entropy: float) -> None:
+        self.open.setdefault((req_id, side), {})[position] = (logprob, entropy)
         self.tokens[side] += 1
 
     def close_absent(self, resident: Container[str], grace: int = CLOSE_AFTER) -> None:
@@ -186,17 +184,28 @@ class DriftWindows:
             self.missing[key] = self.missing.get(key, 0) + 1
             if self.missing[key] >= grace:
                 del self.missing[key]
-                lp, ent, n = self.open.pop(key)
-                self.closed[key[1]].append((key[0], lp / n, ent / n, int(n)))
-                self.history.append((key[1], key[0], lp / n, ent / n, int(n)))
+                tokens = self.open.pop(key)
+                self.closed[key[1]].append((key[0], tokens))
+                lp, ent = _means(tokens, tokens.keys())
+                self.history.append((key[1], key[0], lp, ent, len(tokens)))
 
     def verdict(self, cfg: DriftProbe) -> ProbeResult | None:
-        """One `drift_test` over the first `cfg.window` finished requests of each side (then dropped)."""
+        """One `drift_test` over the first `cfg.window` finished requests of each side (then dropped).
+
+        Position-matched: the compressed side's tokens are the later ones of their requests (those
+        after the first commit), and a request's first tokens are not distributed as its later
+        ones (entropy right after a prompt is higher). So the i-th compressed request is paired
+        with the i-th holdout request and both are averaged over the output positions they share
+        (all of each when they share none)."""
         comp, hold = self.closed["compressed"], self.closed["holdout"]
         if len(comp) < cfg.window or len(hold) < cfg.window:
             return None
-        a = np.array([(lp, ent) for _, lp, ent, _ in comp[:cfg.window]])
-        b = np.array([(lp, ent) for _, lp, ent, _ in hold[:cfg.window]])
+        pairs = []
+        for (_, c), (_, h) in zip(comp[:cfg.window], hold[:cfg.window], strict=True):
+            shared = c.keys() & h.keys()
+            pairs.append((*_means(c, shared or c.keys()), *_means(h, shared or h.keys())))
+        m = np.array(pairs)
+        a, b = m[:, 0:2], m[:, 2:4]
         del comp[:cfg.window], hold[:cfg.window]
         self.verdicts += 1
         r = drift_test(DriftSample(a[:, 0], a[:, 1]), DriftSample(b[:, 0], b[:, 1]), cfg)
@@ -208,18 +217,23 @@ class DriftWindows:
                 "verdicts": self.verdicts}
 
 
-def classify(samples: Iterable[tuple[str, float, float]], holdout: Container[str], compressed: Container[str],
+def _means(tokens: dict[int, tuple[float, float]], positions: Iterable[int]) -> tuple[float, float]:
+    vals = np.array([tokens[p] for p in positions])
+    return float(vals[:, 0].mean()), float(vals[:, 1].mean())
+
+
+def classify(samples: Iterable[tuple[str, int, float, float]], holdout: Container[str], compressed: Container[str],
              windows: DriftWindows) -> None:
     """The worker's samples into their sides (see the module docstring); unusable ones dropped.
     `holdout`: the resident holdout requests (a finished one's late tokens still count: its
     window is open)."""
-    for rid, lp, ent in samples:
+    for rid, pos, lp, ent in samples:
         if not (np.isfinite(lp) and np.isfinite(ent)):
             continue
         if rid in holdout or (rid, "holdout") in windows.open:
-            windows.add(rid, "holdout", lp, ent)
+            windows.add(rid, "holdout", pos, lp, ent)
         elif rid in compressed:
-            windows.add(rid, "compressed", lp, ent)
+            windows.add(rid, "compressed", pos, lp, ent)
 
 
 __all__ = ["DRIFT_ID_ARG", "DriftObserver", "DriftWindows", "classify", "is_holdout", "tag"]

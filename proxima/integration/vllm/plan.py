@@ -101,9 +101,9 @@ class ProximaReport(KVConnectorWorkerMetadata):
     """Of those, over the bound."""
     probe_seconds: float = 0.0
     """Wall time of this step's probe measurements."""
-    drift: list[tuple[str, float, float]] = field(default_factory=list)
-    """(request, sampled-token log-prob, entropy) of the tagged requests' tokens sampled since the
-    last report (`drift.DriftObserver`)."""
+    drift: list[tuple[str, int, float, float]] = field(default_factory=list)
+    """(request, output position, sampled-token log-prob, entropy) of the tagged requests' tokens
+    sampled since the last report (`drift.DriftObserver`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """vLLM merges the ranks' reports pairwise with this (tensor parallelism)."""

@@ -20,6 +20,7 @@ import pytest
 from proxima.integration.vllm import drift
 from proxima.integration.vllm.canary import CANARY_PREFIX
 from proxima.policy.loader import load_policy
+from proxima.policy.probes import DriftSample, drift_test
 from proxima.policy.schema import DriftProbe, Policy
 from tests.integration.vllm.engine_helpers import test_model
 from tests.integration.vllm.test_live_control import B, _manager, _prefilled
@@ -89,11 +90,11 @@ def test_windows_give_one_verdict_per_window_of_finished_requests() -> None:
     w = drift.DriftWindows()
     comp, hold = [f"c{i}" for i in range(10)], [f"h{i}" for i in range(10)]
     resident = set(comp + hold)
-    for _ in range(5):  # five tokens each; the compressed ones a full nat less likely
-        samples = [(r, -2.0 + rng.normal(0, 0.1), 1.0) for r in hold] + \
-                  [(r, -3.0 + rng.normal(0, 0.1), 1.0) for r in comp]
+    for pos in range(5):  # five tokens each; the compressed ones a full nat less likely
+        samples = [(r, pos, -2.0 + rng.normal(0, 0.1), 1.0) for r in hold] + \
+                  [(r, pos, -3.0 + rng.normal(0, 0.1), 1.0) for r in comp]
         drift.classify(samples, holdout=set(hold), compressed=set(comp), windows=w)
-    drift.classify([("x", -1.0, 1.0), ("c0", math.nan, 1.0)], set(hold), set(comp), w)  # dropped
+    drift.classify([("x", 0, -1.0, 1.0), ("c0", 5, math.nan, 1.0)], set(hold), set(comp), w)  # dropped
     assert w.tokens == {"compressed": 50, "holdout": 50}
     for _ in range(drift.CLOSE_AFTER - 1):
         w.close_absent(resident - {"c0"})
@@ -106,6 +107,28 @@ def test_windows_give_one_verdict_per_window_of_finished_requests() -> None:
     assert r is not None and not r.passed and r.values["delta_logprob"] == pytest.approx(-1.0, abs=0.1)
     assert r.values["p_logprob"] < HALF.p_value / 2 and w.verdict(HALF) is None  # the window was used up
     assert [h[1] for h in w.history if h[0] == "compressed"][:1] == ["c0"]
+
+
+def test_the_verdict_compares_the_same_output_positions() -> None:
+    """Later tokens are less sure than early ones in both populations (as in the bench's runs),
+    and the compressed side has only later tokens (counted after the first commit). Unmatched,
+    that alone is "drift"; position-matched, the same model gives none."""
+    rng = np.random.default_rng(1)
+    w = drift.DriftWindows()
+    comp, hold = [f"c{i}" for i in range(10)], [f"h{i}" for i in range(10)]
+    for pos in range(8):
+        # The same model on both sides: log-prob falls and entropy rises with the position.
+        for r in hold + (comp if pos >= 4 else []):
+            drift.classify([(r, pos, -1.0 - 0.4 * pos + rng.normal(0, 0.05), 1.0 + 0.3 * pos)],
+                           set(hold), set(comp), w)
+    for _ in range(drift.CLOSE_AFTER):
+        w.close_absent(set())
+    unmatched = {side: np.array([drift._means(t, t.keys()) for _, t in w.closed[side]]) for side in w.closed}
+    naive = drift_test(DriftSample(*unmatched["compressed"].T), DriftSample(*unmatched["holdout"].T), HALF)
+    assert not naive.passed  # what per-request means over all tokens would say
+    r = w.verdict(HALF)
+    assert r is not None and r.passed, r
+    assert abs(r.values["delta_logprob"]) < 0.05 and abs(r.values["delta_entropy"]) < 1e-9
 
 
 @pytest.mark.slow

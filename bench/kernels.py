@@ -52,6 +52,8 @@ T_START = time.time()
 DEADLINE_S = 420
 """Decode shapes still to run are skipped past this many seconds, so a run always writes results
 inside the device tool's 10-minute command limit."""
+PARTS = ("compress", "decode", "quality")
+"""What a plain run measures, in order; `--only` picks some (the compress rows take ~20 s)."""
 DECODE_SHAPES = [(4096, 1), (4096, 16), (4096, 64), (32768, 1), (32768, 8), (32768, 32), (131072, 1), (131072, 8)]
 
 
@@ -183,7 +185,12 @@ def _compress_one(fmt, k, v, imp, src, copy_gbps, n_blocks) -> list[dict]:
             "op": "decompress", "format": fmt, "context": n_blocks * B, "batch": n_blocks, "time_us": ms * 1e3,
             "gbps": moved / ms / 1e6, "copy_gbps": copy_gbps, "bytes": moved,
         })  # fmt: skip
-        print(f"  compress {fmt:16s} {rows[-2]['time_us']:9.1f} us {rows[-2]['gbps']:7.0f} GB/s", flush=True)
+        for r in rows[-2:]:
+            print(
+                f"  {r['op']:10s} {fmt:16s} {r['time_us']:9.1f} us {r['gbps']:7.0f} GB/s "
+                f"{100 * r['gbps'] / copy_gbps:5.1f}% of copy",
+                flush=True,
+            )
         del cb
     return rows
 
@@ -473,13 +480,20 @@ def _small_check(fmt: str) -> float:
     return max(rel(o.out.float(), r.out.float()), float((o.lse - r.lse).abs().max()) / 10, mass)
 
 
-def sweep(out_dir: str) -> None:
+def sweep(out_dir: str, shapes_only: bool = False) -> None:
     """Time every SWEEP_CONFIGS entry per format at 32k x 8, keep the best, then time the best
-    configs at the issue's shapes against SDPA. Writes sweep.json."""
+    configs at the issue's shapes against SDPA (`shapes_only`: the shipped DECODE_CONFIGS at the
+    shapes). Writes sweep.json after every format and shape, so a run stopped by a fault (a CUDA
+    error kills the process's context) keeps what it measured."""
     from proxima.compression import triton_attention as ta
 
     res: dict = {"configs": [], "shapes": [], "best": {}}
-    for fmt in SWEEP_FORMATS:
+
+    def save() -> None:
+        with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+    for fmt in [] if shapes_only else SWEEP_FORMATS:
         q, seg, moved, _ = _decode_case(32768, 8, fmt)
         best = None
         for tok, nw, ns, variant in SWEEP_CONFIGS:
@@ -508,6 +522,7 @@ def sweep(out_dir: str) -> None:
             res["best"][fmt] = [b.tokens, b.num_warps, b.num_stages, b.scale_values or b.word_unpack, best[0] * 1e3]
         del q, seg
         torch.cuda.empty_cache()
+        save()
     for ctx, batch in [(4096, 1), (32768, 8), (32768, 32), (131072, 8)]:
         q, seg, moved, (k, v) = _decode_case(ctx, batch, "bf16")
         per_seq = ctx // B
@@ -529,8 +544,7 @@ def sweep(out_dir: str) -> None:
             torch.cuda.empty_cache()
         res["shapes"].append(row)
         print(f"  shape {row}", flush=True)
-    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        save()
 
 
 def profile_one(fmt: str) -> None:
@@ -633,9 +647,8 @@ def render_run(run_dir: str, out_dir: str, previous: str | None) -> None:
             f"python bench/kernels.py --render RUN_DIR --previous OLD_JSON --out {out_dir}",
         ],
         "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D, "block_size": B},
-        "note": "decode-only device run (the session's device time allowed one call); compress / decompress / "
-        "quality rows are from the previous run" + (f" ({prev['meta']['date']})" if prev else "") + ", whose "
-        "compression kernels this code still uses",
+        "note": "decode rows from the --sweep run; copy / compress / decompress / quality rows from the run of "
+        + (prev["meta"].get("date", "?") if prev else "nobody (no --previous)"),
         "previous_run": prev["meta"] if prev else None,
     }
     result = {
@@ -731,9 +744,17 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="time decode launch configs; write sweep.json")
+    ap.add_argument("--shapes-only", action="store_true", help="with --sweep: the shipped configs at the shapes only")
     ap.add_argument("--profile", metavar="FMT", help="run five decodes of FMT at 32k x 8 (for ncu)")
     ap.add_argument("--render", metavar="RUN_DIR", help="write kernels-h200.{json,md} from a --sweep run's files")
     ap.add_argument("--previous", help="with --render: an earlier kernels-h200.json for the rows not re-measured")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="parts to run (the GPU checks and the copy roofline always run); e.g. --only compress",
+    )
     args = ap.parse_args()
     if args.render:
         render_run(args.render, args.out, args.previous)
@@ -747,7 +768,7 @@ def main() -> int:
     if args.sweep:
         os.makedirs(args.out, exist_ok=True)
         print("fp8 diag", fp8_diag(), flush=True)
-        sweep(args.out)
+        sweep(args.out, shapes_only=args.shapes_only)
         return 0
     t0 = time.time()
     meta = {
@@ -779,11 +800,15 @@ def main() -> int:
             "copy_gbps": meta["copy_gbps"],
         }
     ]
-    rows += compress_rows(meta["copy_gbps"], 64 if args.quick else 1024)
-    print(f"compress done ({time.time() - t0:.0f}s)", flush=True)
-    rows += decode_rows(meta["copy_gbps"], [(4096, 1), (32768, 2)] if args.quick else DECODE_SHAPES)
-    print(f"decode done ({time.time() - t0:.0f}s)", flush=True)
-    rows += quality_rows()
+    meta["parts"] = args.only
+    if "compress" in args.only:
+        rows += compress_rows(meta["copy_gbps"], 64 if args.quick else 1024)
+        print(f"compress done ({time.time() - t0:.0f}s)", flush=True)
+    if "decode" in args.only:
+        rows += decode_rows(meta["copy_gbps"], [(4096, 1), (32768, 2)] if args.quick else DECODE_SHAPES)
+        print(f"decode done ({time.time() - t0:.0f}s)", flush=True)
+    if "quality" in args.only:
+        rows += quality_rows()
     try:
         tg = targets([r for r in rows if "error" not in r])
     except Exception as e:

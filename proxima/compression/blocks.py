@@ -215,7 +215,10 @@ def compress_blocks(
     if src_t < t or keep > t:
         raise ValueError(f"{fmt}: keeps {keep} of source_tokens={src_t}, but {t} rows were given")
     counts = _row_counts(fmt, log_count, (n, t, h))
-    imp = token_importance if token_importance is not None else torch.ones(n, t, h, device=k.device)
+    imp = token_importance
+    if imp is None:
+        # uniform; quantize-only formats never read it (an empty placeholder: no device launch)
+        imp = torch.ones(n, t, h, device=k.device) if fmt.reduction is not None else torch.empty(0)
     out = CompressedBlocks(fmt, k, v, head_dim=d, dtype=k.dtype, group_size=group_size, source_tokens=src_t)
 
     kr, vr = k, v
@@ -239,11 +242,14 @@ def compress_blocks(
         # Weights must be positive: a zero-weight cluster would have no weighted mean.
         w = imp.float().clamp_min(1e-6)
         if tri:
-            kc, vc, out.log_count = ops.cluster(k, v, w, protected, keep, cluster_iters, importance=imp)
+            # the kernel writes the source dtype itself (a pass over the centroids fewer)
+            kr, vr, out.log_count = ops.cluster(
+                k, v, w, protected, keep, cluster_iters, importance=imp, out_dtype=k.dtype
+            )
         else:
             ranks = ref.token_ranks(imp, protected)
             kc, vc, out.log_count, _ = ref.cluster(k, v, w, ranks, keep, cluster_iters)
-        kr, vr = kc.to(k.dtype), vc.to(k.dtype)
+            kr, vr = kc.to(k.dtype), vc.to(k.dtype)
 
     q = fmt.quant
     if q == "bf16":

@@ -2,16 +2,20 @@
 
 One program handles (sequence, KV head, split): all G query heads of the KV head at once (the
 GQA group padded to 16 rows so `tl.dot` runs on the tensor cores) and a contiguous range of the
-sequence's entries, `EPT` entries (slots) per iteration. Each row's slot id and valid-token count
-are loaded as vectors the software pipeliner prefetches together with the data tiles that
-depend on them; KIVI key scales are loaded once per group of `RS` tokens and broadcast.
+sequence's entries, `EPT` entries (slots) per iteration. With one entry per iteration (the
+shipped configurations of bf16 and int4) the slot id is a scalar load and every address is a scalar
+base plus a loop-invariant row offset; with several, each row's slot id and valid-token count are
+loaded as vectors the software pipeliner prefetches together with the data tiles that depend on
+them. KIVI key scales are loaded once per group of `RS` tokens and broadcast.
 
 Dequantization happens in registers and never goes through an int -> float conversion
 instruction (a unit at an eighth of the FMA rate on the H200): int4 / int2 codes become float16
-through the hardware e4m3 -> f16 convert (`_small_codes_f16`), int8 codes by the f16 magic
-number (`_bytes_f16`), fp8 by the e4m3 convert. Compressed formats multiply in f16, the hot path
-in bf16. Per-token scales (fp8 keys and values, int8 values) are not applied per element: a key
-scale multiplies the score column, a value scale the probability column before P @ V.
+through the hardware e4m3 -> f16 convert (`_small_codes_f16`), or, for int4 with `word_unpack`,
+by inline PTX that puts two nibbles into the mantissas of a packed f16 pair at once
+(`_int4_words_f16`); int8 codes by the f16 magic number (`_bytes_f16`), fp8 by the e4m3 convert.
+Compressed formats multiply in f16, the hot path in bf16. Per-token scales (fp8 keys and values,
+int8 values) are not applied per element: a key scale multiplies the score column, a value scale
+the probability column before P @ V.
 
 The launch configuration (tokens per iteration, warps, pipeline stages) is per format
 (`DECODE_CONFIGS`, chosen by `bench/kernels.py --sweep` on the H200), and the split count follows
@@ -63,29 +67,56 @@ def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
         return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), *b.shape[:-1], b.shape[-1] * 4)
 
 
-@triton.jit
-def _int4_words_f16(w):
-    """int32 words [..., W] of packed int4 codes (word m holds channels 8m .. 8m+7, nibble i is
-    channel 8m+i) -> exact float16 codes [..., 8W] in channel order, two codes per 32-bit op:
-    nibbles i and i+4 go into the mantissas of both halves of 1024.0 (0x64006400) at once."""
-    t0 = (w & 0x000F000F) | 0x64006400  # channels 8m+0 (low half) and 8m+4 (high half)
-    t1 = ((w >> 4) & 0x000F000F) | 0x64006400  # 8m+1, 8m+5
-    t2 = ((w >> 8) & 0x000F000F) | 0x64006400  # 8m+2, 8m+6
-    t3 = ((w >> 12) & 0x000F000F) | 0x64006400  # 8m+3, 8m+7
-    # v[half][i1][i0] is channel 8m + 4*half + 2*i1 + i0; a join appends the fastest axis, so join
-    # over half first, then i1, then i0
-    j0 = tl.join(_half_f16(t0, 0), _half_f16(t0, 16))
-    j1 = tl.join(_half_f16(t1, 0), _half_f16(t1, 16))
-    j2 = tl.join(_half_f16(t2, 0), _half_f16(t2, 16))
-    j3 = tl.join(_half_f16(t3, 0), _half_f16(t3, 16))
-    x = tl.join(tl.join(j0, j2), tl.join(j1, j3))
-    return tl.reshape(x, *w.shape[:-1], w.shape[-1] * 8) - 1024.0
+_NIBBLES_PTX = tl.constexpr("""
+{
+.reg .b32 t, m, z;
+mov.b32 m, 0x54006400;
+mov.b32 z, 0x00F0000F;
+prmt.b32 t, $8, 0, 0x4040;
+lop3.b32 t, t, z, m, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$0, $1}, t;
+prmt.b32 t, $8, 0, 0x4141;
+lop3.b32 t, t, z, m, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$2, $3}, t;
+prmt.b32 t, $8, 0, 0x4242;
+lop3.b32 t, t, z, m, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$4, $5}, t;
+prmt.b32 t, $8, 0, 0x4343;
+lop3.b32 t, t, z, m, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$6, $7}, t;
+}
+""")
+"""One word of packed int4 codes ($8; nibble k is code k) -> its eight codes as exact f16 ($0..$7),
+code pairs (2j, 2j+1) as the halves of one register: a byte permute copies byte j into bytes 0 and
+2, one mask-and-or puts its low nibble into the mantissa of 1024.0 (low half, mantissa bits 0-3)
+and its high nibble into that of 64.0 (high half, bits 4-7, whose weight at 64 is 1), and one
+packed subtraction of (1024, 64) leaves both codes: 3 instructions for 2 codes, no convert."""
 
 
 @triton.jit
-def _half_f16(t, SHIFT: tl.constexpr):
-    """The float16 in bits [SHIFT, SHIFT + 16) of int32 t."""
-    return (t >> SHIFT).to(tl.int16).to(tl.float16, bitcast=True)
+def _int4_words_f16(w, INTERPRETED: tl.constexpr):
+    """int32 words [rows, W] of packed int4 codes (word m holds channels 8m .. 8m+7, nibble k is
+    channel 8m + k) -> exact float16 codes [rows, 8W] in channel order."""
+    if INTERPRETED:  # the interpreter runs no PTX: the same codes by plain ops
+        c0 = (w & 15).to(tl.float16)
+        c1 = ((w >> 4) & 15).to(tl.float16)
+        c2 = ((w >> 8) & 15).to(tl.float16)
+        c3 = ((w >> 12) & 15).to(tl.float16)
+        c4 = ((w >> 16) & 15).to(tl.float16)
+        c5 = ((w >> 20) & 15).to(tl.float16)
+        c6 = ((w >> 24) & 15).to(tl.float16)
+        c7 = ((w >> 28) & 15).to(tl.float16)
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _NIBBLES_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1
+        )
+    # x[r, m, k4, k2, k1] is code k = 4 k4 + 2 k2 + k1 of word m (a join appends the fastest axis)
+    x = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(x, w.shape[0], 8 * w.shape[1])
 
 
 @triton.jit
@@ -148,7 +179,7 @@ def _decode_kernel(
     RS: tl.constexpr,  # tokens per row group: min(GROUP, C) for KIVI keys, else C
     DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
     SCALE_V: tl.constexpr,  # fp8 / int8: per-token value scales on the value rows, not on P
-    WORDS: tl.constexpr,  # int4: load 32-bit words and unpack two codes per op (f16 magic, no 2^-9)
+    WORDS: tl.constexpr,  # int4: load 32-bit words and unpack them by PTX (`_int4_words_f16`; no 2^-9)
 ):
     """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
     float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
@@ -163,15 +194,15 @@ def _decode_kernel(
     RPE: tl.constexpr = C // RS  # row groups per entry
     BP: tl.constexpr = BLOCK_D // PER  # stored elements per row, padded to a power of two
     P: tl.constexpr = D // PER
-    W4: tl.constexpr = WORDS and PER == 2
+    W4: tl.constexpr = WORDS and PER == 2 and BLOCK_D == D  # whole words per row
     SMALL: tl.constexpr = QUANT >= 3 and not W4  # e4m3-unpacked int4 / int2: tiles hold code * 2^-9
-    BW: tl.constexpr = BP // 4  # 32-bit words per row (W4)
-    ow = tl.arange(0, BW)
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
     mg = og < G
     md = od < D
     qh = h * G + og  # query heads of this KV head
+    BW: tl.constexpr = BP // 4  # 32-bit words per row (W4)
+    ow = tl.arange(0, BW)
     q = tl.load(q_ptr + seq * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :], other=0.0)
     score_scale = sm_scale_log2
     if SMALL:
@@ -199,21 +230,34 @@ def _decode_kernel(
     col_entry = tl.arange(0, BLOCK_N) // C  # tile entry of each row / score column
     tn = tl.arange(0, BLOCK_N) % C  # token of each row within its slot
     oe = tl.arange(0, EPT)
+    # loop-invariant parts of every per-row offset (the token within its slot, the KV head)
+    k_row = tn * sk_t + h * sk_h
+    v_row = tn * sv_t + h * sv_h
+    ks_row = tn * sks_t + h * sks_h
+    vs_row = tn * svs_t + h * svs_h
+    lc_row = tn * slc_t + h * slc_h
     for e0 in range(e_begin, e_end, EPT):
-        # ---- per-row metadata: the slot id and valid-token count of each row's entry (EPT
-        # distinct values per tile; the repeats hit L1). The software pipeliner prefetches these
-        # and the data tiles that depend on them.
-        en = e0 + col_entry
-        men = en < e_end
-        slot_n = tl.load(tab_ptr + seq * E + en, mask=men, other=0).to(tl.int64)
-        nt_n = tl.load(ntok_ptr + seq * E + en, mask=men, other=0)
-        valid_n = men & (tn < nt_n)
+        # ---- per-row metadata: the slot id and valid-token count of each row's entry.
+        if EPT == 1:
+            # one entry per tile: its slot id is a scalar, so every address below is a scalar base
+            # plus a loop-invariant row offset (no per-row 64-bit multiply); e0 < e_end here
+            slot_n = tl.load(tab_ptr + seq * E + e0).to(tl.int64)
+            nt_n = tl.load(ntok_ptr + seq * E + e0)
+            valid_n = tn < nt_n
+        else:
+            # EPT distinct values per tile, loaded per row (the repeats hit L1); the software
+            # pipeliner prefetches these and the data tiles that depend on them
+            en = e0 + col_entry
+            men = en < e_end
+            slot_n = tl.load(tab_ptr + seq * E + en, mask=men, other=0).to(tl.int64)
+            nt_n = tl.load(ntok_ptr + seq * E + en, mask=men, other=0)
+            valid_n = men & (tn < nt_n)
         if P == BP:  # noqa: SIM108 - constexpr branch: Triton compiles one side
             m2 = valid_n[:, None]
         else:
             m2 = valid_n[:, None] & (op < P)[None, :]
-        k_ptrs = k_ptr + (slot_n * sk_slot + tn * sk_t + h * sk_h)[:, None] + op[None, :]
-        v_ptrs = v_ptr + (slot_n * sv_slot + tn * sv_t + h * sv_h)[:, None] + op[None, :]
+        k_ptrs = k_ptr + (slot_n * sk_slot + k_row)[:, None] + op[None, :]
+        v_ptrs = v_ptr + (slot_n * sv_slot + v_row)[:, None] + op[None, :]
         # ---- keys -> scores [G_PAD, BLOCK_N] in log2 units
         if QUANT == 0:
             k = tl.trans(tl.load(k_ptrs, mask=m2, other=0.0).to(dot_t))
@@ -222,18 +266,22 @@ def _decode_kernel(
         else:  # KIVI keys: per channel, one scale / zero row per row group of RS tokens
             if W4:
                 kw_ptrs = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                kw_ptrs = kw_ptrs + ((slot_n * sk_slot + tn * sk_t + h * sk_h) // 4)[:, None] + ow[None, :]
-                kc = _int4_words_f16(tl.load(kw_ptrs, mask=valid_n[:, None] & (ow < P // 4)[None, :], other=0))
+                kw_ptrs = kw_ptrs + ((slot_n * sk_slot + k_row) // 4)[:, None] + ow[None, :]
+                kc = _int4_words_f16(tl.load(kw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
             elif SMALL:
                 kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), BITS, PER)
             else:
                 kc = _bytes_f16(tl.load(k_ptrs, mask=m2, other=0), 0)
             kc = tl.reshape(kc, (NR, RS, BLOCK_D))
-            er = e0 + orr // RPE
-            mr = er < e_end
-            slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
-            g_off = slot_r[:, None] * sks_slot + (t0 // GROUP)[:, None] * sks_t + h * sks_h + od[None, :]
-            gm = mr[:, None] & md[None, :]
+            if EPT == 1:
+                g_off = slot_n * sks_slot + ((t0 // GROUP) * sks_t + h * sks_h)[:, None] + od[None, :]
+                gm = (orr >= 0)[:, None] & md[None, :]
+            else:
+                er = e0 + orr // RPE
+                mr = er < e_end
+                slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
+                g_off = slot_r[:, None] * sks_slot + (t0 // GROUP)[:, None] * sks_t + h * sks_h + od[None, :]
+                gm = mr[:, None] & md[None, :]
             sc = tl.load(ks_ptr + g_off, mask=gm, other=0.0)
             zp = tl.load(kz_ptr + g_off, mask=gm, other=0.0)
             if SMALL:
@@ -242,12 +290,12 @@ def _decode_kernel(
             k = tl.trans(k)
         s = tl.dot(q, k)  # k is [BLOCK_D, BLOCK_N]
         if QUANT == 1:
-            ks = tl.load(ks_ptr + slot_n * sks_slot + tn * sks_t + h * sks_h, mask=valid_n, other=0.0)
+            ks = tl.load(ks_ptr + slot_n * sks_slot + ks_row, mask=valid_n, other=0.0)
             s = s * (ks * score_scale)[None, :]
         else:
             s = s * score_scale
         if HAS_COUNT:
-            lc = tl.load(lc_ptr + slot_n * slc_slot + tn * slc_t + h * slc_h, mask=valid_n, other=0.0)
+            lc = tl.load(lc_ptr + slot_n * slc_slot + lc_row, mask=valid_n, other=0.0)
             s = s + lc[None, :] * LOG2E_C
         s = tl.where(valid_n[None, :], s, float("-inf"))
         # ---- online softmax
@@ -268,24 +316,26 @@ def _decode_kernel(
         else:  # int4 / int2 values: scale and zero per (token, GROUP channels)
             NG: tl.constexpr = BLOCK_D // GROUP
             ogr = tl.arange(0, NG)
+            vg_off = (slot_n * svs_slot + vs_row)[:, None] + ogr[None, :]
+            vgm = valid_n[:, None] & (ogr < D // GROUP)[None, :]
+            vsc = tl.load(vs_ptr + vg_off, mask=vgm, other=0.0).to(dot_t)
+            vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0).to(dot_t)
             if W4:
                 vw_ptrs = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                vw_ptrs = vw_ptrs + ((slot_n * sv_slot + tn * sv_t + h * sv_h) // 4)[:, None] + ow[None, :]
-                vc = _int4_words_f16(tl.load(vw_ptrs, mask=valid_n[:, None] & (ow < P // 4)[None, :], other=0))
+                vw_ptrs = vw_ptrs + ((slot_n * sv_slot + v_row) // 4)[:, None] + ow[None, :]
+                vc = _int4_words_f16(tl.load(vw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
+                vc = tl.reshape(vc, (BLOCK_N, NG, GROUP))
+                v = vc.to(dot_t) * vsc[:, :, None] + vzp[:, :, None]
             else:
-                vc = _small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER)
-            vc = tl.reshape(vc, (BLOCK_N, NG, GROUP))
-            vg_off = (slot_n * svs_slot + tn * svs_t + h * svs_h)[:, None] + ogr[None, :]
-            vgm = valid_n[:, None] & (ogr < D // GROUP)[None, :]
-            vsc = tl.load(vs_ptr + vg_off, mask=vgm, other=0.0)
-            vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0)
-            if SMALL:
-                vzp = vzp * 0.001953125  # 2^-9, exact
-            v = tl.reshape(vc.to(dot_t) * vsc.to(dot_t)[:, :, None] + vzp.to(dot_t)[:, :, None], (BLOCK_N, BLOCK_D))
+                vc = tl.reshape(_small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER), (BLOCK_N, NG, GROUP))
+                if SMALL:
+                    vzp = vzp * 0.001953125  # 2^-9, exact
+                v = vc.to(dot_t) * vsc[:, :, None] + vzp[:, :, None]
+            v = tl.reshape(v, (BLOCK_N, BLOCK_D))
         if QUANT == 1 or QUANT == 2:
             # per-token value scale relative to the tile's largest (so f16 operands stay in range);
             # the dot is scaled back in f32
-            vs = tl.load(vs_ptr + slot_n * svs_slot + tn * svs_t + h * svs_h, mask=valid_n, other=0.0)
+            vs = tl.load(vs_ptr + slot_n * svs_slot + vs_row, mask=valid_n, other=0.0)
             vmax = tl.maximum(tl.max(vs, axis=0), 1e-30)
             if SCALE_V:
                 # on the value rows (one f16 multiply per code); this also keeps the compiler from
@@ -333,18 +383,22 @@ class DecodeConfig:
     """fp8 / int8: apply per-token value scales to the value rows instead of the probabilities
     (fewer instructions and registers when compiled; not yet timed on the H200)."""
     word_unpack: bool = False
-    """int4: unpack 32-bit words, two codes per integer op (compile-only: fewer instructions per
-    code than the e4m3 path; not yet timed on the H200). Pools must be 4-byte aligned."""
+    """int4: load 32-bit words of packed codes and unpack them by inline PTX into exact f16 codes,
+    3 instructions per 2 codes (`_int4_words_f16`), head dims a multiple of 8, 4-byte aligned pools;
+    the e4m3 path otherwise. Chosen by `bench/kernels.py --sweep` on the H200."""
 
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "bf16": DecodeConfig(64, 4, 2),
-    "fp8": DecodeConfig(128, 4, 3),
-    "int8": DecodeConfig(128, 4, 3),
+    "fp8": DecodeConfig(64, 4, 2, scale_values=True),
+    "int8": DecodeConfig(64, 4, 2),
     "int4": DecodeConfig(64, 4, 2),
-    "int2": DecodeConfig(128, 4, 3),
+    "int2": DecodeConfig(64, 4, 3),
 }
-"""Per quantization; bench/kernels.py --sweep measures alternatives on the H200."""
+"""Per quantization, the fastest of `bench/kernels.py --sweep` on the H200 at 32k x 8 (run of
+2026-12-01 23:30, us): bf16 247.9 (246.0 with 3 stages, within noise), fp8 287.4 (scale_values;
+302.5 at 128 tokens without), int8 327.7, int4 347.5 (358.8 with word_unpack, whose loop has 23%
+fewer instructions: the e4m3 path is not what bounds it), int2 371.6."""
 
 KERNEL_INFO: dict[tuple, dict[str, int]] = {}
 """Registers, spills, shared memory and programs per SM of each compiled decode specialization

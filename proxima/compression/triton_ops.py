@@ -31,9 +31,10 @@ def _p2(x: int, lo: int = 1) -> int:
 def _round_to_e4m3(y):
     """Round float32 y (|y| <= 448) to the nearest float8 e4m3 value, ties to even, in fp32.
 
-    The cast that follows is then exact. Rounding by hand matters because Triton's interpreter
-    (3.9) mis-rounds fp32 -> fp8 when the mantissa carries into the exponent (124.3 -> 64), and it
-    costs nothing measurable in a memory-bound kernel. Normal range: keep 3 mantissa bits by an
+    The cast that follows is then exact. Only the interpreter needs it: Triton's (3.9) mis-rounds
+    fp32 -> fp8 when the mantissa carries into the exponent (124.3 -> 64). The GPU's convert rounds
+    the same way in one instruction per two values, and the ~20 integer ops a value here cost
+    were what bounded fp8 compression at 59% of the copy roofline (`_to_e4m3`). Normal range: keep 3 mantissa bits by an
     integer add of half an ulp (+1 if the kept lsb is odd); subnormals (|y| < 2^-6) sit on a
     fixed 2^-9 grid, rounded half to even as well (z = y * 2^9 is exact; a tie that floor(z + 0.5)
     rounded to an odd integer goes one down), keeping the sign of zero, so the codes equal torch's
@@ -58,99 +59,204 @@ def _round_to_bf16(x):
     return r.to(tl.float32, bitcast=True)
 
 
+# Compress and decompress are one pass over the data each, in two tile shapes (issue 15):
+#
+# - *row* kernels (fp8 keys and values, int8 values, int4 / int2 values): a row is one (token,
+#   head) of D channels; a program takes ROWS rows of one block, a contiguous [ROWS, D] tile
+#   (32 KB of bf16 at D 128), so every load and store is a wide vector.
+# - *key* kernels (KIVI keys of int8 / int4 / int2): a program takes one group of GROUP tokens
+#   and BLOCK_W channels of the flattened (head, channel) axis, [GROUP, BLOCK_W] contiguous rows,
+#   and reduces min / max over the tokens; the group's scale row is loaded or stored once.
+#
+# No per-element int <-> float converts or floor instructions: on the H200 those run on the
+# conversion pipe at 16 lanes per clock per SM (an eighth of the FMA rate), and a memory-bound
+# pass over 256 MiB has about 24 lane-instructions per element in total. Codes are made with the
+# float "magic number" trick instead (exact, see `_floor_code`), read back by OR-ing them into
+# a float's mantissa (`_code_to_float`), and packed / unpacked with tl.split / tl.interleave on
+# register-local pairs (no gather of the same byte by two lanes).
+
+ROW_TILE = 8192
+"""Elements per program (rows x padded D, or group x channels): 32 KB of bf16 in, 64 fp32
+registers a thread at 4 warps."""
+
+
 @triton.jit
-def _quantize_kernel(
-    x_ptr,  # [N, T, H, D] source keys or values (any float dtype, any strides)
-    d_ptr,  # [N, T, H, P] output codes (P = D / values per byte), contiguous
-    s_ptr,  # scale: [N, T, H] (fp8/int8) | keys [N, Gk, H, D] | values [N, T, H, D/G], contiguous
-    z_ptr,  # zero point, same layout as scale (sub-byte formats only)
-    T,  # tokens per block
-    H,  # KV heads
-    sx_n,
-    sx_t,
-    sx_h,
-    sx_d,  # strides of x
+def _floor_code(t, LO: tl.constexpr, HI: tl.constexpr):
+    """floor(t) clamped to [LO, HI] (integers, |.| < 2^22) as int32, without FRND / F2I.
+
+    clamp(floor(t), LO, HI) == floor(clamp(t, LO, HI)) because floor is monotone and LO, HI are
+    integers. m = t + 1.5 * 2^23 lies in [2^23, 2^24), where the float grid is the integers, so the
+    add rounds t to the nearest integer (ties to even) and m's low mantissa bits hold it (offset
+    by 2^22); one is taken off where that rounded up (m - 1.5 * 2^23 > t, exact), which is floor.
+    """
+    t = tl.minimum(tl.maximum(t, LO * 1.0), HI * 1.0)
+    m = t + 12582912.0
+    q = m.to(tl.int32, bitcast=True) - 0x4B400000
+    return q - ((m - 12582912.0) > t).to(tl.int32)
+
+
+@triton.jit
+def _code_to_float(c):
+    """Exact float32 of int32 codes in [0, 2^23): the code OR-ed into the mantissa of 2^23."""
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _pack(codes, R: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
+    """[R, W] int32 codes -> [R, W / PER] int32 bytes, element j*PER+i in bits [i*BITS, (i+1)*BITS)."""
+    if PER == 1:
+        return codes & 0xFF
+    elif PER == 2:
+        c0, c1 = tl.split(tl.reshape(codes, (R, W // 2, 2)))
+        return c0 | (c1 << BITS)
+    else:
+        # [R, W/4, a, b] with i = 2a + b: the last split separates b, the next one a
+        e, o = tl.split(tl.reshape(codes, (R, W // 4, 2, 2)))
+        c0, c2 = tl.split(e)
+        c1, c3 = tl.split(o)
+        return c0 | (c1 << BITS) | (c2 << (2 * BITS)) | (c3 << (3 * BITS))
+
+
+@triton.jit
+def _unpack(byte, BITS: tl.constexpr, PER: tl.constexpr):
+    """Inverse of `_pack`: [R, P] int32 bytes -> [R, P * PER] int32 codes in element order."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if PER == 1:
+        return byte
+    elif PER == 2:
+        return tl.interleave(byte & MASK, byte >> BITS)
+    else:
+        c0 = byte & MASK
+        c1 = (byte >> BITS) & MASK
+        c2 = (byte >> (2 * BITS)) & MASK
+        c3 = byte >> (3 * BITS)
+        return tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
+
+
+@triton.jit
+def _to_e4m3(y, HW_CVT: tl.constexpr):
+    """y (|y| <= 448) as float8 e4m3, nearest, ties to even. The GPU's convert does exactly that
+    (two values per instruction); the interpreter's cast does not, so it gets the rounding by hand."""
+    if HW_CVT:
+        return y.to(tl.float8e4nv)
+    else:
+        return _round_to_e4m3(y).to(tl.float8e4nv)
+
+
+@triton.jit
+def _to_out(x, dtype: tl.constexpr, HW_CVT: tl.constexpr):
+    """float32 -> the output dtype, nearest even (by hand for bf16 under the interpreter)."""
+    if dtype == tl.bfloat16 and not HW_CVT:
+        x = _round_to_bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr,  # [N, T, H, D] keys or values, contiguous
+    d_ptr,  # [N, T, H, P] codes, contiguous
+    s_ptr,  # scale: [N, T, H] f32 (fp8 / int8) | [N, T, H, D/G] f16 (int4 / int2 values)
+    z_ptr,  # zero point [N, T, H, D/G] f16 (int4 / int2 only)
+    TH,  # rows per block (T * H)
     QUANT: tl.constexpr,  # spec.QUANT_CODE: 1 fp8, 2 int8, 3 int4, 4 int2
-    IS_KEY: tl.constexpr,  # sub-byte keys group along tokens (KIVI), values along channels
     D: tl.constexpr,
-    BLOCK_T: tl.constexpr,  # tokens per program; == GROUP for sub-byte keys
     BLOCK_D: tl.constexpr,  # next power of two >= D
+    ROWS: tl.constexpr,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
-    PER: tl.constexpr,  # values per byte (1 for fp8/int8)
+    PER: tl.constexpr,
     QMAX: tl.constexpr,  # 448 (fp8) or 127 (int8)
+    HW_CVT: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    tb = tl.program_id(2)
-    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mt = offs_t < T
-    md = offs_d < D
-    m2 = mt[:, None] & md[None, :]
-    x = tl.load(
-        x_ptr + n * sx_n + offs_t[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :] * sx_d,
-        mask=m2,
-        other=0.0,
-    ).to(tl.float32)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # row (token, head) within block n
+    od = tl.arange(0, BLOCK_D)
+    mr = r < TH
+    m2 = mr[:, None] & (od < D)[None, :]
+    row = n * TH + r  # [ROWS] int64
+    x = tl.load(x_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0).to(tl.float32)
     P: tl.constexpr = D // PER
-    if QUANT == 1 or (QUANT == 2 and not IS_KEY):
+    if QUANT == 1 or QUANT == 2:
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
-        # one division per row, a multiply per element (per-element IEEE division: int8 compress
-        # at 28% of copy bandwidth on the H200, run 1); reference.py does the same two steps
-        y = x * tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), scale)[:, None]
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        d_off = ((n * T + offs_t[:, None]) * H + h) * P + offs_d[None, :]
+        # one division per row, a multiply per element; reference.py does the same two steps
+        y = x * tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), scale)[:, None]
         if QUANT == 1:
-            tl.store(d_ptr + d_off, _round_to_e4m3(y).to(tl.float8e4nv), mask=m2)
+            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+            tl.store(d_ptr + row[:, None] * D + od[None, :], _to_e4m3(y, HW_CVT), mask=m2)
         else:
-            tl.store(d_ptr + d_off, tl.floor(y + 0.5).to(tl.int8), mask=m2)
-        tl.store(s_ptr + (n * T + offs_t) * H + h, scale, mask=mt)
+            code = _floor_code(y + 0.5, -127, 127)
+            tl.store(d_ptr + row[:, None] * D + od[None, :], code.to(tl.int8), mask=m2)
+        tl.store(s_ptr + row, scale, mask=mr)
     else:
+        # KIVI values: per row, groups of GROUP channels (D % GROUP == 0, checked by blocks.py)
         LEVELS: tl.constexpr = (1 << BITS) - 1
-        if IS_KEY:
-            # one token group per program: min/max per channel over the group's tokens
-            lo = tl.min(tl.where(m2, x, float("inf")), axis=0)
-            hi = tl.max(tl.where(m2, x, float("-inf")), axis=0)
-            lo = tl.where(md, lo, 0.0)
-            hi = tl.where(md, hi, 0.0)
-            rng = hi - lo
-            scale = tl.where(rng > 0, tl.math.div_rn(rng, LEVELS * 1.0), 1.0).to(tl.float16)
-            zero = lo.to(tl.float16)
-            inv = tl.math.div_rn(tl.full((BLOCK_D,), 1.0, tl.float32), scale.to(tl.float32))
-            codes = tl.floor((x - zero.to(tl.float32)[None, :]) * inv[None, :] + 0.5)
-            GK = (T + GROUP - 1) // GROUP
-            m_off = ((n * GK + tb) * H + h) * D + offs_d
-            tl.store(s_ptr + m_off, scale, mask=md)
-            tl.store(z_ptr + m_off, zero, mask=md)
-        else:
-            NG: tl.constexpr = BLOCK_D // GROUP
-            x3 = tl.reshape(x, (BLOCK_T, NG, GROUP))
-            lo = tl.min(x3, axis=2)
-            hi = tl.max(x3, axis=2)
-            rng = hi - lo
-            scale = tl.where(rng > 0, tl.math.div_rn(rng, LEVELS * 1.0), 1.0).to(tl.float16)
-            zero = lo.to(tl.float16)
-            inv = tl.math.div_rn(tl.full((BLOCK_T, NG), 1.0, tl.float32), scale.to(tl.float32))
-            c3 = tl.floor((x3 - zero.to(tl.float32)[:, :, None]) * inv[:, :, None] + 0.5)
-            codes = tl.reshape(c3, (BLOCK_T, BLOCK_D))
-            offs_g = tl.arange(0, NG)
-            DG: tl.constexpr = D // GROUP
-            mg = mt[:, None] & (offs_g[None, :] < DG)
-            m_off = ((n * T + offs_t[:, None]) * H + h) * DG + offs_g[None, :]
-            tl.store(s_ptr + m_off, scale, mask=mg)
-            tl.store(z_ptr + m_off, zero, mask=mg)
-        codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.int32)
-        # pack PER codes per byte: fields do not overlap, so a weighted sum is a bitwise or
+        NG: tl.constexpr = BLOCK_D // GROUP
+        x3 = tl.reshape(x, (ROWS, NG, GROUP))
+        lo = tl.min(x3, axis=2)
+        hi = tl.max(x3, axis=2)
+        rng = hi - lo
+        scale = tl.where(rng > 0, tl.math.div_rn(rng, LEVELS * 1.0), 1.0).to(tl.float16)
+        zero = lo.to(tl.float16)
+        inv = tl.math.div_rn(tl.full((ROWS, NG), 1.0, tl.float32), scale.to(tl.float32))
+        y3 = (x3 - zero.to(tl.float32)[:, :, None]) * inv[:, :, None] + 0.5
+        code = _floor_code(tl.reshape(y3, (ROWS, BLOCK_D)), 0, LEVELS)
+        og = tl.arange(0, NG)
+        DG: tl.constexpr = D // GROUP
+        mg = mr[:, None] & (og < DG)[None, :]
+        tl.store(s_ptr + row[:, None] * DG + og[None, :], scale, mask=mg)
+        tl.store(z_ptr + row[:, None] * DG + og[None, :], zero, mask=mg)
         BP: tl.constexpr = BLOCK_D // PER
-        c3 = tl.reshape(codes, (BLOCK_T, BP, PER))
-        shift = tl.arange(0, PER) * BITS
-        packed = tl.sum(c3 << shift[None, None, :], axis=2)
-        offs_p = tl.arange(0, BP)
-        mp = mt[:, None] & (offs_p[None, :] < P)
-        d_off = ((n * T + offs_t[:, None]) * H + h) * P + offs_p[None, :]
-        tl.store(d_ptr + d_off, packed.to(tl.uint8), mask=mp)
+        packed = _pack(code, ROWS, BLOCK_D, BITS, PER)
+        op = tl.arange(0, BP)
+        mp = mr[:, None] & (op < P)[None, :]
+        tl.store(d_ptr + row[:, None] * P + op[None, :], packed.to(tl.uint8), mask=mp)
+
+
+@triton.jit
+def _quant_keys_kernel(
+    x_ptr,  # [N, T, H, D] keys, contiguous: row (n, t) holds W = H * D channels
+    d_ptr,  # [N, T, H, P] uint8 codes, contiguous
+    s_ptr,  # [N, Gk, H, D] f16 scale
+    z_ptr,  # [N, Gk, H, D] f16 zero point
+    T,
+    W: tl.constexpr,  # H * D
+    BLOCK_W: tl.constexpr,  # channels per program (power of two; D % PER == 0 keeps bytes whole)
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    PER: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    oc = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    ot = g * GROUP + tl.arange(0, GROUP)
+    mt = ot < T
+    mc = oc < W
+    m2 = mt[:, None] & mc[None, :]
+    tok = n * T + ot  # [GROUP] int64
+    x = tl.load(x_ptr + tok[:, None] * W + oc[None, :], mask=m2, other=0.0).to(tl.float32)
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    # min / max per channel over the group's tokens (a short last group: its valid tokens only)
+    lo = tl.where(mc, tl.min(tl.where(m2, x, float("inf")), axis=0), 0.0)
+    hi = tl.where(mc, tl.max(tl.where(m2, x, float("-inf")), axis=0), 0.0)
+    rng = hi - lo
+    scale = tl.where(rng > 0, tl.math.div_rn(rng, LEVELS * 1.0), 1.0).to(tl.float16)
+    zero = lo.to(tl.float16)
+    inv = tl.math.div_rn(tl.full((BLOCK_W,), 1.0, tl.float32), scale.to(tl.float32))
+    code = _floor_code((x - zero.to(tl.float32)[None, :]) * inv[None, :] + 0.5, 0, LEVELS)
+    GK = (T + GROUP - 1) // GROUP
+    m_off = (n * GK + g) * W + oc
+    tl.store(s_ptr + m_off, scale, mask=mc)
+    tl.store(z_ptr + m_off, zero, mask=mc)
+    BP: tl.constexpr = BLOCK_W // PER
+    packed = _pack(code, GROUP, BLOCK_W, BITS, PER)
+    op = tl.program_id(2) * BP + tl.arange(0, BP)
+    mp = mt[:, None] & (op < W // PER)[None, :]
+    tl.store(d_ptr + tok[:, None] * (W // PER) + op[None, :], packed.to(tl.uint8), mask=mp)
+
+
+def _kivi(quant: str, is_key: bool) -> bool:
+    return quant in ("int4", "int2") or (quant == "int8" and is_key)
 
 
 def quantize(
@@ -160,36 +266,36 @@ def quantize(
     n, t, h, d = x.shape
     dev = x.device
     per = VALUES_PER_BYTE.get(quant, 1)
-    code = QUANT_CODE[quant]
-    zero: torch.Tensor | None
-    kivi = quant in ("int4", "int2") or (quant == "int8" and is_key)
     bits = 8 // per
-    if not kivi:
+    x = x.contiguous()  # one flat [N * T * H, D] view for every kernel (a no-op for compress inputs)
+    zero: torch.Tensor | None = None
+    if not _kivi(quant, is_key):
         data = torch.empty(n, t, h, d, device=dev, dtype=torch.float8_e4m3fn if quant == "fp8" else torch.int8)
         scale = torch.empty(n, t, h, device=dev, dtype=torch.float32)
-        zero = None
-        # 32 tokens x D per program: measured on the H200 (see bench/results) as enough to fill HBM.
-        block_t = min(32, _p2(t))
     else:
         data = torch.empty(n, t, h, d // per, device=dev, dtype=torch.uint8)
         if is_key:
-            gk = -(-t // group)
-            scale = torch.empty(n, gk, h, d, device=dev, dtype=torch.float16)
-            block_t = group
+            scale = torch.empty(n, -(-t // group), h, d, device=dev, dtype=torch.float16)
         else:
             scale = torch.empty(n, t, h, d // group, device=dev, dtype=torch.float16)
-            block_t = min(32, _p2(t))
         zero = torch.empty_like(scale)
     if n == 0:
         return data, scale, zero
-    grid = (n, h, triton.cdiv(t, block_t))
-    _quantize_kernel[grid](
-        x, data, scale, zero if zero is not None else scale,
-        t, h, *x.stride(),
-        QUANT=code, IS_KEY=is_key, D=d, BLOCK_T=block_t, BLOCK_D=_p2(d, 16),
-        GROUP=group, BITS=bits, PER=per,
-        QMAX=FP8_E4M3_MAX if quant == "fp8" else INT8_MAX,
-    )  # fmt: skip
+    z = zero if zero is not None else scale
+    if _kivi(quant, is_key) and is_key:
+        block_w = min(_p2(h * d, 16), max(16, ROW_TILE // group))
+        grid = (n, triton.cdiv(t, group), triton.cdiv(h * d, block_w))
+        _quant_keys_kernel[grid](
+            x, data, scale, z, t, W=h * d, BLOCK_W=block_w, GROUP=group, BITS=bits, PER=per, num_warps=4,
+        )  # fmt: skip
+    else:
+        block_d = _p2(d, 16)
+        rows = max(1, min(_p2(t * h), ROW_TILE // block_d))
+        _quant_rows_kernel[(n, triton.cdiv(t * h, rows))](
+            x, data, scale, z, t * h,
+            QUANT=QUANT_CODE[quant], D=d, BLOCK_D=block_d, ROWS=rows, GROUP=group, BITS=bits, PER=per,
+            QMAX=FP8_E4M3_MAX if quant == "fp8" else INT8_MAX, HW_CVT=not INTERPRET, num_warps=4,
+        )  # fmt: skip
     return data, scale, zero
 
 
@@ -198,96 +304,100 @@ def quantize(
 
 
 @triton.jit
-def _load_dequant(
-    d_ptr,
-    s_ptr,
-    z_ptr,  # codes and their metadata (layouts as in _quantize_kernel)
-    slot,
-    t,
-    h,
-    d,  # int64 slot id [R] or scalar, token [R], head (scalar), channel [C]
-    mask,  # [R, C]
+def _dequant_rows_kernel(
+    d_ptr,  # codes [N, T, H, P]; slot n at n * sd_slot, (T, H, P) contiguous within a slot
+    s_ptr,  # scale [N, T, H] f32 (fp8 / int8 values) | [N, T, H, D/G] f16; slot stride ss_slot
+    z_ptr,  # zero point, like scale (int4 / int2 only)
+    o_ptr,  # [N, T, H, D] output, contiguous
+    TH,
     sd_slot,
-    sd_t,
-    sd_h,  # strides of the code tensor (last dim contiguous)
     ss_slot,
-    ss_t,
-    ss_h,  # strides of the scale/zero tensors (last dim contiguous)
     QUANT: tl.constexpr,
-    IS_KEY: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     PER: tl.constexpr,
+    HW_CVT: tl.constexpr,
 ):
-    """Dequantized float32 tile [R, C] for rows (slot, t) and channels d of head h."""
-    base = slot * sd_slot + t.to(tl.int64) * sd_t + h * sd_h  # [R]
-    if QUANT == 0:
-        return tl.load(d_ptr + base[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    elif QUANT == 1 or (QUANT == 2 and not IS_KEY):
-        # no `other`: it cannot be cast to fp8; masked lanes are zeroed below instead (garbage
-        # there could be NaN, and 0 * NaN in the attention's P @ V would poison the row)
-        raw = tl.load(d_ptr + base[:, None] + d[None, :], mask=mask).to(tl.float32)
-        # callers pass in-range (slot, t) for every row, masked rows included, so no mask is needed
-        sc = tl.load(s_ptr + slot * ss_slot + t * ss_t + h * ss_h)
-        return tl.where(mask, raw * sc[:, None], 0.0)
-    else:
-        byte = tl.load(d_ptr + base[:, None] + (d // PER)[None, :], mask=mask, other=0).to(tl.int32)
-        code = ((byte >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-        if IS_KEY:
-            m_off = slot * ss_slot + (t // GROUP) * ss_t + h * ss_h
-            m_off2 = m_off[:, None] + d[None, :]
+    n = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    mr = r < TH
+    r_safe = tl.where(mr, r, 0).to(tl.int64)
+    P: tl.constexpr = D // PER
+    BP: tl.constexpr = BLOCK_D // PER
+    op = tl.arange(0, BP)
+    mp = mr[:, None] & (op < P)[None, :]
+    od = tl.arange(0, BLOCK_D)
+    m2 = mr[:, None] & (od < D)[None, :]
+    if QUANT == 1 or QUANT == 2:
+        # no `other`: it cannot be cast to fp8; masked lanes are never stored
+        raw = tl.load(d_ptr + n * sd_slot + r_safe[:, None] * P + od[None, :], mask=m2)
+        if QUANT == 1:
+            xf = raw.to(tl.float32)
         else:
-            m_off = slot * ss_slot + t * ss_t + h * ss_h
-            m_off2 = m_off[:, None] + (d // GROUP)[None, :]
-        sc = tl.load(s_ptr + m_off2, mask=mask, other=1.0).to(tl.float32)
-        zp = tl.load(z_ptr + m_off2, mask=mask, other=0.0).to(tl.float32)
-        return code * sc + zp
+            xf = (raw.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        sc = tl.load(s_ptr + n * ss_slot + r_safe)
+        x = xf * sc[:, None]
+    else:
+        # int4 / int2 values: byte j holds channels j*PER .. j*PER+PER-1, all in group j*PER // G
+        byte = tl.load(d_ptr + n * sd_slot + r_safe[:, None] * P + op[None, :], mask=mp, other=0).to(tl.int32)
+        code = _code_to_float(_unpack(byte, BITS, PER))  # [ROWS, BLOCK_D]
+        NG: tl.constexpr = BLOCK_D // GROUP
+        DG: tl.constexpr = D // GROUP
+        og = tl.arange(0, NG)
+        mg = mr[:, None] & (og < DG)[None, :]
+        m_off = n * ss_slot + r_safe[:, None] * DG + og[None, :]
+        sc = tl.load(s_ptr + m_off, mask=mg, other=1.0).to(tl.float32)
+        zp = tl.load(z_ptr + m_off, mask=mg, other=0.0).to(tl.float32)
+        x3 = tl.reshape(code, (ROWS, NG, GROUP)) * sc[:, :, None] + zp[:, :, None]
+        x = tl.reshape(x3, (ROWS, BLOCK_D))
+    row = n * TH + r
+    tl.store(o_ptr + row[:, None] * D + od[None, :], _to_out(x, o_ptr.dtype.element_ty, HW_CVT), mask=m2)
 
 
 @triton.jit
-def _dequantize_kernel(
-    d_ptr,
-    s_ptr,
-    z_ptr,  # codes [N, T, H, P] and metadata (contiguous)
+def _dequant_keys_kernel(
+    d_ptr,  # [N, T, H, P] codes; slot n at n * sd_slot, (T, H, P) contiguous within a slot
+    s_ptr,  # [N, Gk, H, D] f16 scale; slot stride ss_slot, (Gk, H, D) contiguous
+    z_ptr,  # zero point, like scale
     o_ptr,  # [N, T, H, D] output, contiguous
     T,
-    H,
     sd_slot,
-    sd_t,
-    sd_h,  # code strides
     ss_slot,
-    ss_t,
-    ss_h,  # metadata strides
-    QUANT: tl.constexpr,
-    IS_KEY: tl.constexpr,
+    W: tl.constexpr,  # H * D
+    BLOCK_W: tl.constexpr,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     PER: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROUND_BF16: tl.constexpr,  # output is bf16: round to nearest even before the cast
+    HW_CVT: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
-    t_safe = tl.where(offs_t < T, offs_t, 0)
-    x = _load_dequant(
-        d_ptr, s_ptr, z_ptr, n, t_safe, h, offs_d, mask,
-        sd_slot, sd_t, sd_h, ss_slot, ss_t, ss_h, QUANT, IS_KEY, GROUP, BITS, PER,
-    )  # fmt: skip
-    o_off = ((n * T + offs_t[:, None]) * H + h) * D + offs_d[None, :]
-    if ROUND_BF16:
-        x = _round_to_bf16(x)
-    tl.store(o_ptr + o_off, x.to(o_ptr.dtype.element_ty), mask=mask)
+    g = tl.program_id(1)
+    cb = tl.program_id(2)
+    ot = g * GROUP + tl.arange(0, GROUP)
+    mt = ot < T
+    t_safe = tl.where(mt, ot, 0).to(tl.int64)
+    BP: tl.constexpr = BLOCK_W // PER
+    op = cb * BP + tl.arange(0, BP)
+    mp = mt[:, None] & (op < W // PER)[None, :]
+    byte = tl.load(d_ptr + n * sd_slot + t_safe[:, None] * (W // PER) + op[None, :], mask=mp, other=0).to(tl.int32)
+    code = _code_to_float(_unpack(byte, BITS, PER))  # [GROUP, BLOCK_W]
+    oc = cb * BLOCK_W + tl.arange(0, BLOCK_W)
+    mc = oc < W
+    m_off = n * ss_slot + g * W + oc
+    sc = tl.load(s_ptr + m_off, mask=mc, other=1.0).to(tl.float32)  # once per group, not per token
+    zp = tl.load(z_ptr + m_off, mask=mc, other=0.0).to(tl.float32)
+    x = code * sc[None, :] + zp[None, :]
+    tok = n * T + ot
+    m2 = mt[:, None] & mc[None, :]
+    tl.store(o_ptr + tok[:, None] * W + oc[None, :], _to_out(x, o_ptr.dtype.element_ty, HW_CVT), mask=m2)
 
 
-def _meta_strides(scale: torch.Tensor | None) -> tuple[int, int, int]:
-    if scale is None:
-        return (0, 0, 0)
-    return tuple(scale.stride()[:3])  # type: ignore[return-value]
+def _slot_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x itself when each slot x[i] is contiguous (a pool gather is), else a contiguous copy."""
+    return x if x[0].is_contiguous() else x.contiguous()
 
 
 def dequantize(
@@ -305,16 +415,28 @@ def dequantize(
     out = torch.empty(n, t, h, head_dim, device=data.device, dtype=out_dtype)
     if n == 0 or t == 0:
         return out
+    assert scale is not None, f"{quant} needs its scale"
     per = VALUES_PER_BYTE.get(quant, 1)
-    block_t = min(32, _p2(t))
-    s = scale if scale is not None else data
-    _dequantize_kernel[(n, h, triton.cdiv(t, block_t))](
-        data, s, zero if zero is not None else s, out, t, h,
-        *data.stride()[:3], *_meta_strides(scale),
-        QUANT=QUANT_CODE[quant], IS_KEY=is_key, GROUP=group, BITS=8 // per if per > 1 else 8,
-        PER=per, D=head_dim, BLOCK_T=block_t, BLOCK_D=_p2(head_dim, 16),
-        ROUND_BF16=out_dtype == torch.bfloat16,
-    )  # fmt: skip
+    bits = 8 // per
+    data, scale = _slot_contiguous(data), _slot_contiguous(scale)
+    zero = _slot_contiguous(zero) if zero is not None else scale
+    if zero.stride(0) != scale.stride(0):  # the kernels share one metadata slot stride
+        scale, zero = scale.contiguous(), zero.contiguous()
+    if _kivi(quant, is_key) and is_key:
+        block_w = min(_p2(h * head_dim, 16), max(16, ROW_TILE // group))
+        grid = (n, triton.cdiv(t, group), triton.cdiv(h * head_dim, block_w))
+        _dequant_keys_kernel[grid](
+            data, scale, zero, out, t, data.stride(0), scale.stride(0),
+            W=h * head_dim, BLOCK_W=block_w, GROUP=group, BITS=bits, PER=per, HW_CVT=not INTERPRET, num_warps=4,
+        )  # fmt: skip
+    else:
+        block_d = _p2(head_dim, 16)
+        rows = max(1, min(_p2(t * h), ROW_TILE // block_d))
+        _dequant_rows_kernel[(n, triton.cdiv(t * h, rows))](
+            data, scale, zero, out, t * h, data.stride(0), scale.stride(0),
+            QUANT=QUANT_CODE[quant], D=head_dim, BLOCK_D=block_d, ROWS=rows, GROUP=group, BITS=bits, PER=per,
+            HW_CVT=not INTERPRET, num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -397,6 +519,37 @@ def sparsify(
 
 
 @triton.jit
+def _tf32_split(x):
+    """x = hi + lo exactly, hi with tf32's 10 mantissa bits (lo carries the rest, |lo| < 2^-10 |x|)."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _dot_f32(a, b, EXACT_A: tl.constexpr, EXACT_B: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b to about float32 accuracy on tensor cores (relative error ~2^-21 against the exact
+    product, beside fp32's own 2^-24 per rounding; the reference's summation order differs anyway).
+
+    An operand whose values are tf32 numbers (EXACT: bf16 / fp16 keys and values) needs no split;
+    the other is split into tf32 hi + lo, two products instead of tf32x3's three, and, more to
+    the point, one register copy of the large key tile in each operand layout instead of two
+    (tf32x3 spilled: 255 registers + 1.8 KB of stack a thread, compile-only).
+    """
+    if EXACT_A and not EXACT_B:
+        b_hi, b_lo = _tf32_split(b)
+        acc = tl.dot(a, b_lo, input_precision=PRECISION)
+        return tl.dot(a, b_hi, acc, input_precision=PRECISION)
+    elif EXACT_B and not EXACT_A:
+        a_hi, a_lo = _tf32_split(a)
+        acc = tl.dot(a_lo, b, input_precision=PRECISION)
+        return tl.dot(a_hi, b, acc, input_precision=PRECISION)
+    elif EXACT_A and EXACT_B:
+        return tl.dot(a, b, input_precision=PRECISION)
+    else:
+        return tl.dot(a, b, input_precision="ieee" if PRECISION == "ieee" else "tf32x3")
+
+
+@triton.jit
 def _cluster_kernel(
     k_ptr,
     v_ptr,  # [N, T, H, D] source, contiguous
@@ -404,7 +557,7 @@ def _cluster_kernel(
     imp_ptr,  # [N, T, H] importance for the seed ranks (same as w up to the clamp)
     prot_ptr,  # [N, T] uint8 protected flags
     ko_ptr,
-    vo_ptr,  # [N, C, H, D] float32 centroids and value means, contiguous
+    vo_ptr,  # [N, C, H, D] centroids and value means (float32 or the source dtype), contiguous
     lc_ptr,  # [N, C, H] float32 log(count)
     T,
     H,
@@ -415,7 +568,13 @@ def _cluster_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    EXACT16: tl.constexpr,  # k and v are bf16 / fp16, so every element is a tf32 number
+    PRECISION: tl.constexpr,  # "tf32" on the GPU; "ieee" under the interpreter
+    HW_CVT: tl.constexpr,
 ):
+    """One (block, head) per program, its whole [T, D] key tile in registers; all blocks and heads
+    of a call are one launch (issue 15: this replaced a kernel whose fp32 FMA dots spilled ~3,000
+    registers a thread at C = 32, 60 ms for 256 MiB)."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     ot = tl.arange(0, BLOCK_T)
@@ -423,52 +582,68 @@ def _cluster_kernel(
     oc = tl.arange(0, BLOCK_C)
     mt = ot < T
     md = od < D
+    mc = oc < C
     m2 = mt[:, None] & md[None, :]
-    src = ((n * T + ot[:, None]) * H + h) * D + od[None, :]
-    K = tl.load(k_ptr + src, mask=m2, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + (n * T + ot) * H + h, mask=mt, other=0.0)
+    row = (n * T + ot) * H + h  # [BLOCK_T] int64
+    K = tl.load(k_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + row, mask=mt, other=0.0)
     rank = _ranks(imp_ptr, prot_ptr, n, h, T, H, HAS_PROT, BLOCK_T, False)  # [BLOCK_T] as columns
-    # seeds as reference.seed_tokens: best rank first, then weighted farthest point
+    BIG = BLOCK_T + 1
+    # Seeds as reference.seed_tokens: the best rank first, then weighted farthest point (first
+    # index on ties), the best-ranked unchosen token once every unchosen one is a duplicate.
+    # Squared distances to a seed are from differences, as in the reference, so a duplicate's is
+    # exactly 0 (a |k|^2 - 2 k.s + |s|^2 form would leave it a rounding error above 0).
+    pick = tl.argmin(tl.where(mt, rank, BIG), axis=0)
     chosen = ot < 0
     mind = tl.full((BLOCK_T,), float("inf"), tl.float32)
-    cent = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    BIG = BLOCK_T + 1
+    seeds = tl.zeros((BLOCK_C,), tl.int64)
     for j in range(C):
-        by_rank = tl.argmin(tl.where((~chosen) & mt, rank, 2 * BIG + ot), axis=0)
-        sc = tl.where((~chosen) & mt, w * mind, -1.0)
-        far = tl.argmax(sc, axis=0)
-        best = tl.max(sc, axis=0)
-        pick = tl.where((j > 0) & (best > 0), far, by_rank)
+        if j > 0:
+            sc = tl.where((~chosen) & mt, w * mind, -1.0)
+            best, far = tl.max(sc, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            if best > 0:  # noqa: SIM108 (a Triton branch: the argmin runs only when needed)
+                pick = far
+            else:
+                pick = tl.argmin(tl.where((~chosen) & mt, rank, BIG), axis=0)
         chosen = chosen | (ot == pick)
-        krow = tl.sum(tl.where((ot == pick)[:, None], K, 0.0), axis=0)  # [BLOCK_D]
-        cent = tl.where((oc == j)[:, None], krow[None, :], cent)
+        seed_row = (n * T + pick) * H + h
+        seeds = tl.where(oc == j, seed_row, seeds)
+        # the seed's key from L1 (this program just read it), not a masked sum over the tile
+        krow = tl.load(k_ptr + seed_row * D + od, mask=md, other=0.0).to(tl.float32)
         diff = K - krow[None, :]
         mind = tl.minimum(mind, tl.sum(diff * diff, axis=1))
+    cent = tl.load(k_ptr + seeds[:, None] * D + od[None, :], mask=mc[:, None] & md[None, :], other=0.0)
+    cent = cent.to(tl.float32)
     knorm = tl.sum(K * K, axis=1)
-    onehot = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    # Lloyd steps: distances |k|^2 - 2 k.c + |c|^2 (the reference's form) with the products on
+    # the tensor cores at float32 accuracy (`_dot_f32`)
+    onehot = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.int1)
     aw = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     sw = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for _ in range(ITERS):
+    for _ in range(ITERS):  # a loop, not unrolled: four copies of the tile's temporaries spilled
         cn = tl.sum(cent * cent, axis=1)
-        kc = tl.dot(K, tl.trans(cent), input_precision="ieee")  # [BLOCK_T, BLOCK_C]
+        kc = _dot_f32(K, tl.trans(cent), EXACT_A=EXACT16, EXACT_B=False, PRECISION=PRECISION)
         dist = knorm[:, None] - 2.0 * kc + cn[None, :]
-        dist = tl.where((oc < C)[None, :], dist, float("inf"))
-        assign = tl.argmin(dist, axis=1)
-        onehot = ((assign[:, None] == oc[None, :]) & mt[:, None]).to(tl.float32)
-        aw = onehot * w[:, None]
+        dist = tl.where(mc[None, :], dist, float("inf"))
+        assign = tl.argmin(dist, axis=1, tie_break_left=True)
+        onehot = (assign[:, None] == oc[None, :]) & mt[:, None]
+        aw = tl.where(onehot, w[:, None], 0.0)
         sw = tl.sum(aw, axis=0)
-        new = tl.dot(tl.trans(aw), K, input_precision="ieee") / tl.maximum(sw, 1e-30)[:, None]
-        cent = tl.where((sw > 0)[:, None], new, cent)
-    V = tl.load(v_ptr + src, mask=m2, other=0.0).to(tl.float32)
-    vc = tl.dot(tl.trans(aw), V, input_precision="ieee") / tl.maximum(sw, 1e-30)[:, None]
-    count = tl.sum(onehot, axis=0)
+        new = _dot_f32(tl.trans(aw), K, EXACT_A=False, EXACT_B=EXACT16, PRECISION=PRECISION)
+        cent = tl.where((sw > 0)[:, None], new / tl.maximum(sw, 1e-30)[:, None], cent)
+    V = tl.load(v_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0).to(tl.float32)
+    vc = _dot_f32(tl.trans(aw), V, EXACT_A=False, EXACT_B=EXACT16, PRECISION=PRECISION)
+    vc = vc / tl.maximum(sw, 1e-30)[:, None]
+    count = tl.sum(onehot.to(tl.float32), axis=0)
     lc = tl.where(count > 0, tl.log(count), float("-inf"))
-    mc = oc < C
     dst = ((n * C + oc[:, None]) * H + h) * D + od[None, :]
     mo = mc[:, None] & md[None, :]
-    tl.store(ko_ptr + dst, cent, mask=mo)
-    tl.store(vo_ptr + dst, vc, mask=mo)
+    tl.store(ko_ptr + dst, _to_out(cent, ko_ptr.dtype.element_ty, HW_CVT), mask=mo)
+    tl.store(vo_ptr + dst, _to_out(vc, vo_ptr.dtype.element_ty, HW_CVT), mask=mo)
     tl.store(lc_ptr + (n * C + oc) * H + h, lc, mask=mc)
+
+
+CLUSTER_WARPS = 8
 
 
 def cluster(
@@ -479,13 +654,17 @@ def cluster(
     n_centroids: int,
     iters: int,
     importance: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (k_c [N, C, H, D] f32, v_c f32, log_count [N, C, H] f32); see reference.cluster."""
+    """Returns (k_c [N, C, H, D] out_dtype, v_c, log_count [N, C, H] f32); see reference.cluster.
+
+    `out_dtype` other than float32 equals `reference.cluster(...)[0].to(out_dtype)` (the kernel
+    rounds once, to nearest even), which saves compress_blocks a pass over the centroids."""
     n, t, h, d = k.shape
     k, v = k.contiguous(), v.contiguous()
     w = weights.float().contiguous()
     imp = w if importance is None else importance.float().contiguous()
-    ko = torch.empty(n, n_centroids, h, d, device=k.device, dtype=torch.float32)
+    ko = torch.empty(n, n_centroids, h, d, device=k.device, dtype=out_dtype)
     vo = torch.empty_like(ko)
     lc = torch.empty(n, n_centroids, h, device=k.device, dtype=torch.float32)
     prot = protected.to(torch.uint8).contiguous() if protected is not None else w
@@ -494,6 +673,7 @@ def cluster(
             k, v, w, imp, prot, ko, vo, lc, t, h, n_centroids,
             ITERS=iters, HAS_PROT=protected is not None, D=d,
             BLOCK_T=_p2(t, 16), BLOCK_D=_p2(d, 16), BLOCK_C=_p2(n_centroids, 16),
-            num_warps=8,
+            EXACT16=k.dtype in (torch.bfloat16, torch.float16), PRECISION="ieee" if INTERPRET else "tf32",
+            HW_CVT=not INTERPRET, num_warps=CLUSTER_WARPS,
         )  # fmt: skip
     return ko, vo, lc

@@ -68,6 +68,18 @@ def test_cluster_triton_matches_reference(t, c, h, d, device):
     assert torch.allclose(lc.exp().sum(1), torch.full_like(lc[:, 0], float(t)))  # counts add up to T
 
 
+def test_cluster_kernel_writes_the_source_dtype_rounded_once(device):
+    """compress_blocks takes bf16 centroids from the kernel directly: they must equal its float32
+    centroids rounded to nearest even (the reference's `.to(k.dtype)`)."""
+    k, v = realistic_kv(2, 64, 2, 64, seed=3, device=device)
+    w = torch.rand(2, 64, 2, device=device) + 0.1
+    k32, v32, l32 = ops.cluster(k, v, w, None, 16, 4)
+    k16, v16, l16 = ops.cluster(k, v, w, None, 16, 4, out_dtype=torch.bfloat16)
+    assert k.dtype == k16.dtype == v16.dtype == torch.bfloat16
+    assert torch.equal(k16, k32.to(torch.bfloat16)) and torch.equal(v16, v32.to(torch.bfloat16))
+    assert torch.equal(l16, l32)
+
+
 def test_cluster_c1_is_the_weighted_mean(device):
     k, v = realistic_kv(1, 32, 2, 64, seed=4, dtype=torch.float32, device=device)
     imp = torch.rand(1, 32, 2, device=device) + 0.5

@@ -7,11 +7,12 @@ They ride vLLM's KV-connector channel: `ProximaPlan` is the scheduler's per-step
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NewType
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from proxima.formats import Format
 from proxima.placement import BlockId, SlotIndex
 from proxima.policy.schema import Policy
 
@@ -79,31 +80,44 @@ class ProximaReport(KVConnectorWorkerMetadata):
     failed: list[ActionId] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     kernel_seconds: float = 0.0
-    """Wall time of this step's compressions (all formats and layers; summed over merged ranks)."""
+    """Wall time of this step's compressions (all formats and layers). Merged: summed over the
+    ranks, i.e. the compute all ranks spent (the wall time a step waits for is `timings`')."""
     importance: dict[str, list[float]] = field(default_factory=dict)
     """Request -> attention mass of each of its logical blocks (observed this step; blocks the
     worker could not observe, e.g. compressed ones, are NaN)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds of this worker's step parts completed since the last report (`timing.py`; empty
-    unless `PROXIMA_TIME_SPLIT=1`; the slowest rank's when merged)."""
+    unless `PROXIMA_TIME_SPLIT=1`). Merged: the slowest rank's, per part (the ranks run a step's
+    parts side by side, so the split stays a split of the step's wall time)."""
     ranks: int = 1
     """Worker ranks merged into this report (tensor parallelism: `merge_reports`)."""
 
     rejected: dict[ActionId, str] = field(default_factory=dict)
     """Actions the compression-time probe refused (the block is as it was) -> the milder format
     within the bound, "" for none (the block stays hot), or the action's own format when the
-    block could not be measured yet (planned again later)."""
+    block could not be measured yet (planned again later). Merged: the mildest verdict of any rank."""
     probe_errors: list[tuple[str, float]] = field(default_factory=list)
-    """(format, relative attention-output error) of every probe measurement this step."""
-    probe_measured: int = 0
-    """Blocks the probe measured in their chosen format (the denominator of the refusals)."""
-    probe_refused: int = 0
-    """Of those, over the bound."""
+    """(format, relative attention-output error) of every probe measurement this step (merged:
+    every rank's, each over its own heads)."""
+    probe_measured_ids: list[ActionId] = field(default_factory=list)
+    """Actions whose block the probe measured in its chosen format (the refusals' denominator)."""
+    probe_refused_ids: list[ActionId] = field(default_factory=list)
+    """Of those, the ones over the bound (a milder format, or none, was named for them)."""
     probe_seconds: float = 0.0
-    """Wall time of this step's probe measurements."""
+    """Wall time of this step's probe measurements (merged: summed, like `kernel_seconds`)."""
     drift: list[tuple[str, int, float, float]] = field(default_factory=list)
     """(request, output position, sampled-token log-prob, entropy) of the tagged requests' tokens
-    sampled since the last report (`drift.DriftObserver`)."""
+    sampled since the last report (`drift.DriftObserver`; not carried by `merge_reports` yet)."""
+
+    @property
+    def probe_measured(self) -> int:
+        """Blocks the probe measured (the engine's: a block measured on N ranks is one block)."""
+        return len(self.probe_measured_ids)
+
+    @property
+    def probe_refused(self) -> int:
+        """Of those, blocks over the bound (a block refused on any rank is refused, once)."""
+        return len(self.probe_refused_ids)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """vLLM merges the ranks' reports pairwise with this (tensor parallelism)."""
@@ -115,12 +129,23 @@ class ProximaReport(KVConnectorWorkerMetadata):
 def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
     """One report for the ranks behind `a` and `b` (vLLM calls it pairwise, in rank order).
 
-    An action is written only if every rank wrote it. A block the compression-time probe refused
-    on any rank stays as it was everywhere (`rejected`: each rank measures its own heads); a rank
-    that wrote it undoes it from the next plan (`ProximaPlan.revoked`, as for a failure)."""
+    What it decides does not depend on the fold's grouping or the rank order (only the order of
+    the error lists does): every rule is a union, an intersection, a sum, a max or a min.
+
+    * An action is written only if every rank wrote it.
+    * A block the compression-time probe refused on any rank stays as it was everywhere
+      (`rejected`: each rank measures its own heads); a rank that wrote it undoes it from the next
+      plan (`ProximaPlan.revoked`, as for a failure). The verdict kept is the mildest of the
+      ranks' (`_mildest`): a compression is only as good as its worst rank.
+    * Probe counts count the engine's blocks: a block measured on several ranks was measured
+      once, a block refused on any rank was refused once (the union of the ranks' action ids;
+      `probe_refused <= probe_measured` holds, as the fallback ladder's refused fraction needs).
+    * Compute (`kernel_seconds`, `probe_seconds`) is summed over ranks; the step split
+      (`timings`) is the slowest rank's per part.
+    """
     rejected_any = set(a.rejected) | set(b.rejected)
     failed = set(a.failed) | set(b.failed) | ((set(a.ok) ^ set(b.ok)) - rejected_any)
-    rejected = {aid: f for aid, f in {**b.rejected, **a.rejected}.items() if aid not in failed}
+    rejected = {aid: _mildest(a.rejected.get(aid), b.rejected.get(aid)) for aid in rejected_any - failed}
     ok = (set(a.ok) & set(b.ok)) - failed - set(rejected)
     importance = dict(a.importance)
     for rid, imp in b.importance.items():
@@ -133,9 +158,24 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
                          kernel_seconds=a.kernel_seconds + b.kernel_seconds, importance=importance,
                          timings=timings, ranks=a.ranks + b.ranks, rejected=rejected,
                          probe_errors=a.probe_errors + b.probe_errors,
-                         probe_measured=max(a.probe_measured, b.probe_measured),
-                         probe_refused=max(a.probe_refused, b.probe_refused),
-                         probe_seconds=max(a.probe_seconds, b.probe_seconds))
+                         probe_measured_ids=sorted(set(a.probe_measured_ids) | set(b.probe_measured_ids)),
+                         probe_refused_ids=sorted(set(a.probe_refused_ids) | set(b.probe_refused_ids)),
+                         probe_seconds=a.probe_seconds + b.probe_seconds)
+
+
+def _mildest(a: str | None, b: str | None) -> str:
+    """The milder of two ranks' verdicts on one refused action (None: that rank wrote it, or has
+    no verdict): the format that keeps more, i.e. the lower pack ratio, "" (stays hot) mildest.
+
+    A rank's verdict is the harshest format within the bound on its heads (or the action's own
+    format when it could not measure yet, which any measured verdict is milder than), so every
+    harsher one failed on some rank: the milder of two is the harshest format still possible on
+    all of them. It is a cap, not a write: the scheduler plans the block into it later, and every
+    rank measures it again then. Equal pack ratios (e.g. int4 and sparse(4)) are the same
+    cap for the scheduler, which compares caps by pack ratio; the name breaks the tie so that the
+    merge does not depend on the rank order."""
+    verdicts = [v for v in (a, b) if v is not None]
+    return min(verdicts, key=lambda v: (Format.parse(v).pack_ratio, v) if v else (0, ""))
 
 
 def settle(report: ProximaReport, ranks: int) -> ProximaReport:
@@ -147,11 +187,8 @@ def settle(report: ProximaReport, ranks: int) -> ProximaReport:
         return report
     missing = (f"proxima: {ranks - report.ranks} of {ranks} ranks sent no report for a step with compressions; "
                "they are undone")
-    return ProximaReport(ok=[], failed=sorted(set(report.failed) | set(report.ok)), errors=[*report.errors, missing],
-                         kernel_seconds=report.kernel_seconds, importance=report.importance, timings=report.timings,
-                         ranks=report.ranks, rejected=report.rejected, probe_errors=report.probe_errors,
-                         probe_measured=report.probe_measured, probe_refused=report.probe_refused,
-                         probe_seconds=report.probe_seconds)
+    # (`replace`: every other field, including ones added later, passes through as it is)
+    return replace(report, ok=[], failed=sorted(set(report.failed) | set(report.ok)), errors=[*report.errors, missing])
 
 
 def _nanmax_lists(a: list[float], b: list[float]) -> list[float]:

@@ -9,9 +9,11 @@ executor) before the scheduler sees one. The merge itself lives with the report 
 
 * `merge_reports` (in `plan.py`): the pairwise merge. An action is written only if every rank wrote it (`ok` is
   the intersection, anything one rank failed or did not confirm is failed), so the two-phase
-  commit stays all-or-nothing; block importance is the larger mass (each rank saw only its
-  heads, and one rank's value is already the max over its heads); kernel time is summed;
-  identical errors (the same fault on every rank) are kept once.
+  commit stays all-or-nothing; a block the compression-time probe refused on any rank is refused,
+  with the mildest of the ranks' verdicts; probe counts are distinct blocks (the union of the
+  ranks' action ids); block importance is the larger mass (each rank saw only its heads, and one
+  rank's value is already the max over its heads); kernel and probe time are summed, the step
+  split is the slowest rank's; identical errors (the same fault on every rank) are kept once.
 * `settle` (in `plan.py`): the scheduler's last word on a merged report. vLLM drops a rank's output from the
   merge when it carries no report, so a report that merged fewer ranks than the engine has cannot
   prove that the missing ranks wrote anything: its writes are failed too.

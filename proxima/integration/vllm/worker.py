@@ -28,7 +28,7 @@ from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_
 from proxima.integration.vllm.debug import SplitErrors
 from proxima.integration.vllm.faults import FaultInjector
 from proxima.integration.vllm.layer_formats import LayerFormats, plain
-from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.ranks import check_remap
 from proxima.integration.vllm.timing import StepTimes
 from proxima.integration.vllm.worker_probe import RecentQueries, check_batch
@@ -110,6 +110,11 @@ class WorkerStore:
         """request -> logical block index -> (format, destination block, slot)."""
         self.sources: dict[str, dict[int, int]] = {}
         """request -> logical block index -> source physical block (diagnostics only: freed)."""
+        self.replaced: dict[str, dict[int, tuple[ActionId, tuple[Format, int, int]]]] = {}
+        """request -> logical block index -> (the last recompression this rank wrote of it, the
+        `remap` entry it replaced): what a revocation restores. The entry keeps its `StoredFormat`
+        epoch, which the action (plain format names) cannot carry. One per recompressed block,
+        replaced by the block's next recompression, dropped with the request."""
         self.key_blocks: dict[int, str] = {}
         self.group_size = DEFAULT_GROUP_SIZE
         self.report = ProximaReport()
@@ -256,6 +261,7 @@ class WorkerStore:
         for rid in plan.dropped:
             self.remap.pop(rid, None)
             self.sources.pop(rid, None)
+            self.replaced.pop(rid, None)
             self.token_importance.pop(rid, None)
             self.recent_queries.drop(rid)
         if plan.check_remap is not None:
@@ -288,7 +294,11 @@ class WorkerStore:
                 continue
             stored = self.formats.stored(fmt)
             for a in acts:
-                self.remap.setdefault(a.req_id, {})[a.index] = (stored, a.dst, a.slot)
+                blocks = self.remap.setdefault(a.req_id, {})
+                old = blocks.get(a.index)
+                if old is not None and not from_fmt.is_hot:
+                    self.replaced.setdefault(a.req_id, {})[a.index] = (a.action_id, old)
+                blocks[a.index] = (stored, a.dst, a.slot)
                 self.sources.setdefault(a.req_id, {})[a.index] = a.src
             self.report.kernel_seconds += time.perf_counter() - t0
             self.report.ok.extend(a.action_id for a in acts)
@@ -296,19 +306,28 @@ class WorkerStore:
     def revoke(self, actions: list[CompressAction]) -> None:
         """Point the block map back where it was for actions that failed (or were refused by the
         probe) on some rank (tensor parallelism: the scheduler kept the block where it was and
-        released the slot). A rank that did not write an action has nothing to undo."""
+        released the slot). A rank that did not write an action has nothing to undo.
+
+        Invariant relied on: a recompression this rank wrote is in `replaced` until the block's
+        next one (the scheduler plans one action per block at a time, and revokes it before
+        planning another), so the restored entry is the one it replaced, with its override epoch
+        (a live `layer_overrides` change since that write must not change how the block is read)."""
         for a in actions:
             blocks = self.remap.get(a.req_id)
             hit = blocks.get(a.index) if blocks is not None else None
             if blocks is None or hit is None or (plain(hit[0]), hit[1], hit[2]) != (Format.parse(a.fmt), a.dst, a.slot):
                 continue
+            before = self.replaced.get(a.req_id, {}).pop(a.index, None)
             if a.from_fmt == HOT.name:
                 del blocks[a.index]
                 self.sources.get(a.req_id, {}).pop(a.index, None)
-            else:  # a recompression: the old slot was not touched (a new slot is always another one)
-                # (restored under the startup override table: a live override change between the
-                # old write and this revocation is not remembered)
-                blocks[a.index] = (Format.parse(a.from_fmt), a.from_dst, a.from_slot)
+                continue
+            # A recompression: the old slot was not touched (a new slot is always another one).
+            if before is None or before[0] != a.action_id or before[1][1:] != (a.from_dst, a.from_slot):
+                raise AssertionError(f"proxima rank {self.rank}: request {a.req_id} block {a.index} holds the "
+                                     f"revoked recompression {a.action_id}, but not the entry it replaced "
+                                     f"(slot {a.from_slot} of block {a.from_dst}): {before}")
+            blocks[a.index] = before[1]
 
     def _current_format(self, a: CompressAction) -> Format:
         """The block's format now, as this worker stored it (a recompression reads it back)."""
@@ -323,10 +342,19 @@ class WorkerStore:
         if self.policy is None or not self.policy.probes.compression.enabled:
             return acts
         out = check_batch(self, fmt, from_fmt, acts, self.policy.probes.compression)
+        # The report counts blocks by action id, so that the ranks' counts merge into the engine's
+        # (`merge_reports`). Measured = accepted + refused, unless nothing was measured (no observed
+        # layer: all accepted); a verdict in the action's own format is a deferral, not a refusal
+        # (every milder format has a lower pack ratio than `fmt`).
+        refused = [aid for aid, verdict in out.rejected.items() if verdict != fmt.name]
+        measured = [a.action_id for a in out.accepted] + refused if out.measured else []
+        if (len(measured), len(refused)) != (out.measured, out.refused):
+            raise RuntimeError(f"proxima: the probe counted {out.measured} measured / {out.refused} refused blocks, "
+                               f"its verdicts {len(measured)} / {len(refused)}")
         self.report.rejected.update(out.rejected)
         self.report.probe_errors.extend(out.errors)
-        self.report.probe_measured += out.measured
-        self.report.probe_refused += out.refused
+        self.report.probe_measured_ids.extend(measured)
+        self.report.probe_refused_ids.extend(refused)
         return out.accepted
 
     def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]

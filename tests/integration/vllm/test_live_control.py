@@ -246,7 +246,7 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     refused = {a.action_id: "int8" for a in plan.actions}
     first = len(refused)
     live.commit(ProximaReport(rejected=refused, probe_errors=[("int4", 0.3)] * len(refused) + [("int8", 0.004)],
-                              probe_measured=len(refused), probe_refused=len(refused), probe_seconds=0.001))
+                              probe_measured_ids=list(refused), probe_refused_ids=list(refused), probe_seconds=0.001))
     assert m.px.stats.rejected == len(refused) and not m.px.pending and m.px.stats.failed == 0
     assert m.summary()["backoff"]["formats"] == {}, "a refusal is not a kernel failure"
     m.check_accounting()
@@ -257,7 +257,7 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     assert plan.actions and {a.fmt for a in plan.actions} == {"int8"}, "the cap the probe named"
     refused = {a.action_id: "" for a in plan.actions}
     live.commit(ProximaReport(rejected=refused, probe_errors=[("int8", 0.5)] * len(refused),
-                              probe_measured=len(refused), probe_refused=len(refused)))
+                              probe_measured_ids=list(refused), probe_refused_ids=list(refused)))
     st = live.controller.fallback_state()
     assert st["level"] == 1 and st["automatic_level"] == 1  # failures_to_step_down = 2
     alerts = live.controller.alerts.recent()

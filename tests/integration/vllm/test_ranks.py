@@ -21,10 +21,10 @@ from vllm.v1.request import Request
 from proxima.formats import Format
 from proxima.integration.vllm.faults import FAULT_ENV, FaultInjector, parse_fault
 from proxima.integration.vllm.manager import ProximaKVCacheManager, install
-from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport, merge_reports, settle
+from proxima.integration.vllm.plan import NO_BLOCK, CompressAction, ProximaPlan, ProximaReport, merge_reports, settle
 from proxima.integration.vllm.ranks import check_remap
 from proxima.integration.vllm.worker import WorkerStore
-from proxima.policy.loader import load_policy
+from proxima.policy.loader import load_policy, parse_policy
 
 HERE = Path(__file__).parent
 B, D, H_TOTAL, NB = 32, 64, 4, 24
@@ -206,3 +206,137 @@ def test_stats_count_every_ranks_side_table() -> None:
     assert four.px.meta.per_slot(Format.parse("int4")) == one.px.meta.per_slot(Format.parse("int4"))
     assert four.px.meta.block_bytes == one.px.meta.block_bytes  # 4 ranks of 1 head = 1 rank of 4
     assert four.summary()["ranks"] == 4 and one.summary()["ranks"] == 1
+
+
+# --- the merge's verdicts: one engine, not N ---------------------------------------------------
+
+
+def test_a_refusal_keeps_the_mildest_verdict_of_every_rank() -> None:
+    """A compression is only as good as its worst rank: of the ranks' verdicts on a refused action
+    the merge keeps the mildest (fewest slots per block; "" = stays hot), whatever the rank order."""
+    r0 = ProximaReport(ok=[4], rejected={1: "int4", 2: "", 3: "int4", 5: "int8"})
+    r1 = ProximaReport(ok=[5], rejected={1: "int8", 2: "int4", 3: "int8", 4: "int8"})
+    r2 = ProximaReport(ok=[1, 4, 5], rejected={2: "int8", 3: "int8"})
+    want = {1: "int8", 2: "", 3: "int8", 4: "int8", 5: "int8"}
+    for order in ([r0, r1, r2], [r2, r1, r0], [r1, r0, r2]):
+        rep = _merged(order)
+        assert rep is not None and rep.rejected == want and rep.ok == [] and rep.failed == []
+    # (Say action 3 is an int4 compression: rank 0 deferred it, not measurable yet, in its own
+    # format; rank 1 measured int4 over the bound and accepted int8: int8 is the cap everywhere.)
+
+
+def _probe_ranks(policy_text: str) -> tuple[list[WorkerStore], torch.Tensor]:
+    """Two ranks of 2 KV heads over one KV tensor in which block 1 is hard to quantize (random)
+    in heads 0-1 and nearly constant in heads 2-3, and block 2 the other way round."""
+    torch.manual_seed(0)
+    full = torch.randn(2, NB, H_TOTAL, B, 2 * D)
+    for blk, easy in ((1, slice(2, 4)), (2, slice(0, 2))):
+        full[:, blk, easy] = 1 + 1e-3 * torch.randn_like(full[:, blk, easy])
+    full = full.bfloat16()
+    policy = parse_policy(policy_text)
+    stores = []
+    for r in range(2):
+        st = WorkerStore(rank=r)
+        st.register({f"model.layers.{i}.self_attn.attn": full[i, :, 2 * r:2 * r + 2].clone() for i in range(2)},
+                    policy)
+        stores.append(st)
+    return stores, full
+
+
+PROBED = """
+schema_version: 1
+name: probed
+bands:
+  - {name: always, enter: 0.02, exit: 0.01, target_free: 0.99, ladder: [int2, int8]}
+protect: {sink_tokens: 0, recent_tokens: 0}
+probes: {compression: {max_error: {int2: 0.05, int8: 0.05}}}
+"""
+
+
+def test_probe_counts_are_the_engines_distinct_blocks() -> None:
+    """Rank 0 refuses block 1 (its heads of it are random) and rank 1 block 2: the engine measured
+    two blocks and refused two (each once), not max(1, 1)."""
+    stores, _full = _probe_ranks(PROBED)
+    for st in stores:
+        torch.manual_seed(1)
+        for rid in ("r", "s"):
+            st.recent_queries.add(rid, torch.randn(8, 4, D).bfloat16(), D ** -0.5)
+    plan = ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int2"),
+                                CompressAction(1, "s", 0, src=2, dst=11, slot=0, fmt="int2"),
+                                CompressAction(2, "new", 0, src=3, dst=11, slot=1, fmt="int2")])  # deferred
+    for st in stores:
+        st.apply(plan)
+    reps = [st.take_report() for st in stores]
+    assert all(r is not None for r in reps)
+    assert [r.rejected for r in reps if r is not None] == [{0: "int8", 2: "int2"}, {1: "int8", 2: "int2"}]
+    assert [(r.probe_measured, r.probe_refused) for r in reps if r is not None] == [(2, 1), (2, 1)]
+    rep = _merged(list(reps))
+    assert rep is not None
+    assert rep.rejected == {0: "int8", 1: "int8", 2: "int2"} and rep.ok == []
+    assert rep.probe_measured == 2 and rep.probe_refused == 2
+    assert rep.probe_refused <= rep.probe_measured  # the invariant the fallback ladder's fraction needs
+    assert len(rep.probe_errors) == sum(len(r.probe_errors) for r in reps if r is not None)
+    assert rep.probe_seconds == sum(r.probe_seconds for r in reps if r is not None)  # summed, like kernel time
+
+
+OVERRIDDEN = """
+schema_version: 1
+name: overridden
+bands:
+  - {name: always, enter: 0.02, exit: 0.01, target_free: 0.99, ladder: [int4, int8]}
+protect: {sink_tokens: 0, recent_tokens: 0}
+probes: {compression: {enabled: false}}
+"""
+FP8_IN_LAYER_0 = "layer_overrides:\n  - layers: [0]\n    substitute: {int8: fp8}\n"
+
+
+def _step_ranks(stores: list[WorkerStore], plan: ProximaPlan) -> ProximaReport:
+    for st in stores:
+        st.apply(plan)
+    rep = _merged([st.take_report() for st in stores])
+    assert rep is not None
+    return settle(rep, len(stores))
+
+
+def test_a_recompression_undone_on_one_rank_keeps_its_override_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block written while layer 0 stored fp8 for int8 (override epoch 1) is recompressed into
+    int4 after the override was removed live (epoch 2); rank 1 fails the recompression, rank 0
+    wrote it. Undone on rank 0, the block must read with the table it was written with, as on
+    rank 1 (which never moved it), not with the startup table (layer 0 would be read as int8)."""
+    stores, full = _probe_ranks(OVERRIDDEN)
+    layer0 = "model.layers.0.self_attn.attn"
+    monkeypatch.setenv(FAULT_ENV, "")
+    first = CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")
+    rep = _step_ranks(stores, ProximaPlan(actions=[first], policy_version=1,
+                                          policy=parse_policy(OVERRIDDEN + FP8_IN_LAYER_0)))
+    assert rep.ok == [0]
+    written = stores[0].remap["r"][0]
+    assert stores[0].layer_format(layer0, written[0]) == Format.parse("fp8")
+    monkeypatch.setenv(FAULT_ENV, "compress,rank=1")
+    again = CompressAction(1, "r", 0, src=NO_BLOCK, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10,
+                           from_slot=0)
+    rep = _step_ranks(stores, ProximaPlan(actions=[again], policy_version=2, policy=parse_policy(OVERRIDDEN)))
+    assert rep.failed == [1] and rep.ok == []
+    assert stores[0].remap["r"][0][0].name == "int4" and stores[0].remap["r"][0][1:] == (11, 0)  # rank 0 wrote it
+    assert stores[1].remap["r"][0] == written
+    monkeypatch.setenv(FAULT_ENV, "")
+    # What the scheduler sends next: the revocation, and the same recompression planned again
+    # into the slot it released (every rank reads the block where it is, then writes it).
+    retry = CompressAction(2, "r", 0, src=NO_BLOCK, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10,
+                           from_slot=0)
+    for st in stores:
+        st.apply(ProximaPlan(revoked=[again]))
+    assert [st.remap["r"][0] for st in stores] == [written, written]
+    for r, st in enumerate(stores):
+        kh, _ = st.read(layer0, written[0], torch.tensor([10]), torch.tensor([0]))
+        assert st.layout is not None
+        k, _ = st.layout.read_blocks(full[0, :, 2 * r:2 * r + 2], torch.tensor([1]))
+        assert (kh[0].float() - k[0].float()).norm() / k[0].float().norm() < 0.08  # fp8's error, not garbage
+    rep = _step_ranks(stores, ProximaPlan(actions=[retry]))
+    assert rep.ok == [2]
+    for r, st in enumerate(stores):
+        fmt, dst, slot = st.remap["r"][0]
+        kh, _ = st.read(layer0, fmt, torch.tensor([dst]), torch.tensor([slot]))
+        assert st.layout is not None
+        k, _ = st.layout.read_blocks(full[0, :, 2 * r:2 * r + 2], torch.tensor([1]))
+        assert (kh[0].float() - k[0].float()).norm() / k[0].float().norm() < 0.2  # int4's error

@@ -18,10 +18,14 @@ directly). Prompts are news text (gensim's `lee_background.cor`, as `bench/capac
    c. pressure requests until the ladder steps down by itself: engine steps and seconds from the
       rollback (`steps_to_step_down`, `seconds_to_step_down`), and whether the webhook got the alert;
    d. the scoring prompts again, admitted after the step-down, under pressure (`nll_after_step_down`).
-2. **good**: `configs/conservative.yaml` under memory pressure for `--requests` requests: the
-   ladder's step downs are false alarms (`false_alarms`); tokens/s (`tokens_per_s_probes_on`).
-3. **good, probes off**: the same run with `probes.compression.enabled: false`
-   (`tokens_per_s_probes_off`), unless `--skip-probes-off`.
+2. **good**: `configs/conservative.yaml` with every probe on (compression-time, canary every
+   10 s, drift with a 10% holdout and windows of 10 requests) under memory pressure for
+   `--requests` requests: the ladder's step downs are false alarms (`false_alarms`).
+3. **cost**: `--cost-repeats` pairs of runs of `--cost-requests` requests, alternating the same
+   policy with every probe on and every probe off (same run shape, same prompts), each in its own
+   engine: the medians are `tokens_per_s_probes_on` / `tokens_per_s_probes_off`, every run and the
+   load average at its start are in `cost_runs` (the host is shared: read the spread). Skipped
+   with `--skip-probes-off`.
 4. **bad, canary only** (`--contrast`): the bad policy with the compression-time probe off and
    canaries on (`proxima.integration.vllm.canary`): the damage int2 does when nothing refuses it,
    and what the canary measures of it.
@@ -41,12 +45,25 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info
 
+if TYPE_CHECKING:
+    from proxima.integration.vllm.canary_runner import CanaryRunner, EngineTransport
+
 ROOT = Path(__file__).resolve().parents[1]
+CANARY_PREFIX = "proxima-canary-"  # (canary.CANARY_PREFIX; this process does not import vLLM)
+PROBES_ON = """
+  canary:
+    enabled: true
+    interval_s: 10.0
+  drift:
+    enabled: true
+    holdout_fraction: 0.1
+    window: 10
+"""
 TOKEN = "fallback-bench"
 BLOCK = 32
 PROMPT_TOKENS = 160
@@ -115,7 +132,16 @@ class _Engine:
         self.finished: dict[str, Any] = {}
         self.steps = 0
         self.generated = 0
-        self.canaries: _Canaries | None = None
+        self.canaries: CanaryRunner | None = None
+        self.canary_transport: EngineTransport | None = None
+
+    def start_canaries(self) -> None:
+        """The canary runner `proxima serve` runs, over this engine (`canary_runner.py`)."""
+        from proxima.integration.vllm.canary_runner import CanaryRunner, EngineTransport, RuntimeApi, canary_prompts
+
+        self.canary_transport = EngineTransport(self.engine)
+        self.canaries = CanaryRunner(canary_prompts(), self.canary_transport,
+                                     RuntimeApi(str(self.api.base_url), TOKEN))
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, score: bool = False) -> None:
         from vllm import SamplingParams
@@ -127,11 +153,14 @@ class _Engine:
 
     def step(self) -> None:
         self.steps += 1
-        for r in self.engine.step():
+        outputs = self.engine.step()
+        for r in outputs:
             if r.finished:
                 self.finished[r.request_id] = r
-                self.generated += len(r.outputs[0].token_ids)
-        if self.canaries is not None:
+                if not r.request_id.startswith(CANARY_PREFIX):  # the users' tokens, not the canaries'
+                    self.generated += len(r.outputs[0].token_ids)
+        if self.canaries is not None and self.canary_transport is not None:
+            self.canary_transport.offer(outputs)
             self.canaries.tick()
 
     def drain(self) -> None:
@@ -151,65 +180,6 @@ class _Engine:
         return dict(self.api.get("/v1/fallback").json())
 
 
-class _Canaries:
-    """A canary runner over the hand-stepped engine (`proxima.integration.vllm.canary`): references
-    when the policy version changes, a live round every `probes.canary.interval_s`, each verdict
-    posted to the runtime API."""
-
-    def __init__(self, e: _Engine, prompts: list[list[int]]) -> None:
-        self.e, self.prompts = e, prompts
-        self.version: int | None = None
-        self.round = 0
-        self.next_at = 0.0
-        self.ref: str | None = None
-        self.live: str | None = None
-        self.verdicts: list[dict[str, Any]] = []
-
-    def _submit(self, prefix: str) -> str:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        from proxima.integration.vllm.canary import TOP_K
-
-        self.round += 1
-        tag = f"{prefix}{self.round}-"
-        sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP_K)
-        for i, p in enumerate(self.prompts):
-            self.e.engine.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=p), sp)
-        return tag
-
-    def _done(self, tag: str) -> list[Any] | None:
-        got = [self.e.finished.get(f"{tag}{i}") for i in range(len(self.prompts))]
-        return None if any(r is None for r in got) else got
-
-    def tick(self) -> None:
-        from proxima.integration.vllm.canary import CANARY_PREFIX, REFERENCE_PREFIX, evaluate
-        from proxima.policy.schema import CanaryProbe
-
-        if self.ref is None or (self.live is None and time.monotonic() >= self.next_at):
-            doc = self.e.api.get("/v1/policy").json()
-            cfg = CanaryProbe.model_validate(doc["policy"]["probes"]["canary"])
-            if not cfg.enabled or not doc["policy"]["enabled"]:
-                self.next_at = time.monotonic() + 1.0
-                return
-            if doc["version"] != self.version:  # a new policy: new references, then a live round
-                self.version, self.ref = doc["version"], self._submit(REFERENCE_PREFIX)
-            elif self.live is None:
-                self.live = self._submit(CANARY_PREFIX)
-                self.cfg = cfg
-            return
-        if self.live is None:
-            return
-        ref, live = self._done(self.ref), self._done(self.live)
-        if ref is None or live is None:
-            return
-        verdict = evaluate([r.prompt_logprobs for r in ref], [r.prompt_logprobs for r in live], self.cfg)
-        body = {"kind": "canary", "passed": verdict.passed, "values": verdict.values, "detail": verdict.detail}
-        self.e.api.post("/v1/probes", json=body, headers=self.e.auth)
-        self.verdicts.append({"step": self.e.steps, **body})
-        self.live, self.next_at = None, time.monotonic() + self.cfg.interval_s
-
-
 def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict[str, Any]:
     from proxima.integration.vllm.connector import worker_store
 
@@ -217,7 +187,7 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
     res: dict[str, Any] = {}
     score_prompts = _prompts(model, scored, 0)
     load = _prompts(model, pressure * 2, scored)
-    e.canaries = _Canaries(e, _prompts(model, 2, 300))  # canary prompts: the same corpus, elsewhere
+    e.start_canaries()  # (it idles while the policy's canary is off)
     # Compression off first (token-identical to vanilla vLLM): the ladder sees nothing before (c).
     e.api.patch("/v1/policy", json={"enabled": False}, headers=e.auth)
     # a. a worker-side knob changed live.
@@ -279,8 +249,10 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
 
 def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int) -> dict[str, Any]:
     # Longer chunks than the bad run's: this run is about many requests (fewer, larger steps).
-    e = _Engine(model, pool_blocks, chunk_tokens=256)
+    e = _Engine(model, pool_blocks, chunk_tokens=256)  # (canary prompts, ~300 tokens: two chunks, canary.py)
+    e.start_canaries()
     prompts = _prompts(model, requests, 0)
+    load_before = os.getloadavg()
     # Keep about max_num_seqs requests queued: steady memory pressure, same shape probes on or off.
     t0 = time.perf_counter()
     added = 0
@@ -294,7 +266,10 @@ def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int) ->
     alerts = e.api.get("/v1/alerts").json()
     stats = json.loads(Path(os.environ["PROXIMA_STATS_FILE"]).read_text())
     return {"wall_s": wall, "generated_tokens": e.generated, "tokens_per_s": e.generated / wall, "steps": e.steps,
-            "finished": len(e.finished), "probes": probes, "alerts": alerts,
+            "load_before": load_before, "load_after": os.getloadavg(),
+            "canary_verdicts": e.canaries.verdicts if e.canaries is not None else [],
+            "finished": sum(1 for r in e.finished if not r.startswith(CANARY_PREFIX)),  # users' requests
+            "probes": probes, "alerts": alerts,
             "committed_by_format": stats.get("committed_by_format"),
             "rejected_by_probe": stats.get("rejected_by_probe"),
             "peak_resident": stats.get("peak_resident"), "preemptions": stats.get("preemptions")}
@@ -324,7 +299,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path) -> dict[str, Any]:
+def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path, tag: str = "") -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
     env.update({"PROXIMA_POLICY": str(policy), "PROXIMA_API_PORT": str(_free_port()), "PROXIMA_API_TOKEN": TOKEN,
                 "PROXIMA_STATS_FILE": str(tmp / f"{kind}-stats.json"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -334,8 +309,17 @@ def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path) -> dict[str,
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{kind} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    (tmp / f"{policy.stem}-{kind}-result.json").write_text(lines[-1])  # each run's result as soon as it is in
+    name = f"{policy.stem}-{kind}{'-' + tag if tag else ''}-result.json"
+    (tmp / name).write_text(lines[-1])  # each run's result as soon as it is in
     return dict(json.loads(lines[-1]))
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    ys = sorted(xs)
+    mid = len(ys) // 2
+    return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
 
 
 def _mean(xs: list[float]) -> float:
@@ -350,10 +334,22 @@ def markdown(res: dict[str, Any]) -> str:
         ("prompt NLL, vanilla (nats)", f"{res['nll_vanilla']:.4f}"),
         ("prompt NLL, admitted after the step down", f"{res['nll_after_step_down']:.4f}"),
         (f"false alarms (conservative, {res['good_requests']} requests)", res["false_alarms"]),
-        ("tokens/s probes on", f"{res['tokens_per_s_probes_on']:.1f}"),
-        ("tokens/s probes off", "-" if res["tokens_per_s_probes_off"] is None
-         else f"{res['tokens_per_s_probes_off']:.1f}"),
+        ("good run's verdicts (compression / canary / drift: passes-failures)",
+         " / ".join(f"{v['passes']}-{v['failures']}" for v in res["good_verdicts"].values())),
     ]
+    runs = res.get("cost_runs") or []
+    if runs:
+        def spread(kind: str) -> str:
+            xs = [c["tokens_per_s"] for c in runs if c["probes"] == kind]
+            return f"{res['tokens_per_s_probes_' + kind]:.2f} (median of {len(xs)}: {min(xs):.2f}-{max(xs):.2f})"
+        shape = res["cost_shape"]
+        rows += [(f"tokens/s probes on ({shape['requests']} requests x {shape['max_tokens']} tokens)", spread("on")),
+                 ("tokens/s probes off (same shape)", spread("off")),
+                 ("probes on / off (ratio of medians; per pair)",
+                  f"{res['probes_on_over_off']:.3f}; "
+                  + ", ".join(f"{x:.3f}" for x in res["probes_on_over_off_pairs"])),
+                 ("load average at each run's start (on, off, ...)",
+                  ", ".join(f"{c['load_before'][0]:.1f}" for c in runs))]
     c = res.get("canary_only")
     if c is not None:
         rows += [("canary only: prompt NLL with int2 committed (nothing refuses it)",
@@ -376,7 +372,10 @@ def main() -> None:
     ap.add_argument("--pressure", type=int, default=12, help="pressure requests of the bad-policy run, per phase")
     ap.add_argument("--scored", type=int, default=8, help="scoring prompts (prompt NLL), per phase")
     ap.add_argument("--pool-blocks", type=int, default=40)
-    ap.add_argument("--skip-probes-off", action="store_true")
+    ap.add_argument("--skip-probes-off", action="store_true", help="skip the cost runs (probes on vs off)")
+    ap.add_argument("--cost-repeats", type=int, default=3, help="pairs of cost runs (probes on, probes off)")
+    ap.add_argument("--cost-requests", type=int, default=64, help="requests of each cost run")
+    ap.add_argument("--cost-max-tokens", type=int, default=16, help="output tokens of each cost-run request")
     ap.add_argument("--contrast", action="store_true",
                     help="also run the bad policy with the compression-time probe off and the canary on")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fallback-cpu.json")
@@ -401,18 +400,33 @@ def main() -> None:
     bad.write_text(BAD_POLICY.format(probes="true", canary="false", webhook=webhook))
     # The contrast: no compression-time probe; the canary alone watches the policy.
     bad_off.write_text(BAD_POLICY.format(probes="false", canary="true", webhook=webhook))
-    good_off = tmp / "conservative-probes-off.yaml"
-    good_off.write_text((ROOT / "configs" / "conservative.yaml").read_text().replace(
-        "  compression:\n    enabled: true", "  compression:\n    enabled: false"))
+    conservative = (ROOT / "configs" / "conservative.yaml").read_text()
+    good_on, good_off = tmp / "conservative-probes-on.yaml", tmp / "conservative-probes-off.yaml"
+    head, sep, tail = conservative.partition("probes:\n")
+    assert sep and "  canary:" not in tail and "  drift:" not in tail
+    block, rest_sep, rest = tail.partition("\n\n")  # the probes block ends at the first blank line
+    good_on.write_text(head + sep + block + "\n" + PROBES_ON.lstrip("\n") + rest_sep.lstrip("\n") + "\n" + rest)
+    good_off.write_text(conservative.replace("  compression:\n    enabled: true", "  compression:\n    enabled: false"))
     common = ["--model", a.model, "--pool-blocks", str(a.pool_blocks)]
     t0 = time.time()
     b = _run_child("bad", bad, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)], tmp)
     webhook_alerts = [r["alert"] for r in _Receiver.received]
     good_argv = [*common, "--requests", str(a.requests), "--max-tokens", str(a.max_tokens)]
-    g = _run_child("good", ROOT / "configs" / "conservative.yaml", good_argv, tmp)
+    g = _run_child("good", good_on, good_argv, tmp)
     contrast = _run_child("bad", bad_off, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)],
                           tmp) if a.contrast else None
-    g_off = None if a.skip_probes_off else _run_child("good", good_off, good_argv, tmp)
+    cost_argv = [*common, "--requests", str(a.cost_requests), "--max-tokens", str(a.cost_max_tokens)]
+    cost_runs: list[dict[str, Any]] = []
+    for i in range(0 if a.skip_probes_off else a.cost_repeats):
+        # Alternating (on, off, on, off, ...): a slow phase of the shared host hits both alike.
+        for probes, path in (("on", good_on), ("off", good_off)):
+            r = _run_child("good", path, cost_argv, tmp, tag=f"cost-{probes}-{i}")
+            cost_runs.append({"probes": probes, "repeat": i, "tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"],
+                              "generated_tokens": r["generated_tokens"], "load_before": r["load_before"],
+                              "load_after": r["load_after"], "steps": r["steps"]})
+    on = sorted(c["tokens_per_s"] for c in cost_runs if c["probes"] == "on")
+    off = sorted(c["tokens_per_s"] for c in cost_runs if c["probes"] == "off")
+    pair_ratios = [cost_runs[k]["tokens_per_s"] / cost_runs[k + 1]["tokens_per_s"] for k in range(0, len(cost_runs), 2)]
     server.shutdown()
     false_alarms = sum(1 for al in g["alerts"]["alerts"] if al["kind"] == "fallback_step_down")
     res: dict[str, Any] = {
@@ -432,11 +446,16 @@ def main() -> None:
             "nll_after_step_down": _mean(contrast["nll_after_step_down"]),
             "verdicts": contrast["canary_verdicts"]},
         "false_alarms": false_alarms,
+        "good_verdicts": {k: {"passes": v["passes"], "failures": v["failures"]}
+                          for k, v in g["probes"]["probes"].items()},
         "good_requests": a.requests,
-        "tokens_per_s_probes_on": g["tokens_per_s"],
-        "tokens_per_s_probes_off": None if g_off is None else g_off["tokens_per_s"],
-        "probes_on_over_off": None if g_off is None else g["tokens_per_s"] / g_off["tokens_per_s"],
-        "runs": {"bad": b, "good": g, "good_probes_off": g_off, "bad_probes_off": contrast},
+        "tokens_per_s_probes_on": _median(on),
+        "tokens_per_s_probes_off": _median(off),
+        "probes_on_over_off": None if not on or not off else _median(on) / _median(off),
+        "probes_on_over_off_pairs": pair_ratios,
+        "cost_runs": cost_runs,
+        "cost_shape": {"requests": a.cost_requests, "max_tokens": a.cost_max_tokens, "repeats": a.cost_repeats},
+        "runs": {"bad": b, "good": g, "bad_probes_off": contrast},
         "webhook": webhook_alerts,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)

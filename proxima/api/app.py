@@ -423,7 +423,7 @@ def create_app(controller: Controller, tokens: TokenSource | None = None) -> Fas
         s = ctl.stats()
         version, level = ctl.policy_for_step()
         return {**s.to_json(), "policy_version": version.version, "fallback_level": level,
-                "probe_status": ctl.probe_status(), "probes": ctl.last_verdicts()}
+                "probe_status": ctl.probe_status(), "probes": ctl.last_verdicts(), "probe_progress": ctl.progress()}
 
     @app.get("/v1/probes", tags=["engine"])
     def probes() -> dict[str, Any]:

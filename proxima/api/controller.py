@@ -89,6 +89,9 @@ class Controller:
         self._write_lock = threading.Lock()
         self._probes: dict[ProbeKind, ProbeRecord] = {}
         self._probe_counts: dict[tuple[str, bool], int] = {}
+        self._progress: dict[str, dict[str, Any]] = {}
+        """Per probe, how far its current measurement is (e.g. the drift windows' fill); replaced
+        whole by the engine thread, read by API threads."""
         store.subscribe(self._on_swap)
         self.metrics.policy_version.set(store.current.version)
         self.metrics.fallback_level.set(0)
@@ -151,6 +154,10 @@ class Controller:
         if event is not None:
             self._ladder_alert(event, result)
 
+    def set_progress(self, kind: ProbeKind, progress: dict[str, Any]) -> None:
+        """A probe's progress towards its next verdict (shown by `/v1/stats` and `/v1/probes`)."""
+        self._progress = {**self._progress, kind: progress}
+
     # -- read side ---------------------------------------------------------------------------------
     def probe_status(self) -> ProbeStatus:
         """`Snapshot.probe_status`: "failing" while the last whole-model verdict (canary or drift)
@@ -168,8 +175,13 @@ class Controller:
         with self._ladder_lock:
             last = dict(self._probes)
         return {kind: None if (rec := last.get(kind)) is None  # type: ignore[call-overload]
-                else {"passed": rec.result.passed, "at": rec.at, "detail": rec.result.detail}
+                else {"passed": rec.result.passed, "at": rec.at, "detail": rec.result.detail,
+                      "values": rec.result.values}
                 for kind in ("compression", "canary", "drift")}
+
+    def progress(self) -> dict[str, dict[str, Any]]:
+        """Each probe's progress towards its next verdict (`set_progress`), where it reports one."""
+        return dict(self._progress)
 
     def stats(self) -> BackendStats:
         stats = self.backend.stats()
@@ -202,6 +214,7 @@ class Controller:
             rec = last.get(kind)  # type: ignore[call-overload]
             out[kind] = {
                 "enabled": getattr(cfg, kind).enabled,
+                "progress": self._progress.get(kind),
                 "passes": counts.get((kind, True), 0),
                 "failures": counts.get((kind, False), 0),
                 "last": None

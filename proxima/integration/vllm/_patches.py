@@ -12,7 +12,9 @@ Every patch here is version-checked (`check_vllm_version`) and names the hook it
    * on CUDA, when the policy compresses, selects Proxima's attention backend (`CUSTOM`) if the
      user chose none, and refuses to start, saying what to pass, if the user chose another one:
      vLLM's own backends would read the freed source blocks of compressed blocks. A policy that
-     is off leaves vLLM's choice untouched.
+     is off leaves vLLM's choice untouched;
+   * when the startup policy enables the drift probe, adds its logits processor
+     (`drift.DriftObserver`; vLLM's own `logits_processors` option, filled for the user).
 2. The KV manager's class is swapped on the live instance (`adopt_kv_manager`). Missing hook:
    `Scheduler.__init__` constructs `KVCacheManager` directly, with no config option naming its
    class (the connector only receives the built instance, through `bind_kv_cache_manager`).
@@ -121,6 +123,26 @@ def select_attention_backend(args: Any, policy: Policy, on_cuda: bool) -> str | 
     return None
 
 
+def add_drift_observer(args: Any, policy: Policy) -> None:
+    """The drift probe's logits processor (`drift.DriftObserver`), when the startup policy enables
+    the probe: vLLM builds its logits processors once, at start-up, and refuses custom ones with
+    speculative decoding (then the drift probe cannot run: said once, here)."""
+    import logging
+
+    from proxima.integration.vllm.drift import DriftObserver
+
+    if not policy.probes.drift.enabled:
+        return
+    if getattr(args, "speculative_config", None):
+        logging.getLogger("proxima.vllm").warning(
+            "proxima: the drift probe needs a logits processor, which vLLM refuses with speculative decoding: "
+            "no drift probe in this engine")
+        return
+    procs = list(args.logits_processors or [])
+    if DriftObserver not in procs:
+        args.logits_processors = [*procs, DriftObserver]
+
+
 def install(policy: Policy) -> None:
     """Patch 1 (idempotent: the wrapper marks itself, so a second call changes nothing)."""
     import logging
@@ -147,6 +169,7 @@ def install(policy: Policy) -> None:
                         self.kv_transfer_config.kv_role, CONNECTOR_ROLE)
             self.kv_transfer_config.kv_role = CONNECTOR_ROLE
         if getattr(self.kv_transfer_config, "kv_connector", None) == CONNECTOR_NAME:
+            add_drift_observer(self, policy)
             chosen = select_attention_backend(self, policy, on_cuda)
             if chosen is not None:
                 logger.warning("proxima: attention backend %s selected (policy %r compresses on CUDA)",

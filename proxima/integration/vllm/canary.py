@@ -1,7 +1,8 @@
 """Canary requests: fixed prompts whose teacher-forced log-probs are compared with the engine's own
 uncompressed reference (DESIGN.md, "Quality probes and fallback"; `probes.evaluate_canary`).
 
-Two kinds of request, told apart by their id (vLLM keeps the caller's id as a prefix of its own):
+Two kinds of request, told apart by their id (vLLM keeps the caller's id as a prefix of its own;
+its completions endpoint puts `cmpl-` in front of it, which the tests below look past):
 
 * `proxima-canary-ref-*`: the reference. The KV manager never compresses its blocks, so its
   prompt log-probs are the model's own, uncompressed, computed by this very engine;
@@ -10,12 +11,15 @@ Two kinds of request, told apart by their id (vLLM keeps the caller's id as a pr
   were full), so the canary measures the damage the policy would do when it is needed most.
 
 Both are ordinary requests of `max_tokens=1` with `prompt_logprobs=TOP_K`; the prompt is chunked,
-so the later chunks attend to earlier ones compressed (the live run's blocks are compressed while
-its prompt is prefilled, hence `protect.prefilling: false` is what makes a canary informative).
-The caller submits them (the bench and tests through `LLMEngine.add_request`; a server through its
-completions endpoint with `request_id` and `prompt_logprobs`) at the policy's
-`probes.canary.interval_s`, and posts the verdict of `evaluate` to the runtime API
-(`POST /v1/probes`), where it feeds the fallback ladder.
+so the later chunks attend to earlier ones compressed: the live run's blocks are compressed while
+its prompt is prefilled (whatever `protect.prefilling` says). A canary is therefore informative
+only when its prompt takes more than one engine step, i.e. is longer than vLLM's
+`max_num_batched_tokens` (or `long_prefill_token_threshold`): vLLM 0.32 chunks prompts only
+engine-wide, there is no per-request chunk size.
+`canary_runner.CanaryRunner` submits them (into an engine the caller steps, or through a server's
+completions endpoint: `proxima serve` starts one) at the policy's `probes.canary.interval_s`, and
+posts the verdict of `evaluate` to the runtime API (`POST /v1/probes`), where it feeds the
+fallback ladder.
 
 vLLM returns only the top-k prompt log-probs, so the KL is taken over the reference's top-k tokens,
 the live run's top-1 and the rest of the mass as one bin (a token outside the live run's top-k is
@@ -49,18 +53,31 @@ TOP_K = 20
 """Prompt log-probs asked per position (vLLM's default `max_logprobs`)."""
 
 
+COMPLETIONS_PREFIX = "cmpl-"
+"""What vLLM's `/v1/completions` puts before a caller's `request_id`."""
+
+
+def _bare(req_id: str) -> str:
+    return req_id.removeprefix(COMPLETIONS_PREFIX)
+
+
+def is_special(req_id: str) -> bool:
+    """A canary or a canary's reference."""
+    return _bare(req_id).startswith(CANARY_PREFIX)
+
+
 def is_reference(req_id: str) -> bool:
-    return req_id.startswith(REFERENCE_PREFIX)
+    return _bare(req_id).startswith(REFERENCE_PREFIX)
 
 
 def is_canary(req_id: str) -> bool:
     """A live canary run (not its reference)."""
-    return req_id.startswith(CANARY_PREFIX) and not is_reference(req_id)
+    return is_special(req_id) and not is_reference(req_id)
 
 
 def special_requests(req_ids: Iterable[str]) -> set[str]:
     """Canary and reference requests: the engine's pressure-driven planning leaves them alone."""
-    return {rid for rid in req_ids if rid.startswith(CANARY_PREFIX)}
+    return {rid for rid in req_ids if is_special(rid)}
 
 
 def forced_actions(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool, block_size: int,
@@ -76,16 +93,28 @@ def forced_actions(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool
     if not live:
         return []
     snap = build_snapshot(live, blocks_of, pool, block_size, pending_blocks=total_blocks(pool))
+    # A canary is a prompt and one token: its blocks are compressed between its prefill chunks
+    # whatever `protect.prefilling` says, else it would finish before any block could be.
+    unprotected = policy.model_copy(update={"protect": policy.protect.model_copy(update={"prefilling": False})})
     # The decision's state is dropped: a canary must not move the engine's band hysteresis.
-    return decide(snap, policy, state).actions
+    return decide(snap, unprotected, state).actions
 
 
-def _row(entry: Mapping[int, Any] | None) -> dict[int, tuple[float, int]]:
-    """vLLM's per-position dict (token -> Logprob) as token -> (logprob, rank)."""
-    return {} if entry is None else {int(t): (float(lp.logprob), int(lp.rank or 0)) for t, lp in entry.items()}
+def _row(entry: Mapping[Any, Any] | None) -> dict[int, tuple[float, int]]:
+    """vLLM's per-position dict as token -> (logprob, rank): token -> `Logprob` from an engine, or
+    the JSON of the completions endpoint (token id as a string -> {"logprob": .., "rank": ..})."""
+    if entry is None:
+        return {}
+    out = {}
+    for t, lp in entry.items():
+        if isinstance(lp, Mapping):
+            out[int(t)] = (float(lp["logprob"]), int(lp.get("rank") or 0))
+        else:
+            out[int(t)] = (float(lp.logprob), int(lp.rank or 0))
+    return out
 
 
-def logprob_bins(reference: Sequence[Mapping[int, Any] | None], live: Sequence[Mapping[int, Any] | None]
+def logprob_bins(reference: Sequence[Mapping[Any, Any] | None], live: Sequence[Mapping[Any, Any] | None]
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Per prompt position, the reference's and the live run's log-probs over the same bins:
     the reference's top-k tokens, the live top-1 (if not among them), and the rest of the mass.
@@ -115,8 +144,8 @@ def logprob_bins(reference: Sequence[Mapping[int, Any] | None], live: Sequence[M
     return np.array(rows_ref).reshape(-1, width), np.array(rows_live).reshape(-1, width)
 
 
-def evaluate(references: Sequence[Sequence[Mapping[int, Any] | None]],
-             lives: Sequence[Sequence[Mapping[int, Any] | None]], cfg: CanaryProbe) -> ProbeResult:
+def evaluate(references: Sequence[Sequence[Mapping[Any, Any] | None]],
+             lives: Sequence[Sequence[Mapping[Any, Any] | None]], cfg: CanaryProbe) -> ProbeResult:
     """The canary verdict over every prompt (`probes.evaluate_canary` on the bins above)."""
     pairs = [logprob_bins(r, c) for r, c in zip(references, lives, strict=True)]
     # -inf bins carry no mass in either run: give them a tiny finite log-prob so KL stays finite.
@@ -125,5 +154,5 @@ def evaluate(references: Sequence[Sequence[Mapping[int, Any] | None]],
     return evaluate_canary(ref, live, cfg)
 
 
-__all__ = ["CANARY_PREFIX", "REFERENCE_PREFIX", "TOP_K", "evaluate", "forced_actions", "is_canary",
-           "is_reference", "logprob_bins", "special_requests"]
+__all__ = ["CANARY_PREFIX", "COMPLETIONS_PREFIX", "REFERENCE_PREFIX", "TOP_K", "evaluate", "forced_actions",
+           "is_canary", "is_reference", "is_special", "logprob_bins", "special_requests"]

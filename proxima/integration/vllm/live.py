@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from proxima.api.backend import BackendStats, StepReport
 from proxima.api.controller import Controller
 from proxima.api.metrics import Metrics
+from proxima.integration.vllm.drift import DriftWindows, classify
 from proxima.integration.vllm.pool_usage import total_blocks
 from proxima.policy.probes import compression_step
 from proxima.policy.schema import Policy
@@ -136,6 +137,10 @@ class LiveControl:
         self._window: list[float] = []  # errors of the verdict window (`probes.compression.window_blocks`)
         self._window_measured = 0
         self._window_refused = 0
+        self.drift = DriftWindows()
+        self._compressed_then: deque[frozenset[str]] = deque(maxlen=2)
+        """Requests holding committed compressed blocks after each of the last two commits: a
+        report's drift samples are of the forward two engine steps back (`drift.py`)."""
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -212,12 +217,28 @@ class LiveControl:
         self._probe_measured += report.probe_measured
         self._probe_refused += report.probe_refused
         self._probe_seconds += report.probe_seconds
+        self._drift(report)
         self.manager.apply_report(report)
         # Only an open step is reported: with vLLM's async scheduling a report can arrive after the
         # next step was planned (and reported); its numbers then ride along with the next report.
         if self._step_unreported:
             self._report()
         self.backend.publish(self._pending_blocks, self.applied_version)
+
+    def _drift(self, report: ProximaReport) -> None:
+        """The drift probe's samples into their windows; a verdict when both sides have one."""
+        px = self.manager.px
+        cfg = self.controller.store.policy.probes.drift
+        if not cfg.enabled and not self.drift.open:
+            self._compressed_then.clear()
+            return
+        compressed = self._compressed_then[0] if len(self._compressed_then) == 2 else frozenset()
+        classify(report.drift, px.holdout, compressed, self.drift)
+        self.drift.close_absent(px.ledger)
+        self._compressed_then.append(frozenset(rid for rid, e in px.ledger.items() if e.compressed))
+        if cfg.enabled and (verdict := self.drift.verdict(cfg)) is not None:
+            self.controller.on_probe(verdict)
+        self.controller.set_progress("drift", self.drift.progress())
 
     def _report(self) -> None:
         self._step_unreported = False

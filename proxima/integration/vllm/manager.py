@@ -33,7 +33,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from proxima.formats import HOT, Format
-from proxima.integration.vllm import _patches, admission, canary, pool_usage
+from proxima.integration.vllm import _patches, admission, canary, drift, pool_usage
 from proxima.integration.vllm.ledger import CompressedSlot, RequestEntry
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.ranks import expected_remap
@@ -77,8 +77,10 @@ class ProximaKVCacheManager(KVCacheManager):
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         px, rid = self.px, request.request_id
+        # A drift holdout request is never compressed (`drift.py`): it is admitted as vLLM would.
+        holdout = drift.is_holdout(rid, px.policy.probes.drift) and not canary.is_special(rid)
         if rid not in px.ledger and not px.policy.is_off and not px.disabled:
-            if full_sequence_must_fit and not px.policy.protect.prefilling:
+            if full_sequence_must_fit and not px.policy.protect.prefilling and not holdout:
                 # vLLM admits a request only if its whole prompt fits uncompressed. When the policy
                 # compresses finished chunks during prefill, the prompt never needs that: admit it
                 # if its *compressed* footprint fits (and let the first chunk's allocation decide).
@@ -109,7 +111,11 @@ class ProximaKVCacheManager(KVCacheManager):
         if out is not None:
             if rid not in px.ledger:
                 px.ledger[rid] = RequestEntry(request)
-                px.canaries += rid.startswith(canary.CANARY_PREFIX)
+                px.canaries += canary.is_special(rid)
+                if px.policy.probes.drift.enabled and not canary.is_special(rid):
+                    if holdout:
+                        px.holdout.add(rid)
+                    drift.tag(request)  # (in this step's scheduler output: before the worker sees it)
             return out
         # The allocation would fail: vLLM would now preempt. Plan an emergency compression;
         # has_pending_block_frees() then tells the scheduler to wait one step instead.
@@ -165,8 +171,9 @@ class ProximaKVCacheManager(KVCacheManager):
         px = self.px
         if px.policy.is_off or px.disabled:
             return 0
-        # Canaries and their references are not the pressure's to compress (`canary.py`).
-        special = canary.special_requests(px.ledger) if px.canaries else set()
+        # Canaries and their references are not the pressure's to compress (`canary.py`), nor is
+        # the drift probe's holdout (`drift.py`).
+        special = (canary.special_requests(px.ledger) if px.canaries else set()) | px.holdout
         restricted = px.backoff.restrict(px.effective, px.stats.steps)
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
                               pending_blocks, set(finishing) | special, px.probe_status)
@@ -199,8 +206,10 @@ class ProximaKVCacheManager(KVCacheManager):
             if prev is not None and (prev.fmt.pack_ratio >= fmt.pack_ratio or not px.policy.recompressible(prev.fmt)):
                 continue
             if px.check:
-                check_protected(entry, act.block_index, len(blocks_of[act.request_id]), self.block_size,
-                                px.policy.protect)
+                protect = px.policy.protect  # (a live canary's prefill is not protected: `canary.forced_actions`)
+                if canary.is_canary(act.request_id):
+                    protect = protect.model_copy(update={"prefilling": False})
+                check_protected(entry, act.block_index, len(blocks_of[act.request_id]), self.block_size, protect)
             res = px.packer.reserve(act.request_id, fmt)
             if res is None:
                 break

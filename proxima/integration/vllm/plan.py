@@ -105,6 +105,9 @@ class ProximaReport(KVConnectorWorkerMetadata):
     """Of those, the ones over the bound (a milder format, or none, was named for them)."""
     probe_seconds: float = 0.0
     """Wall time of this step's probe measurements (merged: summed, like `kernel_seconds`)."""
+    drift: list[tuple[str, int, float, float]] = field(default_factory=list)
+    """(request, output position, sampled-token log-prob, entropy) of the tagged requests' tokens
+    sampled since the last report (`drift.DriftObserver`; not carried by `merge_reports` yet)."""
 
     @property
     def probe_measured(self) -> int:

@@ -17,7 +17,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from proxima.formats import Format
 from proxima.integration.vllm.blocks import VllmBlockSource
-from proxima.integration.vllm.canary import CANARY_PREFIX
+from proxima.integration.vllm.canary import is_special
 from proxima.integration.vllm.ledger import RequestLedger
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.integration.vllm.side_tables import SideTableCharge
@@ -82,6 +82,9 @@ class ProximaState:
     """The policy version last sent to the worker (`ProximaPlan.policy`)."""
     canaries: int = 0
     """Resident canary and reference requests (`canary.py`; 0: planning skips looking for them)."""
+    holdout: set[str] = field(default_factory=set)
+    """Resident requests of the drift probe's holdout (`drift.is_holdout`): never compressed, the
+    uncompressed population the compressed requests' tokens are compared with."""
     probe_status: ProbeStatus = "ok"
     """What the quality probes say, for the policy engine (`Snapshot.probe_status`; set each step
     by `live.LiveControl` from the controller)."""
@@ -121,7 +124,8 @@ class ProximaState:
         entry = self.ledger.pop(req_id, None)
         if entry is None:
             return []
-        self.canaries -= req_id.startswith(CANARY_PREFIX)
+        self.canaries -= is_special(req_id)
+        self.holdout.discard(req_id)
         for ca in entry.in_flight.values():
             self.pending.pop(ca.action_id, None)
         self.dropped.append(req_id)

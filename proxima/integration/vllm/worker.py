@@ -411,7 +411,7 @@ class WorkerStore:
     def take_report(self) -> ProximaReport | None:
         rep, self.report = self.report, ProximaReport()
         rep.timings = self.times.take()
-        return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings) else None
+        return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings or rep.drift) else None
 
     # --- importance -------------------------------------------------------------------------
 

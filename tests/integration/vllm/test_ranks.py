@@ -62,6 +62,15 @@ def test_vllms_aggregator_merges_reports_all_or_nothing() -> None:
         r0.aggregate(object())  # type: ignore[arg-type]
 
 
+def test_drift_samples_survive_the_merge_once() -> None:
+    """Drift samples come from the engine's logits, the same on every rank that sees them: the
+    merge keeps one rank's, never none and never twice."""
+    sample = [("req-1", 3, -0.25, 1.5)]
+    assert _merged([ProximaReport(drift=sample), ProximaReport(drift=sample)]).drift == sample  # type: ignore[union-attr]
+    assert _merged([ProximaReport(), ProximaReport(drift=sample)]).drift == sample  # type: ignore[union-attr]
+    assert _merged([ProximaReport(), ProximaReport()]).drift == []  # type: ignore[union-attr]
+
+
 def test_a_report_missing_a_rank_commits_nothing() -> None:
     """vLLM leaves a rank without a report out of the merge; its writes are unproven."""
     rep = _merged([ProximaReport(ok=[4], importance={"a": [1.0]}), None])

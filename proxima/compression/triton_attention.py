@@ -67,29 +67,15 @@ def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
         return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), *b.shape[:-1], b.shape[-1] * 4)
 
 
-_NIBBLES_PTX = tl.constexpr("""
-{
-.reg .b32 t, m, z;
-mov.b32 m, 0x54006400;
-mov.b32 z, 0x00F0000F;
-prmt.b32 t, $8, 0, 0x4040;
-lop3.b32 t, t, z, m, 0xEA;
-sub.f16x2 t, t, m;
-mov.b32 {$0, $1}, t;
-prmt.b32 t, $8, 0, 0x4141;
-lop3.b32 t, t, z, m, 0xEA;
-sub.f16x2 t, t, m;
-mov.b32 {$2, $3}, t;
-prmt.b32 t, $8, 0, 0x4242;
-lop3.b32 t, t, z, m, 0xEA;
-sub.f16x2 t, t, m;
-mov.b32 {$4, $5}, t;
-prmt.b32 t, $8, 0, 0x4343;
-lop3.b32 t, t, z, m, 0xEA;
-sub.f16x2 t, t, m;
-mov.b32 {$6, $7}, t;
-}
-""")
+_NIBBLES_PTX = tl.constexpr(
+    "{\n.reg .b32 t, m, z;\nmov.b32 m, 0x54006400;\nmov.b32 z, 0x00F0000F;\n"
+    + "".join(
+        f"prmt.b32 t, $8, 0, 0x4{j}4{j};\nlop3.b32 t, t, z, m, 0xEA;\nsub.f16x2 t, t, m;\n"
+        f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;\n"
+        for j in range(4)  # byte j of the word -> codes 2j, 2j+1 ($2j, $2j+1)
+    )
+    + "}\n"
+)
 """One word of packed int4 codes ($8; nibble k is code k) -> its eight codes as exact f16 ($0..$7),
 code pairs (2j, 2j+1) as the halves of one register: a byte permute copies byte j into bytes 0 and
 2, one mask-and-or puts its low nibble into the mantissa of 1024.0 (low half, mantissa bits 0-3)

@@ -2,11 +2,12 @@
 
 One program handles (sequence, KV head, split): all G query heads of the KV head at once (the
 GQA group padded to 16 rows so `tl.dot` runs on the tensor cores) and a contiguous range of the
-sequence's entries, `EPT` entries (slots) per iteration. With one entry per iteration (the
-shipped configurations of bf16 and int4) the slot id is a scalar load and every address is a scalar
-base plus a loop-invariant row offset; with several, each row's slot id and valid-token count are
-loaded as vectors the software pipeliner prefetches together with the data tiles that depend on
-them. KIVI key scales are loaded once per group of `RS` tokens and broadcast.
+sequence's entries, `EPT` entries (slots) per iteration. With one entry per iteration (every
+shipped configuration at slot capacity 64; at vLLM's block 16 a 64-token tile holds 4) the slot
+id is a scalar load and every address is a scalar base plus a loop-invariant row offset; with
+several, each row's slot id and valid-token count are loaded as vectors the software pipeliner
+prefetches together with the data tiles that depend on them. A padding entry's slot id is read as
+0. KIVI key scales are loaded once per group of `RS` tokens and broadcast.
 
 Dequantization happens in registers and never goes through an int -> float conversion
 instruction (a unit at an eighth of the FMA rate on the H200): int4 / int2 codes become float16
@@ -227,16 +228,18 @@ def _decode_kernel(
         if EPT == 1:
             # one entry per tile: its slot id is a scalar, so every address below is a scalar base
             # plus a loop-invariant row offset (no per-row 64-bit multiply); e0 < e_end here
-            slot_n = tl.load(tab_ptr + seq * E + e0).to(tl.int64)
             nt_n = tl.load(ntok_ptr + seq * E + e0)
+            # a padding entry's slot id is ignored (segment.py): slot 0, so no address is computed
+            # from it (the KIVI key scales below are read unmasked by token)
+            slot_n = tl.where(nt_n > 0, tl.load(tab_ptr + seq * E + e0), 0).to(tl.int64)
             valid_n = tn < nt_n
         else:
             # EPT distinct values per tile, loaded per row (the repeats hit L1); the software
             # pipeliner prefetches these and the data tiles that depend on them
             en = e0 + col_entry
             men = en < e_end
-            slot_n = tl.load(tab_ptr + seq * E + en, mask=men, other=0).to(tl.int64)
             nt_n = tl.load(ntok_ptr + seq * E + en, mask=men, other=0)
+            slot_n = tl.where(nt_n > 0, tl.load(tab_ptr + seq * E + en, mask=men, other=0), 0).to(tl.int64)
             valid_n = men & (tn < nt_n)
         if P == BP:  # noqa: SIM108 - constexpr branch: Triton compiles one side
             m2 = valid_n[:, None]
@@ -265,7 +268,8 @@ def _decode_kernel(
             else:
                 er = e0 + orr // RPE
                 mr = er < e_end
-                slot_r = tl.load(tab_ptr + seq * E + er, mask=mr, other=0).to(tl.int64)
+                nt_r = tl.load(ntok_ptr + seq * E + er, mask=mr, other=0)
+                slot_r = tl.where(nt_r > 0, tl.load(tab_ptr + seq * E + er, mask=mr, other=0), 0).to(tl.int64)
                 g_off = slot_r[:, None] * sks_slot + (t0 // GROUP)[:, None] * sks_t + h * sks_h + od[None, :]
                 gm = mr[:, None] & md[None, :]
             sc = tl.load(ks_ptr + g_off, mask=gm, other=0.0)
@@ -328,7 +332,7 @@ def _decode_kernel(
                 # reading the 8-bit tile from shared memory byte by byte in the dot-operand layout
                 # (compile-only: no byte loads, fp8 / int8 at 244 / 188 registers instead of 255)
                 pv = tl.dot(p.to(dot_t), v * (vs * (1.0 / vmax)).to(dot_t)[:, None]) * vmax
-            else:  # on the probability column (measured default on the H200)
+            else:  # on the probability column (int8's default: the faster of the two on the H200)
                 pv = tl.dot((p * (vs * (1.0 / vmax))[None, :]).to(dot_t), v) * vmax
         else:
             pv = tl.dot(p.to(dot_t), v)
@@ -367,7 +371,7 @@ class DecodeConfig:
     num_stages: int
     scale_values: bool = False
     """fp8 / int8: apply per-token value scales to the value rows instead of the probabilities
-    (fewer instructions and registers when compiled; not yet timed on the H200)."""
+    (fewer instructions and registers when compiled; fp8 ships with it, the H200 sweep's fastest)."""
     word_unpack: bool = False
     """int4: load 32-bit words of packed codes and unpack them by inline PTX into exact f16 codes,
     3 instructions per 2 codes (`_int4_words_f16`), head dims a multiple of 8, 4-byte aligned pools;

@@ -115,7 +115,9 @@ class CanaryRunner:
             if now >= self.next_at:
                 self._start(now)
         except Exception as exc:  # a canary never takes the server down: log, wait, try again
-            self.round, self.next_at = None, now + RETRY_S
+            # max: a round that failed only at its verdict's POST keeps the interval it set (else a
+            # refused POST, e.g. a missing token, would run a canary round every RETRY_S)
+            self.round, self.next_at = None, max(self.next_at, now + RETRY_S)
             self.last_error = f"{type(exc).__name__}: {exc}"
             logger.warning("proxima: canary round failed (%s); next try in %.0f s", self.last_error, RETRY_S)
         return None

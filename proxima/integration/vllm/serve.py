@@ -123,7 +123,7 @@ def supervise(argv: list[str], env: dict[str, str], vllm_args: Sequence[str], ap
     code = child.wait()
     stop.set()
     thread.join(5.0)
-    return code
+    return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
 
 
 __all__ = ["ServerArgs", "server_args", "supervise", "with_priority_scheduling"]

@@ -146,3 +146,27 @@ def test_serve_refuses_a_blank_token_before_starting_vllm() -> None:
     assert r.returncode == 2, r.stderr
     assert "PROXIMA_API_TOKEN is set but empty or only whitespace" in r.stderr and "Traceback" not in r.stderr
     assert "vllm_main" not in r.stderr and "serve /m" not in r.stderr  # vLLM was never started
+
+
+def test_a_refused_verdict_keeps_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verdict the API refuses (here: a wrong token, 403) is logged and lost; the next round still
+    waits for the policy's interval, not for the short retry delay (which would replay canaries
+    every few seconds for as long as the token is wrong)."""
+    monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
+    now = [0.0]
+    policy = _policy_with_canary()
+    policy = policy.model_copy(update={"probes": policy.probes.model_copy(
+        update={"canary": policy.probes.canary.model_copy(update={"interval_s": 600.0})})})
+    with _served(_manager(policy)) as (_live, api):
+        t = Answers()
+        runner = CanaryRunner(["a"], t, RuntimeApi(str(api.base_url), "not-the-token"), clock=lambda: now[0])
+        for _ in range(4):  # references, collected, live round, its verdict refused
+            runner.tick()
+        assert runner.last_error is not None and not runner.verdicts
+        n = len(t.submitted)
+        now[0] += 60.0  # well past the retry delay, well before the interval
+        runner.tick()
+        assert len(t.submitted) == n, "a refused POST must not shorten the interval"
+        now[0] += 600.0
+        runner.tick()
+        assert len(t.submitted) > n

@@ -14,7 +14,7 @@ Every patch here is version-checked (`check_vllm_version`) and names the hook it
      vLLM's own backends would read the freed source blocks of compressed blocks. A policy that
      is off leaves vLLM's choice untouched;
    * when the startup policy enables the drift probe, adds its logits processor
-     (`drift.DriftObserver`; vLLM's own `logits_processors` option, filled for the user).
+     (`drift_observer.DriftObserver`; vLLM's own `logits_processors` option, filled for the user).
 2. The KV manager's class is swapped on the live instance (`adopt_kv_manager`). Missing hook:
    `Scheduler.__init__` constructs `KVCacheManager` directly, with no config option naming its
    class (the connector only receives the built instance, through `bind_kv_cache_manager`).
@@ -124,12 +124,12 @@ def select_attention_backend(args: Any, policy: Policy, on_cuda: bool) -> str | 
 
 
 def add_drift_observer(args: Any, policy: Policy) -> None:
-    """The drift probe's logits processor (`drift.DriftObserver`), when the startup policy enables
+    """The drift probe's logits processor (`drift_observer.DriftObserver`), when the startup policy enables
     the probe: vLLM builds its logits processors once, at start-up, and refuses custom ones with
     speculative decoding (then the drift probe cannot run: said once, here)."""
     import logging
 
-    from proxima.integration.vllm.drift import DriftObserver
+    from proxima.integration.vllm.drift_observer import DriftObserver
 
     if not policy.probes.drift.enabled:
         return

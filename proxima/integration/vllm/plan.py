@@ -107,7 +107,7 @@ class ProximaReport(KVConnectorWorkerMetadata):
     """Wall time of this step's probe measurements (merged: summed, like `kernel_seconds`)."""
     drift: list[tuple[str, int, float, float]] = field(default_factory=list)
     """(request, output position, sampled-token log-prob, entropy) of the tagged requests' tokens
-    sampled since the last report (`drift.DriftObserver`; `merge_reports` keeps one rank's)."""
+    sampled since the last report (`drift_observer.DriftObserver`; `merge_reports` keeps one rank's)."""
 
     @property
     def probe_measured(self) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proxima.integration.vllm import drift
+from proxima.integration.vllm import drift, drift_observer
 from proxima.integration.vllm.canary import CANARY_PREFIX
 from proxima.policy.loader import load_policy
 from proxima.policy.probes import DriftSample, drift_test
@@ -181,7 +181,7 @@ def test_the_plugin_adds_the_observer_only_when_the_startup_policy_enables_drift
     assert not args.logits_processors
     add_drift_observer(args, on)
     add_drift_observer(args, on)  # idempotent
-    assert args.logits_processors == [drift.DriftObserver]
+    assert args.logits_processors == [drift_observer.DriftObserver]
     spec = EngineArgs(model="m", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     add_drift_observer(spec, on)  # vLLM refuses custom logits processors with speculative decoding
     assert not spec.logits_processors

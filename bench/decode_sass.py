@@ -10,8 +10,8 @@ change removes instructions or registers before a GPU run says whether it saves 
 are the compiler's, not the GPU's: a loop with fewer instructions can still be slower (latency,
 memory), so timings still come from `bench/kernels.py --sweep` on the H200.
 
-SPEC is `FMT[:key=value...]` with keys tokens, warps, stages, scale_values, word_unpack (the
-`DecodeConfig` fields), e.g. `int4:tokens=64:warps=4:stages=2:word_unpack=1`. Without SPECs, every
+SPEC is `FMT[:key=value...]` (`triton_attention.parse_decode_spec`: tokens, warps, stages, maxnreg
+and the other `DecodeConfig` fields), e.g. `int4:tokens=64:warps=4:stages=2:word_unpack=1`. Without SPECs, every
 format's shipped `DECODE_CONFIGS` entry is compiled. Shapes: 32 query heads, 8 KV heads, head dim
 128, block 64, KIVI group 32, the shapes of bench/kernels.py. Compile with the Triton version the
 GPU runs (the device image has 3.6) for numbers that match it; the version used is in the output:
@@ -69,7 +69,7 @@ def _signature(fmt: str, cfg: ta.DecodeConfig) -> tuple[dict, dict, dict]:
         "QUANT": QUANT_CODE[fmt], "HAS_COUNT": False, "GROUP": GROUP, "BITS": 8 // per, "PER": per,
         "G": HQ // H, "G_PAD": ta._p2(HQ // H, 16), "D": D, "BLOCK_D": D, "C": C, "EPT": ept,
         "RS": min(GROUP, C) if kivi else C, "DOT_F32": False, "SCALE_V": cfg.scale_values,
-        "WORDS": cfg.word_unpack,
+        "WORDS": cfg.word_unpack, "PLANES": cfg.planes and fmt == "int4", "PLANES_ASM": cfg.planes_asm,
     }  # fmt: skip
     sig: dict = {}
     for name in kern.arg_names:
@@ -112,7 +112,10 @@ def profile(fmt: str, cfg: ta.DecodeConfig) -> dict:
     sig, consts, attrs = _signature(fmt, cfg)
     src = ASTSource(fn=ta._decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
     ck = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        | ({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
@@ -124,7 +127,7 @@ def profile(fmt: str, cfg: ta.DecodeConfig) -> dict:
     ops = collections.Counter(opcode(x) for x in body)
     return {
         "format": fmt, "tokens": cfg.tokens, "warps": cfg.num_warps, "stages": cfg.num_stages,
-        "scale_values": cfg.scale_values, "word_unpack": cfg.word_unpack,
+        "variant": cfg.variant,
         "regs": int(m.group(1)) if m else None, "stack": int(m.group(2)) if m else None,
         "smem": int(ck.metadata.shared), "loop_instrs": len(body),
         "warp_instrs_per_token": len(body) * cfg.num_warps / cfg.tokens, "opcodes": dict(ops.most_common()),
@@ -132,19 +135,10 @@ def profile(fmt: str, cfg: ta.DecodeConfig) -> dict:
 
 
 def parse_spec(spec: str) -> tuple[str, ta.DecodeConfig]:
-    fmt, *kvs = spec.split(":")
-    if fmt not in ta.DECODE_CONFIGS:
-        raise SystemExit(f"{spec!r}: unknown format {fmt!r} (one of {', '.join(ta.DECODE_CONFIGS)})")
-    base = ta.DECODE_CONFIGS[fmt].__dict__ | {}
-    names = {"tokens": "tokens", "warps": "num_warps", "stages": "num_stages"}
-    for kv in kvs:
-        key, _, val = kv.partition("=")
-        field = names.get(key, key)
-        if field not in base or not val.isdigit():
-            keys = "tokens, warps, stages, scale_values, word_unpack"
-            raise SystemExit(f"{spec!r}: {kv!r} is not key=integer with key in {keys}")
-        base[field] = bool(int(val)) if isinstance(base[field], bool) else int(val)
-    return fmt, ta.DecodeConfig(**base)
+    try:
+        return ta.parse_decode_spec(spec)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -159,7 +153,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     ]  # fmt: skip
     for r in rows:
         top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:8])
-        var = "scale_values" if r["scale_values"] else "word_unpack" if r["word_unpack"] else ""
+        var = r["variant"]
         out.append(
             f"| {r['format']} | {r['tokens']} | {r['warps']} | {r['stages']} | {var} | {r['regs']} | {r['stack']} "
             f"| {r['smem']} | {r['loop_instrs']} | {r['warp_instrs_per_token']:.1f} | {top} |"

@@ -480,11 +480,28 @@ def _small_check(fmt: str) -> float:
     return max(rel(o.out.float(), r.out.float()), float((o.lse - r.lse).abs().max()) / 10, mass)
 
 
-def sweep(out_dir: str, shapes_only: bool = False) -> None:
-    """Time every SWEEP_CONFIGS entry per format at 32k x 8, keep the best, then time the best
-    configs at the issue's shapes against SDPA (`shapes_only`: the shipped DECODE_CONFIGS at the
-    shapes). Writes sweep.json after every format and shape, so a run stopped by a fault (a CUDA
-    error kills the process's context) keeps what it measured."""
+def _sweep_specs(specs: list[str] | None) -> list[tuple]:
+    """(format, config) pairs to time: the given `FMT[:key=value...]` specs, or SWEEP_CONFIGS for
+    every SWEEP_FORMATS format."""
+    from proxima.compression import triton_attention as ta
+
+    if specs:
+        return [ta.parse_decode_spec(x) for x in specs]
+    out = []
+    for fmt in SWEEP_FORMATS:
+        for tok, nw, ns, variant in SWEEP_CONFIGS:
+            if variant and fmt not in ("fp8", "int8", "int4"):
+                continue
+            sv, wu = variant and fmt != "int4", variant and fmt == "int4"
+            out.append((fmt, ta.DecodeConfig(tok, nw, ns, scale_values=sv, word_unpack=wu)))
+    return out
+
+
+def sweep(out_dir: str, shapes_only: bool = False, specs: list[str] | None = None) -> None:
+    """Time every config of `_sweep_specs` at 32k x 8, keep the best per format, then time the
+    best configs at the issue's shapes against SDPA (`shapes_only`: the shipped DECODE_CONFIGS at
+    the shapes). Writes sweep.json after every format and shape, so a run stopped by a fault (a
+    CUDA error kills the process's context) keeps what it measured."""
     from proxima.compression import triton_attention as ta
 
     res: dict = {"configs": [], "shapes": [], "best": {}}
@@ -493,16 +510,16 @@ def sweep(out_dir: str, shapes_only: bool = False) -> None:
         with open(os.path.join(out_dir, "sweep.json"), "w") as f:
             json.dump(res, f, indent=1)
 
-    for fmt in [] if shapes_only else SWEEP_FORMATS:
+    todo = [] if shapes_only else _sweep_specs(specs)
+    for fmt in dict.fromkeys(f for f, _ in todo):
         q, seg, moved, _ = _decode_case(32768, 8, fmt)
         best = None
-        for tok, nw, ns, variant in SWEEP_CONFIGS:
-            if variant and fmt not in ("fp8", "int8", "int4"):
-                continue
-            sv, wu = variant and fmt != "int4", variant and fmt == "int4"
-            cfg = ta.DecodeConfig(tok, nw, ns, scale_values=sv, word_unpack=wu)
+        for cfg in [c for f, c in todo if f == fmt]:
             ta.DECODE_CONFIGS[fmt] = cfg
-            row = {"format": fmt, "tokens": tok, "warps": nw, "stages": ns, "variant": variant}
+            row = {
+                "format": fmt, "tokens": cfg.tokens, "warps": cfg.num_warps, "stages": cfg.num_stages,
+                "variant": cfg.variant,
+            }  # fmt: skip
             try:
                 row["check_err"] = _small_check(fmt)
                 ms = bench_ms(lambda q=q, seg=seg: decode_attention(q, [seg], backend="triton"), graph=True, rep=100)
@@ -519,7 +536,7 @@ def sweep(out_dir: str, shapes_only: bool = False) -> None:
         if best is not None:
             ta.DECODE_CONFIGS[fmt] = best[1]
             b = best[1]
-            res["best"][fmt] = [b.tokens, b.num_warps, b.num_stages, b.scale_values or b.word_unpack, best[0] * 1e3]
+            res["best"][fmt] = [b.tokens, b.num_warps, b.num_stages, b.variant, best[0] * 1e3]
         del q, seg
         torch.cuda.empty_cache()
         save()
@@ -547,8 +564,13 @@ def sweep(out_dir: str, shapes_only: bool = False) -> None:
         save()
 
 
-def profile_one(fmt: str) -> None:
-    """Five decode launches of one format at 32k x 8, for `ncu --launch-skip 2 --launch-count 1`."""
+def profile_one(spec: str) -> None:
+    """Five decode launches of one format (`FMT[:key=value...]`, see `parse_decode_spec`) at 32k x 8,
+    for `ncu --launch-skip 2 --launch-count 1`."""
+    from proxima.compression import triton_attention as ta
+
+    fmt, cfg = ta.parse_decode_spec(spec)
+    ta.DECODE_CONFIGS[fmt] = cfg
     q, seg, _, _ = _decode_case(32768, 8, fmt)
     for _ in range(5):
         decode_attention(q, [seg], backend="triton")
@@ -747,7 +769,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="time decode launch configs; write sweep.json")
     ap.add_argument("--shapes-only", action="store_true", help="with --sweep: the shipped configs at the shapes only")
-    ap.add_argument("--profile", metavar="FMT", help="run five decodes of FMT at 32k x 8 (for ncu)")
+    ap.add_argument("--profile", metavar="SPEC", help="run five decodes of FMT[:key=value...] at 32k x 8 (for ncu)")
+    ap.add_argument("--configs", nargs="+", metavar="SPEC", help="with --sweep: these FMT[:key=value...] configs")
     ap.add_argument("--render", metavar="RUN_DIR", help="write kernels-h200.{json,md} from a --sweep run's files")
     ap.add_argument("--previous", help="with --render: an earlier kernels-h200.json for the rows not re-measured")
     ap.add_argument(
@@ -770,7 +793,7 @@ def main() -> int:
     if args.sweep:
         os.makedirs(args.out, exist_ok=True)
         print("fp8 diag", fp8_diag(), flush=True)
-        sweep(args.out, shapes_only=args.shapes_only)
+        sweep(args.out, shapes_only=args.shapes_only, specs=args.configs)
         return 0
     t0 = time.time()
     meta = {

@@ -27,6 +27,7 @@ derives the entry's attention mass after the merge.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -106,6 +107,35 @@ def _int4_words_f16(w, INTERPRETED: tl.constexpr):
     return tl.reshape(x, w.shape[0], 8 * w.shape[1])
 
 
+_PLANES_PTX = tl.constexpr(
+    "{\n.reg .b32 l, h;\n.reg .b16 l0, l1, h0, h1;\n"
+    "and.b32 l, $4, 0x0F0F0F0F;\nshr.u32 h, $4, 4;\nand.b32 h, h, 0x0F0F0F0F;\n"
+    "mov.b32 {l0, l1}, l;\nmov.b32 {h0, h1}, h;\n"
+    "cvt.rn.f16x2.e4m3x2 $0, l0;\ncvt.rn.f16x2.e4m3x2 $1, l1;\n"
+    "cvt.rn.f16x2.e4m3x2 $2, h0;\ncvt.rn.f16x2.e4m3x2 $3, h1;\n}"
+)
+"""Four bytes of packed int4 codes ($4) -> their low nibbles ($0, $1) and high nibbles ($2, $3) as
+f16 code * 2^-9, two per register in byte order: one mask, one shift and mask, four e4m3 -> f16x2
+converts for 8 codes (see `_small_codes_f16` for why a nibble alone in a byte is its e4m3 code)."""
+
+
+@triton.jit
+def _nibble_planes_f16(b, ASM: tl.constexpr):
+    """uint8 [..., P] packed int4 codes -> (plane 0, plane 1), float16 code * 2^-9 [..., P] each:
+    plane i holds channels 2j + i (byte j's low nibble, then its high nibble). No join, no
+    reshape: each plane is elementwise in the loaded bytes, so it stays in the registers and the
+    layout the load gave it, and a decode contracts each plane with its own half of the query
+    channels (`PLANES` in `_decode_kernel`)."""
+    if ASM:  # four bytes per instruction group, packed f16 pairs out: no byte extracts
+        lo, hi = tl.inline_asm_elementwise(
+            _PLANES_PTX, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    else:  # the interpreter runs no PTX (and the compiled variant without it, for the sweep)
+        lo = (b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = (b >> 4).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo, hi
+
+
 @triton.jit
 def _bytes_f16(b, OFFSET: tl.constexpr):
     """uint8 / int8 codes -> exact float16 (code + OFFSET must lie in [0, 1024)) without an integer
@@ -167,6 +197,8 @@ def _decode_kernel(
     DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
     SCALE_V: tl.constexpr,  # fp8 / int8: per-token value scales on the value rows, not on P
     WORDS: tl.constexpr,  # int4: load 32-bit words and unpack them by PTX (`_int4_words_f16`; no 2^-9)
+    PLANES: tl.constexpr,  # int4: two channel planes, two dots per tile (`_nibble_planes_f16`)
+    PLANES_ASM: tl.constexpr,  # with PLANES: unpack by PTX (compiled only): 1 keys, 2 keys and values
 ):
     """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
     float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
@@ -181,8 +213,11 @@ def _decode_kernel(
     RPE: tl.constexpr = C // RS  # row groups per entry
     BP: tl.constexpr = BLOCK_D // PER  # stored elements per row, padded to a power of two
     P: tl.constexpr = D // PER
-    W4: tl.constexpr = WORDS and PER == 2 and BLOCK_D == D  # whole words per row
+    W4: tl.constexpr = WORDS and PER == 2 and BLOCK_D == D and not PLANES  # whole words per row
     SMALL: tl.constexpr = QUANT >= 3 and not W4  # e4m3-unpacked int4 / int2: tiles hold code * 2^-9
+    # PLANES (int4, BLOCK_D == D): channel plane i = channels 2j + i; q, the key scales and the
+    # output are read / written per plane at stride 2, each tile is contracted plane by plane
+    PL: tl.constexpr = 2 if PLANES else 1
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
     mg = og < G
@@ -191,24 +226,33 @@ def _decode_kernel(
     BW: tl.constexpr = BP // 4  # 32-bit words per row (W4)
     ow = tl.arange(0, BW)
     q = tl.load(q_ptr + seq * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+    q1 = q  # plane 1 of q (PLANES only)
+    if PLANES:
+        q, q1 = tl.split(tl.reshape(q, (G_PAD, BP, 2)))
     score_scale = sm_scale_log2
     if SMALL:
         score_scale = score_scale * 512.0
     if DOT_F32:
         q = q.to(tl.float32)
+        q1 = q1.to(tl.float32)
         dot_t: tl.constexpr = tl.float32
     elif QUANT == 0:
         dot_t: tl.constexpr = q_ptr.dtype.element_ty  # type: ignore[no-redef]  # constexpr branches
     else:
         # q / 2^ceil(log2 max|q|) lies in [-1, 1]: exact in f16 down to 2^-14 of the largest element
         qmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+        if PLANES:
+            qmax = tl.maximum(qmax, tl.max(tl.max(tl.abs(q1.to(tl.float32)), axis=1), axis=0))
         qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
         q = (q.to(tl.float32) * (1.0 / qn)).to(tl.float16)
+        if PLANES:
+            q1 = (q1.to(tl.float32) * (1.0 / qn)).to(tl.float16)
         score_scale = score_scale * qn
         dot_t: tl.constexpr = tl.float16  # type: ignore[no-redef]
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    acc = tl.zeros((G_PAD, BLOCK_D // PL), tl.float32)
+    acc1 = tl.zeros((G_PAD, BLOCK_D // PL), tl.float32)  # plane 1 (PLANES only)
     e_begin = split * E_PER_SPLIT
     e_end = tl.minimum(e_begin + E_PER_SPLIT, E)
     orr = tl.arange(0, NR)
@@ -253,7 +297,11 @@ def _decode_kernel(
         elif QUANT == 1:  # fp8 e4m3 is exact in f16; the per-token scale goes on the score column
             k = tl.trans(tl.load(k_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t))
         else:  # KIVI keys: per channel, one scale / zero row per row group of RS tokens
-            if W4:
+            if PLANES:
+                kc, kc1 = _nibble_planes_f16(tl.load(k_ptrs, mask=m2, other=0), PLANES_ASM >= 1)
+                kc = tl.reshape(kc, (NR, RS, BP))
+                kc1 = tl.reshape(kc1, (NR, RS, BP))
+            elif W4:
                 kw_ptrs = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
                 kw_ptrs = kw_ptrs + ((slot_n * sk_slot + k_row) // 4)[:, None] + ow[None, :]
                 kc = _int4_words_f16(tl.load(kw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
@@ -261,7 +309,8 @@ def _decode_kernel(
                 kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), BITS, PER)
             else:
                 kc = _bytes_f16(tl.load(k_ptrs, mask=m2, other=0), 0)
-            kc = tl.reshape(kc, (NR, RS, BLOCK_D))
+            if not PLANES:
+                kc = tl.reshape(kc, (NR, RS, BLOCK_D))
             if EPT == 1:
                 g_off = slot_n * sks_slot + ((t0 // GROUP) * sks_t + h * sks_h)[:, None] + od[None, :]
                 gm = (orr >= 0)[:, None] & md[None, :]
@@ -276,9 +325,17 @@ def _decode_kernel(
             zp = tl.load(kz_ptr + g_off, mask=gm, other=0.0)
             if SMALL:
                 zp = zp * 0.001953125  # 2^-9, exact
-            k = tl.reshape(kc.to(dot_t) * sc.to(dot_t)[:, None, :] + zp.to(dot_t)[:, None, :], (BLOCK_N, BLOCK_D))
+            if PLANES:  # contiguous loads (the pipeliner prefetches them), split into planes in registers
+                sc, sc1 = tl.split(tl.reshape(sc, (NR, BP, 2)))
+                zp, zp1 = tl.split(tl.reshape(zp, (NR, BP, 2)))
+            k = tl.reshape(kc.to(dot_t) * sc.to(dot_t)[:, None, :] + zp.to(dot_t)[:, None, :], (BLOCK_N, BLOCK_D // PL))
             k = tl.trans(k)
-        s = tl.dot(q, k)  # k is [BLOCK_D, BLOCK_N]
+            if PLANES:  # plane 1: the odd channels
+                k1 = kc1.to(dot_t) * sc1.to(dot_t)[:, None, :] + zp1.to(dot_t)[:, None, :]
+                k1 = tl.trans(tl.reshape(k1, (BLOCK_N, BP)))
+        s = tl.dot(q, k)  # k is [BLOCK_D // PL, BLOCK_N]
+        if PLANES:
+            s = tl.dot(q1, k1, s)  # the odd channels' partial scores add to the even ones'
         if QUANT == 1:
             ks = tl.load(ks_ptr + slot_n * sks_slot + ks_row, mask=valid_n, other=0.0)
             s = s * (ks * score_scale)[None, :]
@@ -310,7 +367,16 @@ def _decode_kernel(
             vgm = valid_n[:, None] & (ogr < D // GROUP)[None, :]
             vsc = tl.load(vs_ptr + vg_off, mask=vgm, other=0.0).to(dot_t)
             vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0).to(dot_t)
-            if W4:
+            if PLANES:
+                # plane column j is channel 2j + i: its value group is j // (GROUP / 2) in both
+                vc, vc1 = _nibble_planes_f16(tl.load(v_ptrs, mask=m2, other=0), PLANES_ASM >= 2)
+                vsc1 = vsc.to(dot_t)
+                vzp1 = (vzp * 0.001953125).to(dot_t)
+                vc = tl.reshape(vc, (BLOCK_N, NG, GROUP // 2))
+                vc1 = tl.reshape(vc1, (BLOCK_N, NG, GROUP // 2))
+                v = tl.reshape(vc.to(dot_t) * vsc1[:, :, None] + vzp1[:, :, None], (BLOCK_N, BP))
+                v1 = tl.reshape(vc1.to(dot_t) * vsc1[:, :, None] + vzp1[:, :, None], (BLOCK_N, BP))
+            elif W4:
                 vw_ptrs = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
                 vw_ptrs = vw_ptrs + ((slot_n * sv_slot + v_row) // 4)[:, None] + ow[None, :]
                 vc = _int4_words_f16(tl.load(vw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
@@ -321,7 +387,8 @@ def _decode_kernel(
                 if SMALL:
                     vzp = vzp * 0.001953125  # 2^-9, exact
                 v = vc.to(dot_t) * vsc[:, :, None] + vzp[:, :, None]
-            v = tl.reshape(v, (BLOCK_N, BLOCK_D))
+            if not PLANES:
+                v = tl.reshape(v, (BLOCK_N, BLOCK_D))
         if QUANT == 1 or QUANT == 2:
             # per-token value scale relative to the tile's largest (so f16 operands stay in range);
             # the dot is scaled back in f32
@@ -337,6 +404,8 @@ def _decode_kernel(
         else:
             pv = tl.dot(p.to(dot_t), v)
         acc = acc * alpha[:, None] + pv
+        if PLANES:
+            acc1 = acc1 * alpha[:, None] + tl.dot(p.to(dot_t), v1)
         # ---- per-entry log-sum-exp, for the block attention mass
         if EPT == 1:
             pe = p_sum[:, None]  # [G_PAD, 1]
@@ -353,6 +422,9 @@ def _decode_kernel(
     o = acc * (out_scale / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * LN2_C, float("-inf"))
     row = (split * S + seq) * Hq + qh
+    if PLANES:  # interleave the planes back into channel order
+        o1 = acc1 * (out_scale / tl.where(has, l_i, 1.0))[:, None]
+        o = tl.reshape(tl.join(o, o1), (G_PAD, BLOCK_D))
     tl.store(o_ptr + row[:, None] * D + od[None, :], o, mask=mg[:, None] & md[None, :])
     tl.store(lse_ptr + row, lse, mask=mg)
 
@@ -376,6 +448,27 @@ class DecodeConfig:
     """int4: load 32-bit words of packed codes and unpack them by inline PTX into exact f16 codes,
     3 instructions per 2 codes (`_int4_words_f16`), head dims a multiple of 8, 4-byte aligned pools;
     the e4m3 path otherwise. Chosen by `bench/kernels.py --sweep` on the H200."""
+    planes: bool = False
+    """int4: unpack each tile into two channel planes (even / odd channels, `_nibble_planes_f16`)
+    contracted by two dots each for keys and values, with no join or reshape of the codes;
+    `planes_asm` does the unpacking by PTX, four bytes at a time."""
+    planes_asm: int = 0
+    """With `planes`: unpack by PTX the keys (1) or the keys and the values (2)."""
+    max_registers: int | None = None
+    """Register cap per thread passed to ptxas (`maxnreg`; None: the compiler's choice). A lower cap
+    fits more programs per SM (65,536 registers: 4 programs of 4 warps at <= 128) at the price of
+    spills; chosen by the sweep."""
+
+    @property
+    def variant(self) -> str:
+        """The fields beyond tokens / warps / stages that differ from the defaults, e.g.
+        'planes, planes_asm=2, max_registers=128' ('' for none): a label for benchmark tables."""
+        out = []
+        for f in dataclasses.fields(self)[3:]:
+            v = getattr(self, f.name)
+            if v != f.default:
+                out.append(f.name if v is True else f"{f.name}={v}")
+        return ", ".join(out)
 
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
@@ -389,6 +482,27 @@ DECODE_CONFIGS: dict[str, DecodeConfig] = {
 2026-12-01 23:30, us): bf16 247.9 (246.0 with 3 stages, within noise), fp8 287.4 (scale_values;
 302.5 at 128 tokens without), int8 327.7, int4 347.5 (358.8 with word_unpack, whose loop has 23%
 fewer instructions: the e4m3 path is not what bounds it), int2 371.6."""
+
+_SPEC_KEYS = {"tokens": "tokens", "warps": "num_warps", "stages": "num_stages", "maxnreg": "max_registers"}
+
+
+def parse_decode_spec(spec: str) -> tuple[str, DecodeConfig]:
+    """`FMT[:key=integer...]` -> (format, its shipped `DecodeConfig` with those fields changed), e.g.
+    `int4:planes=1:planes_asm=2:maxnreg=128`; keys: tokens, warps, stages, maxnreg and the boolean /
+    integer fields of `DecodeConfig` by name. For the benchmarks' command lines."""
+    fmt, *kvs = spec.split(":")
+    if fmt not in DECODE_CONFIGS:
+        raise ValueError(f"{spec!r}: unknown format {fmt!r} (one of {', '.join(DECODE_CONFIGS)})")
+    fields = dict(DECODE_CONFIGS[fmt].__dict__)
+    for kv in kvs:
+        key, _, val = kv.partition("=")
+        name = _SPEC_KEYS.get(key, key)
+        if name not in fields or not val.isdigit():
+            keys = ", ".join(sorted(set(_SPEC_KEYS) | set(fields) - set(_SPEC_KEYS.values())))
+            raise ValueError(f"{spec!r}: {kv!r} is not key=integer with key in {keys}")
+        fields[name] = bool(int(val)) if isinstance(fields[name], bool) else int(val)
+    return fmt, DecodeConfig(**fields)
+
 
 KERNEL_INFO: dict[tuple, dict[str, int]] = {}
 """Registers, spills, shared memory and programs per SM of each compiled decode specialization
@@ -518,7 +632,9 @@ def segment_partial(
         BITS=8 // per, PER=per, G=g, G_PAD=_p2(g, 16), D=d, BLOCK_D=_p2(d, 16), C=c, EPT=ept,
         RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET, SCALE_V=cfg.scale_values,
         WORDS=cfg.word_unpack and _word_aligned(k_data, v_data),
+        PLANES=cfg.planes and quant == "int4" and _p2(d, 16) == d, PLANES_ASM=0 if INTERPRET else cfg.planes_asm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers and not INTERPRET else {}),
     )  # fmt: skip
     key = _launch_key(seg, q, cfg)
     if dev.type == "cuda" and key not in _OCCUPANCY:

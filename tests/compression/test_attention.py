@@ -154,8 +154,13 @@ def test_launch_variants_match_reference(fmt, tokens, device, monkeypatch):
     seg = _segment(fmt, s, 3, 16, 2, 64, 11, device)[0]
     q = torch.randn(s, 8, 64, generator=torch.Generator().manual_seed(tokens)).bfloat16().to(device)
     r = decode_attention_reference(q, [seg])
-    for variant in (False, True):
-        monkeypatch.setitem(ta.DECODE_CONFIGS, fmt, ta.DecodeConfig(tokens, 4, 2, variant, variant))
+    variants = (
+        {},
+        {"scale_values": True, "word_unpack": True},
+        {"planes": True, "planes_asm": 2, "max_registers": 128},
+    )
+    for kw in variants:
+        monkeypatch.setitem(ta.DECODE_CONFIGS, fmt, ta.DecodeConfig(tokens, 4, 2, **kw))
         o = decode_attention(q, [seg], backend="triton")
         assert rel_err(o.out.float(), r.out.float()) < 1e-2
         assert torch.allclose(o.block_mass[0], r.block_mass[0], atol=MASS_ATOL)

@@ -11,7 +11,7 @@ are the compiler's, not the GPU's: a loop with fewer instructions can still be s
 memory), so timings still come from `bench/kernels.py --sweep` on the H200.
 
 SPEC is `FMT[:key=value...]` (`triton_attention.parse_decode_spec`: tokens, warps, stages, maxnreg
-and the other `DecodeConfig` fields), e.g. `int4:tokens=64:warps=4:stages=2:word_unpack=1`. Without SPECs, every
+and the other `DecodeConfig` fields), e.g. `int4:tokens=64:warps=4:stages=2:planes=1:unpack_asm=2`. Without SPECs, every
 format's shipped `DECODE_CONFIGS` entry is compiled. Shapes: 32 query heads, 8 KV heads, head dim
 128, block 64, KIVI group 32, the shapes of bench/kernels.py. Compile with the Triton version the
 GPU runs (the device image has 3.6) for numbers that match it; the version used is in the output:
@@ -69,7 +69,7 @@ def _signature(fmt: str, cfg: ta.DecodeConfig) -> tuple[dict, dict, dict]:
         "QUANT": QUANT_CODE[fmt], "HAS_COUNT": False, "GROUP": GROUP, "BITS": 8 // per, "PER": per,
         "G": HQ // H, "G_PAD": ta._p2(HQ // H, 16), "D": D, "BLOCK_D": D, "C": C, "EPT": ept,
         "RS": min(GROUP, C) if kivi else C, "DOT_F32": False, "SCALE_V": cfg.scale_values,
-        "WORDS": cfg.word_unpack, "PLANES": cfg.planes and fmt == "int4", "PLANES_ASM": cfg.planes_asm,
+        "PLANES": cfg.planes and fmt in ("int4", "int2"), "UNPACK_ASM": cfg.unpack_asm,
     }  # fmt: skip
     sig: dict = {}
     for name in kern.arg_names:

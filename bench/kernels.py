@@ -71,6 +71,12 @@ def cb_bytes(cb) -> int:
 
 
 def bench_ms(fn, graph: bool = False, rep: int = 200) -> float:
+    # Triton's do_bench_cudagraph warms up and captures on a new side stream, which is not ordered
+    # after the default stream: without this sync its first call can read inputs (a slot table,
+    # compressed pools) that kernels on the default stream are still writing. That was the
+    # "illegal address at the first capture after 32k x 32" of the 2026-12-01 sweeps; it never
+    # happened under CUDA_LAUNCH_BLOCKING=1 (every launch synchronous).
+    torch.cuda.synchronize()
     if graph:
         try:
             return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
@@ -429,20 +435,17 @@ def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
     return "\n".join(lines) + "\n"  # fmt: skip
 
 
-SWEEP_CONFIGS = [
-    (64, 4, 2, False),
-    (64, 4, 3, False),
-    (128, 4, 2, False),
-    (128, 4, 3, False),
-    (64, 8, 2, False),
-    (64, 4, 2, True),
-    (128, 4, 2, True),
-    (128, 4, 3, True),
-]
-"""(tokens per iteration, warps, stages, variant) tried per format by --sweep; the variant is
-`DecodeConfig.scale_values` for fp8 / int8 and `word_unpack` for int4. Run 2026-12-01 (kernels-h200.md) tried
-(64|128, 4|8, 2|3|4) without the flag: 8 warps were slowest everywhere, 2 stages best but for
-fp8 / int8 / int2 at 128 tokens."""
+SWEEP_SPECS = [
+    "bf16", "bf16:stages=3", "bf16:maxnreg=128",
+    "fp8", "fp8:maxnreg=0", "fp8:scale_values=0",
+    "int8", "int8:unpack_asm=0", "int8:unpack_asm=2",
+    "int4", "int4:maxnreg=0", "int4:planes=0:unpack_asm=0:maxnreg=0",
+    "int2", "int2:maxnreg=168", "int2:planes=0:unpack_asm=0:maxnreg=0:stages=3",
+]  # fmt: skip
+"""What a plain --sweep times (`parse_decode_spec` specs; maxnreg=0: no register cap): each shipped
+config and its closest alternatives. Tried before and slower at 32k x 8: 8 warps everywhere, 128
+tokens but for fp8 / int8 / int2 (2026-12-01), int4 words unpacked by PTX into a join (removed),
+the value planes joined into one dot, maxnreg 96 for int4 (2026-12-02)."""
 SWEEP_FORMATS = ["bf16", "fp8", "int8", "int4", "int2"]
 
 
@@ -481,20 +484,10 @@ def _small_check(fmt: str) -> float:
 
 
 def _sweep_specs(specs: list[str] | None) -> list[tuple]:
-    """(format, config) pairs to time: the given `FMT[:key=value...]` specs, or SWEEP_CONFIGS for
-    every SWEEP_FORMATS format."""
+    """(format, config) pairs to time: the given `FMT[:key=value...]` specs, or SWEEP_SPECS."""
     from proxima.compression import triton_attention as ta
 
-    if specs:
-        return [ta.parse_decode_spec(x) for x in specs]
-    out = []
-    for fmt in SWEEP_FORMATS:
-        for tok, nw, ns, variant in SWEEP_CONFIGS:
-            if variant and fmt not in ("fp8", "int8", "int4"):
-                continue
-            sv, wu = variant and fmt != "int4", variant and fmt == "int4"
-            out.append((fmt, ta.DecodeConfig(tok, nw, ns, scale_values=sv, word_unpack=wu)))
-    return out
+    return [ta.parse_decode_spec(x) for x in specs or SWEEP_SPECS]
 
 
 def sweep(out_dir: str, shapes_only: bool = False, specs: list[str] | None = None) -> None:
@@ -654,7 +647,9 @@ def render_run(run_dir: str, out_dir: str, previous: str | None) -> None:
     if previous:
         with open(previous) as f:
             prev = json.load(f)
-    prev_rows = [r for r in prev["rows"] if r["op"] in ("copy", "compress", "decompress", "quality")] if prev else []
+    # a run's own JSON has "rows"; a rendered kernels-h200.json carries them on as "previous_rows"
+    prev_all = (prev.get("rows") or prev.get("previous_rows", [])) if prev else []
+    prev_rows = [r for r in prev_all if r["op"] in ("copy", "compress", "decompress", "quality")]
     meta = {
         "gpu": env[1].split(",")[0] if len(env) > 1 else "?",
         "driver": env[1].split(",")[-1].strip() if len(env) > 1 else "?",

@@ -2,17 +2,25 @@
 
 Same batch twice: every block hot, then every other block (the tail excepted) compressed to one
 format, so the number shows what reading compressed slots next to vLLM's pages costs or saves.
-Usage: python bench/paged_decode.py [--requests 32 --tokens 8192 --fmt int4]
+Usage: python bench/paged_decode.py [--requests 32 --tokens 8192 --fmt int4 ...] [--config SPEC ...]
+    [--out FILE]
+
+`--config FMT[:key=value...]` replaces a format's decode launch config (`parse_decode_spec`);
+`--out` writes the rows as JSON with the command, GPU, versions and date.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import sys
 
 import torch
 import triton
 
 from proxima.compression import KVLayout, compress_blocks, hot_store, slot_pool, slot_spec, write_slots
+from proxima.compression import triton_attention as ta
 from proxima.compression.paged import PagedRow, paged_attention, plan_rows
 from proxima.formats import Format
 
@@ -23,14 +31,34 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--fmt", default="int4")
+    ap.add_argument("--fmt", nargs="+", default=["int4"])
+    ap.add_argument("--config", nargs="*", default=[], metavar="SPEC", help="FMT[:key=value...] decode config")
+    ap.add_argument("--out", help="write the rows here (JSON)")
     a = ap.parse_args()
-    fmt, r, nb = Format.parse(a.fmt), a.requests, a.tokens // B
+    for spec in a.config:
+        f, cfg = ta.parse_decode_spec(spec)
+        ta.DECODE_CONFIGS[f] = cfg
+    rows = [row for f in a.fmt for row in time_one(Format.parse(f), a.requests, a.tokens)]
+    if a.out:
+        meta = {
+            "command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "decode_configs": {
+                k: [v.tokens, v.num_warps, v.num_stages, v.variant] for k, v in ta.DECODE_CONFIGS.items()
+            },
+        }  # fmt: skip
+        with open(a.out, "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+
+
+def time_one(fmt: Format, r: int, tokens: int) -> list[dict]:
+    nb = tokens // B
     kv = torch.randn(1 + 2 * r * nb, H, B, 2 * D, device="cuda").bfloat16()
     hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=H, head_dim=D)
     pool = slot_pool(kv, slot_spec(fmt, block_size=B, head_dim=D, num_kv_heads=H))
     q = torch.randn(r, HQ, D, device="cuda").bfloat16()
-    plain = [PagedRow(range(1 + i * nb, 1 + (i + 1) * nb), a.tokens) for i in range(r)]
+    plain = [PagedRow(range(1 + i * nb, 1 + (i + 1) * nb), tokens) for i in range(r)]
     comp_rows, srcs, slots = [], [], []
     next_slot = (1 + r * nb) * fmt.pack_ratio  # destinations: the second half of the pool
     for row in plain:
@@ -40,14 +68,19 @@ def main() -> None:
             srcs.append(row.block_ids[j])
             slots.append(next_slot)
             next_slot += 1
-        comp_rows.append(PagedRow(row.block_ids, a.tokens, 1, placements))
+        comp_rows.append(PagedRow(row.block_ids, tokens, 1, placements))
     src = kv[torch.tensor(srcs, device="cuda")].transpose(1, 2)  # [N, B, H, 2D]
     cb = compress_blocks(fmt, src[..., :D].contiguous(), src[..., D:].contiguous())
     write_slots(pool, torch.tensor(slots, device="cuda"), cb)
+    out = []
     for name, rows in (("all hot", plain), (f"half {fmt}", comp_rows)):
         plan = plan_rows(rows, B).to("cuda")
-        ms = triton.testing.do_bench(lambda plan=plan: paged_attention(q, plan, hot, {fmt: pool}))
-        print(f"{name:>12}: {r} requests x {a.tokens} tokens, H={H} Hq={HQ} D={D} B={B}: {ms * 1e3:.0f} us")
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(lambda plan=plan: paged_attention(q, plan, hot, {fmt: pool}), return_mode="median")
+        print(f"{name:>12}: {r} requests x {tokens} tokens, H={H} Hq={HQ} D={D} B={B}: {ms * 1e3:.0f} us", flush=True)
+        out.append({"case": name, "format": str(fmt), "requests": r, "tokens": tokens, "time_us": ms * 1e3})
+    out[1]["vs_all_hot"] = out[1]["time_us"] / out[0]["time_us"]
+    return out
 
 
 if __name__ == "__main__":

@@ -11,9 +11,12 @@ prefetches together with the data tiles that depend on them. A padding entry's s
 
 Dequantization happens in registers and never goes through an int -> float conversion
 instruction (a unit at an eighth of the FMA rate on the H200): int4 / int2 codes become float16
-through the hardware e4m3 -> f16 convert (`_small_codes_f16`), or, for int4 with `word_unpack`,
-by inline PTX that puts two nibbles into the mantissas of a packed f16 pair at once
-(`_int4_words_f16`); int8 codes by the f16 magic number (`_bytes_f16`), fp8 by the e4m3 convert.
+through the hardware e4m3 -> f16 convert, int8 codes by the f16 magic number, fp8 by the e4m3
+convert. With `planes` (the shipped int4 / int2 configs) a tile is unpacked into PER channel
+planes (plane i: channels PER j + i, `_nibble_planes_f16`, `_crumb_planes_f16`), elementwise in
+the loaded bytes, each contracted by its own dot (q, the key scales and the output are split /
+interleaved per plane once, in registers); `unpack_asm` does the unpacking by inline PTX four
+bytes at a time, which Triton's byte-wise code needed 3-4 instructions per code for.
 Compressed formats multiply in f16, the hot path in bf16. Per-token scales (fp8 keys and values,
 int8 values) are not applied per element: a key scale multiplies the score column, a value scale
 the probability column before P @ V.
@@ -69,44 +72,6 @@ def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
         return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), *b.shape[:-1], b.shape[-1] * 4)
 
 
-_NIBBLES_PTX = tl.constexpr(
-    "{\n.reg .b32 t, m, z;\nmov.b32 m, 0x54006400;\nmov.b32 z, 0x00F0000F;\n"
-    + "".join(
-        f"prmt.b32 t, $8, 0, 0x4{j}4{j};\nlop3.b32 t, t, z, m, 0xEA;\nsub.f16x2 t, t, m;\n"
-        f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;\n"
-        for j in range(4)  # byte j of the word -> codes 2j, 2j+1 ($2j, $2j+1)
-    )
-    + "}\n"
-)
-"""One word of packed int4 codes ($8; nibble k is code k) -> its eight codes as exact f16 ($0..$7),
-code pairs (2j, 2j+1) as the halves of one register: a byte permute copies byte j into bytes 0 and
-2, one mask-and-or puts its low nibble into the mantissa of 1024.0 (low half, mantissa bits 0-3)
-and its high nibble into that of 64.0 (high half, bits 4-7, whose weight at 64 is 1), and one
-packed subtraction of (1024, 64) leaves both codes: 3 instructions for 2 codes, no convert."""
-
-
-@triton.jit
-def _int4_words_f16(w, INTERPRETED: tl.constexpr):
-    """int32 words [rows, W] of packed int4 codes (word m holds channels 8m .. 8m+7, nibble k is
-    channel 8m + k) -> exact float16 codes [rows, 8W] in channel order."""
-    if INTERPRETED:  # the interpreter runs no PTX: the same codes by plain ops
-        c0 = (w & 15).to(tl.float16)
-        c1 = ((w >> 4) & 15).to(tl.float16)
-        c2 = ((w >> 8) & 15).to(tl.float16)
-        c3 = ((w >> 12) & 15).to(tl.float16)
-        c4 = ((w >> 16) & 15).to(tl.float16)
-        c5 = ((w >> 20) & 15).to(tl.float16)
-        c6 = ((w >> 24) & 15).to(tl.float16)
-        c7 = ((w >> 28) & 15).to(tl.float16)
-    else:
-        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _NIBBLES_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1
-        )
-    # x[r, m, k4, k2, k1] is code k = 4 k4 + 2 k2 + k1 of word m (a join appends the fastest axis)
-    x = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-    return tl.reshape(x, w.shape[0], 8 * w.shape[1])
-
-
 _PLANES_PTX = tl.constexpr(
     "{\n.reg .b32 l, h;\n.reg .b16 l0, l1, h0, h1;\n"
     "and.b32 l, $4, 0x0F0F0F0F;\nshr.u32 h, $4, 4;\nand.b32 h, h, 0x0F0F0F0F;\n"
@@ -118,13 +83,25 @@ _PLANES_PTX = tl.constexpr(
 f16 code * 2^-9, two per register in byte order: one mask, one shift and mask, four e4m3 -> f16x2
 converts for 8 codes (see `_small_codes_f16` for why a nibble alone in a byte is its e4m3 code)."""
 
+_CRUMB_PLANES_PTX = tl.constexpr(
+    "{\n.reg .b32 c;\n.reg .b16 c0, c1;\n"
+    + "".join(
+        (f"shr.u32 c, $8, {2 * i};\nand.b32 c, c, 0x03030303;\n" if i else "and.b32 c, $8, 0x03030303;\n")
+        + f"mov.b32 {{c0, c1}}, c;\ncvt.rn.f16x2.e4m3x2 ${2 * i}, c0;\ncvt.rn.f16x2.e4m3x2 ${2 * i + 1}, c1;\n"
+        for i in range(4)  # bits 2i, 2i+1 of each byte -> plane i ($2i, $2i+1)
+    )
+    + "}"
+)
+"""Four bytes of packed int2 codes ($8) -> their four planes (bits 2i..2i+1 of every byte, $2i and
+$2i+1) as f16 code * 2^-9: a shift and a mask, then two e4m3 -> f16x2 converts per plane."""
+
 
 @triton.jit
 def _nibble_planes_f16(b, ASM: tl.constexpr):
     """uint8 [..., P] packed int4 codes -> (plane 0, plane 1), float16 code * 2^-9 [..., P] each:
     plane i holds channels 2j + i (byte j's low nibble, then its high nibble). No join, no
     reshape: each plane is elementwise in the loaded bytes, so it stays in the registers and the
-    layout the load gave it, and a decode contracts each plane with its own half of the query
+    layout the load gave it, and a decode contracts each plane with its own part of the query
     channels (`PLANES` in `_decode_kernel`)."""
     if ASM:  # four bytes per instruction group, packed f16 pairs out: no byte extracts
         lo, hi = tl.inline_asm_elementwise(
@@ -134,6 +111,69 @@ def _nibble_planes_f16(b, ASM: tl.constexpr):
         lo = (b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         hi = (b >> 4).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return lo, hi
+
+
+@triton.jit
+def _crumb_planes_f16(b, ASM: tl.constexpr):
+    """uint8 [..., P] packed int2 codes -> four planes, float16 code * 2^-9 [..., P] each: plane i
+    holds channels 4j + i (`_nibble_planes_f16` for int4)."""
+    if ASM:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            _CRUMB_PLANES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float16,) * 4, is_pure=True, pack=4
+        )
+    else:
+        c0 = (b & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c1 = ((b >> 2) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c2 = ((b >> 4) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c3 = (b >> 6).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _planes4(x, R: tl.constexpr, J: tl.constexpr):
+    """[R, 4J] -> its four channel planes [R, J] (plane i: columns 4j + i), in registers."""
+    even, odd = tl.split(tl.reshape(x, (R, J, 2, 2)))  # last axis: bit 0 of the column
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _dequant_plane(c, sc, zp, N: tl.constexpr, NG: tl.constexpr, W: tl.constexpr):
+    """A value plane [N, NG * W] of codes -> codes * scale + zero, per token and group of W plane
+    columns (sc, zp [N, NG], already in the plane's units)."""
+    c = tl.reshape(c, (N, NG, W))
+    return tl.reshape(c * sc[:, :, None] + zp[:, :, None], (N, NG * W))
+
+
+def _bytes_ptx(signed: bool) -> str:
+    """Four bytes ($2) -> four exact f16 ($0, $1, two per register in byte order): a byte permute
+    puts each byte into the low mantissa byte of 1024.0 (0x64XX is 1024 + XX), one packed
+    subtraction removes the 1024 (signed bytes are first offset by 128 with an xor, and 1152 is
+    subtracted). 2-2.5 instructions per 2 codes, no convert."""
+    src, magic = ("w", "0x64806480") if signed else ("$2", "0x64006400")
+    return (
+        "{\n.reg .b32 w, t, m;\n"
+        + ("xor.b32 w, $2, 0x80808080;\n" if signed else "")
+        + f"mov.b32 m, {magic};\n"
+        + f"prmt.b32 t, {src}, 0x64646464, 0x4140;\nsub.f16x2 $0, t, m;\n"
+        + f"prmt.b32 t, {src}, 0x64646464, 0x4342;\nsub.f16x2 $1, t, m;\n}}"
+    )
+
+
+_BYTES_PTX = tl.constexpr(_bytes_ptx(False))
+_SBYTES_PTX = tl.constexpr(_bytes_ptx(True))
+
+
+@triton.jit
+def _codes_f16(b, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """uint8 codes (SIGNED: int8 codes stored as bytes) -> exact float16, elementwise (same shape
+    and layout). ASM: by PTX four bytes at a time (`_bytes_ptx`); else `_bytes_f16`."""
+    if ASM:
+        if SIGNED:
+            return tl.inline_asm_elementwise(_SBYTES_PTX, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_BYTES_PTX, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    return _bytes_f16(b, 128 if SIGNED else 0)
 
 
 @triton.jit
@@ -196,9 +236,8 @@ def _decode_kernel(
     RS: tl.constexpr,  # tokens per row group: min(GROUP, C) for KIVI keys, else C
     DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
     SCALE_V: tl.constexpr,  # fp8 / int8: per-token value scales on the value rows, not on P
-    WORDS: tl.constexpr,  # int4: load 32-bit words and unpack them by PTX (`_int4_words_f16`; no 2^-9)
-    PLANES: tl.constexpr,  # int4: two channel planes, two dots per tile (`_nibble_planes_f16`)
-    PLANES_ASM: tl.constexpr,  # with PLANES: unpack by PTX (compiled only): 1 keys, 2 keys and values
+    PLANES: tl.constexpr,  # int4 / int2: PER channel planes, PER key dots per tile (`_nibble_planes_f16`)
+    UNPACK_ASM: tl.constexpr,  # int8, int4 with PLANES: unpack by PTX (compiled only): 1 keys, 2 keys and values
 ):
     """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
     float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
@@ -213,28 +252,32 @@ def _decode_kernel(
     RPE: tl.constexpr = C // RS  # row groups per entry
     BP: tl.constexpr = BLOCK_D // PER  # stored elements per row, padded to a power of two
     P: tl.constexpr = D // PER
-    W4: tl.constexpr = WORDS and PER == 2 and BLOCK_D == D and not PLANES  # whole words per row
-    SMALL: tl.constexpr = QUANT >= 3 and not W4  # e4m3-unpacked int4 / int2: tiles hold code * 2^-9
+    SMALL: tl.constexpr = QUANT >= 3  # e4m3-unpacked int4 / int2: tiles hold code * 2^-9
     # PLANES (int4, BLOCK_D == D): channel plane i = channels 2j + i; q, the key scales and the
     # output are read / written per plane at stride 2, each tile is contracted plane by plane
-    PL: tl.constexpr = 2 if PLANES else 1
+    PL: tl.constexpr = PER if PLANES else 1
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
     mg = og < G
     md = od < D
     qh = h * G + og  # query heads of this KV head
-    BW: tl.constexpr = BP // 4  # 32-bit words per row (W4)
-    ow = tl.arange(0, BW)
     q = tl.load(q_ptr + seq * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :], other=0.0)
-    q1 = q  # plane 1 of q (PLANES only)
+    q1 = q  # planes 1-3 of q (PLANES only)
+    q2 = q
+    q3 = q
     if PLANES:
-        q, q1 = tl.split(tl.reshape(q, (G_PAD, BP, 2)))
+        if PER == 2:
+            q, q1 = tl.split(tl.reshape(q, (G_PAD, BP, 2)))
+        else:
+            q, q1, q2, q3 = _planes4(q, G_PAD, BP)
     score_scale = sm_scale_log2
     if SMALL:
         score_scale = score_scale * 512.0
     if DOT_F32:
         q = q.to(tl.float32)
         q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
+        q3 = q3.to(tl.float32)
         dot_t: tl.constexpr = tl.float32
     elif QUANT == 0:
         dot_t: tl.constexpr = q_ptr.dtype.element_ty  # type: ignore[no-redef]  # constexpr branches
@@ -243,16 +286,23 @@ def _decode_kernel(
         qmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
         if PLANES:
             qmax = tl.maximum(qmax, tl.max(tl.max(tl.abs(q1.to(tl.float32)), axis=1), axis=0))
+            if PER == 4:
+                qmax = tl.maximum(qmax, tl.max(tl.max(tl.abs(q2.to(tl.float32)), axis=1), axis=0))
+                qmax = tl.maximum(qmax, tl.max(tl.max(tl.abs(q3.to(tl.float32)), axis=1), axis=0))
         qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
         q = (q.to(tl.float32) * (1.0 / qn)).to(tl.float16)
         if PLANES:
             q1 = (q1.to(tl.float32) * (1.0 / qn)).to(tl.float16)
+            q2 = (q2.to(tl.float32) * (1.0 / qn)).to(tl.float16)
+            q3 = (q3.to(tl.float32) * (1.0 / qn)).to(tl.float16)
         score_scale = score_scale * qn
         dot_t: tl.constexpr = tl.float16  # type: ignore[no-redef]
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D // PL), tl.float32)
-    acc1 = tl.zeros((G_PAD, BLOCK_D // PL), tl.float32)  # plane 1 (PLANES only)
+    acc1 = tl.zeros((G_PAD, BLOCK_D // PL), tl.float32)  # planes 1-3 (PLANES only)
+    acc2 = tl.zeros((G_PAD, BLOCK_D // PL), tl.float32)
+    acc3 = tl.zeros((G_PAD, BLOCK_D // PL), tl.float32)
     e_begin = split * E_PER_SPLIT
     e_end = tl.minimum(e_begin + E_PER_SPLIT, E)
     orr = tl.arange(0, NR)
@@ -298,17 +348,20 @@ def _decode_kernel(
             k = tl.trans(tl.load(k_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t))
         else:  # KIVI keys: per channel, one scale / zero row per row group of RS tokens
             if PLANES:
-                kc, kc1 = _nibble_planes_f16(tl.load(k_ptrs, mask=m2, other=0), PLANES_ASM >= 1)
+                if PER == 2:
+                    kc, kc1 = _nibble_planes_f16(tl.load(k_ptrs, mask=m2, other=0), UNPACK_ASM >= 1)
+                    kc2 = kc
+                    kc3 = kc
+                else:
+                    kc, kc1, kc2, kc3 = _crumb_planes_f16(tl.load(k_ptrs, mask=m2, other=0), UNPACK_ASM >= 1)
                 kc = tl.reshape(kc, (NR, RS, BP))
                 kc1 = tl.reshape(kc1, (NR, RS, BP))
-            elif W4:
-                kw_ptrs = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                kw_ptrs = kw_ptrs + ((slot_n * sk_slot + k_row) // 4)[:, None] + ow[None, :]
-                kc = _int4_words_f16(tl.load(kw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
+                kc2 = tl.reshape(kc2, (NR, RS, BP))
+                kc3 = tl.reshape(kc3, (NR, RS, BP))
             elif SMALL:
                 kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), BITS, PER)
             else:
-                kc = _bytes_f16(tl.load(k_ptrs, mask=m2, other=0), 0)
+                kc = _codes_f16(tl.load(k_ptrs, mask=m2, other=0), False, UNPACK_ASM >= 1)
             if not PLANES:
                 kc = tl.reshape(kc, (NR, RS, BLOCK_D))
             if EPT == 1:
@@ -326,16 +379,28 @@ def _decode_kernel(
             if SMALL:
                 zp = zp * 0.001953125  # 2^-9, exact
             if PLANES:  # contiguous loads (the pipeliner prefetches them), split into planes in registers
-                sc, sc1 = tl.split(tl.reshape(sc, (NR, BP, 2)))
-                zp, zp1 = tl.split(tl.reshape(zp, (NR, BP, 2)))
+                if PER == 2:
+                    sc, sc1 = tl.split(tl.reshape(sc, (NR, BP, 2)))
+                    zp, zp1 = tl.split(tl.reshape(zp, (NR, BP, 2)))
+                    sc2, sc3, zp2, zp3 = sc, sc, zp, zp
+                else:
+                    sc, sc1, sc2, sc3 = _planes4(sc, NR, BP)
+                    zp, zp1, zp2, zp3 = _planes4(zp, NR, BP)
             k = tl.reshape(kc.to(dot_t) * sc.to(dot_t)[:, None, :] + zp.to(dot_t)[:, None, :], (BLOCK_N, BLOCK_D // PL))
             k = tl.trans(k)
-            if PLANES:  # plane 1: the odd channels
+            if PLANES:  # the other planes
                 k1 = kc1.to(dot_t) * sc1.to(dot_t)[:, None, :] + zp1.to(dot_t)[:, None, :]
                 k1 = tl.trans(tl.reshape(k1, (BLOCK_N, BP)))
+                if PER == 4:
+                    k2 = kc2.to(dot_t) * sc2.to(dot_t)[:, None, :] + zp2.to(dot_t)[:, None, :]
+                    k2 = tl.trans(tl.reshape(k2, (BLOCK_N, BP)))
+                    k3 = kc3.to(dot_t) * sc3.to(dot_t)[:, None, :] + zp3.to(dot_t)[:, None, :]
+                    k3 = tl.trans(tl.reshape(k3, (BLOCK_N, BP)))
         s = tl.dot(q, k)  # k is [BLOCK_D // PL, BLOCK_N]
-        if PLANES:
-            s = tl.dot(q1, k1, s)  # the odd channels' partial scores add to the even ones'
+        if PLANES:  # the other planes' partial scores add up
+            s = tl.dot(q1, k1, s)
+            if PER == 4:
+                s = tl.dot(q3, k3, tl.dot(q2, k2, s))
         if QUANT == 1:
             ks = tl.load(ks_ptr + slot_n * sks_slot + ks_row, mask=valid_n, other=0.0)
             s = s * (ks * score_scale)[None, :]
@@ -359,7 +424,7 @@ def _decode_kernel(
         elif QUANT == 1:
             v = tl.load(v_ptrs, mask=m2, other=0).to(tl.float8e4nv, bitcast=True).to(dot_t)
         elif QUANT == 2:  # int8 values: symmetric codes in [-127, 127], exact in f16
-            v = _bytes_f16(tl.load(v_ptrs, mask=m2, other=0), 128).to(dot_t)
+            v = _codes_f16(tl.load(v_ptrs, mask=m2, other=0), True, UNPACK_ASM >= 2).to(dot_t)
         else:  # int4 / int2 values: scale and zero per (token, GROUP channels)
             NG: tl.constexpr = BLOCK_D // GROUP
             ogr = tl.arange(0, NG)
@@ -368,20 +433,22 @@ def _decode_kernel(
             vsc = tl.load(vs_ptr + vg_off, mask=vgm, other=0.0).to(dot_t)
             vzp = tl.load(vz_ptr + vg_off, mask=vgm, other=0.0).to(dot_t)
             if PLANES:
-                # plane column j is channel 2j + i: its value group is j // (GROUP / 2) in both
-                vc, vc1 = _nibble_planes_f16(tl.load(v_ptrs, mask=m2, other=0), PLANES_ASM >= 2)
-                vsc1 = vsc.to(dot_t)
-                vzp1 = (vzp * 0.001953125).to(dot_t)
-                vc = tl.reshape(vc, (BLOCK_N, NG, GROUP // 2))
-                vc1 = tl.reshape(vc1, (BLOCK_N, NG, GROUP // 2))
-                v = tl.reshape(vc.to(dot_t) * vsc1[:, :, None] + vzp1[:, :, None], (BLOCK_N, BP))
-                v1 = tl.reshape(vc1.to(dot_t) * vsc1[:, :, None] + vzp1[:, :, None], (BLOCK_N, BP))
-            elif W4:
-                vw_ptrs = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                vw_ptrs = vw_ptrs + ((slot_n * sv_slot + v_row) // 4)[:, None] + ow[None, :]
-                vc = _int4_words_f16(tl.load(vw_ptrs, mask=valid_n[:, None], other=0), DOT_F32)
-                vc = tl.reshape(vc, (BLOCK_N, NG, GROUP))
-                v = vc.to(dot_t) * vsc[:, :, None] + vzp[:, :, None]
+                # plane column j is channel PER j + i: its value group is j // (GROUP / PER) in all
+                vb = tl.load(v_ptrs, mask=m2, other=0)
+                vzp = vzp * 0.001953125
+                # Each plane gets its own dot and accumulator (`acc`, `acc1`..): joining the planes
+                # back into channel order before one dot measured slower on the H200 (int4 315 vs
+                # 275 us at 32k x 8, 2026-12-02), although it has fewer instructions.
+                if PER == 2:
+                    v, v1 = _nibble_planes_f16(vb, UNPACK_ASM >= 2)
+                    v2, v3 = v, v
+                else:
+                    v, v1, v2, v3 = _crumb_planes_f16(vb, UNPACK_ASM >= 2)
+                v = _dequant_plane(v, vsc, vzp, BLOCK_N, NG, GROUP // PER)
+                v1 = _dequant_plane(v1, vsc, vzp, BLOCK_N, NG, GROUP // PER)
+                if PER == 4:
+                    v2 = _dequant_plane(v2, vsc, vzp, BLOCK_N, NG, GROUP // PER)
+                    v3 = _dequant_plane(v3, vsc, vzp, BLOCK_N, NG, GROUP // PER)
             else:
                 vc = tl.reshape(_small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER), (BLOCK_N, NG, GROUP))
                 if SMALL:
@@ -406,6 +473,9 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + pv
         if PLANES:
             acc1 = acc1 * alpha[:, None] + tl.dot(p.to(dot_t), v1)
+            if PER == 4:
+                acc2 = acc2 * alpha[:, None] + tl.dot(p.to(dot_t), v2)
+                acc3 = acc3 * alpha[:, None] + tl.dot(p.to(dot_t), v3)
         # ---- per-entry log-sum-exp, for the block attention mass
         if EPT == 1:
             pe = p_sum[:, None]  # [G_PAD, 1]
@@ -419,12 +489,15 @@ def _decode_kernel(
         tl.store(ent_ptr + (seq * E + e0 + oe[None, :]) * Hq + qh[:, None], ent, mask=me)
     has = l_i > 0
     out_scale = 512.0 if SMALL else 1.0
-    o = acc * (out_scale / tl.where(has, l_i, 1.0))[:, None]
+    inv_l = (out_scale / tl.where(has, l_i, 1.0))[:, None]
+    o = acc * inv_l
+    if PLANES:  # the planes interleave back into channel order
+        if PER == 2:
+            o = tl.reshape(tl.join(o, acc1 * inv_l), (G_PAD, BLOCK_D))
+        else:
+            o = tl.reshape(tl.join(tl.join(o, acc2 * inv_l), tl.join(acc1 * inv_l, acc3 * inv_l)), (G_PAD, BLOCK_D))
     lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * LN2_C, float("-inf"))
     row = (split * S + seq) * Hq + qh
-    if PLANES:  # interleave the planes back into channel order
-        o1 = acc1 * (out_scale / tl.where(has, l_i, 1.0))[:, None]
-        o = tl.reshape(tl.join(o, o1), (G_PAD, BLOCK_D))
     tl.store(o_ptr + row[:, None] * D + od[None, :], o, mask=mg[:, None] & md[None, :])
     tl.store(lse_ptr + row, lse, mask=mg)
 
@@ -444,15 +517,11 @@ class DecodeConfig:
     scale_values: bool = False
     """fp8 / int8: apply per-token value scales to the value rows instead of the probabilities
     (fewer instructions and registers when compiled; fp8 ships with it, the H200 sweep's fastest)."""
-    word_unpack: bool = False
-    """int4: load 32-bit words of packed codes and unpack them by inline PTX into exact f16 codes,
-    3 instructions per 2 codes (`_int4_words_f16`), head dims a multiple of 8, 4-byte aligned pools;
-    the e4m3 path otherwise. Chosen by `bench/kernels.py --sweep` on the H200."""
     planes: bool = False
     """int4: unpack each tile into two channel planes (even / odd channels, `_nibble_planes_f16`)
     contracted by two dots each for keys and values, with no join or reshape of the codes;
-    `planes_asm` does the unpacking by PTX, four bytes at a time."""
-    planes_asm: int = 0
+    `unpack_asm` does the unpacking by PTX, four bytes at a time."""
+    unpack_asm: int = 0
     """With `planes`: unpack by PTX the keys (1) or the keys and the values (2)."""
     max_registers: int | None = None
     """Register cap per thread passed to ptxas (`maxnreg`; None: the compiler's choice). A lower cap
@@ -462,7 +531,7 @@ class DecodeConfig:
     @property
     def variant(self) -> str:
         """The fields beyond tokens / warps / stages that differ from the defaults, e.g.
-        'planes, planes_asm=2, max_registers=128' ('' for none): a label for benchmark tables."""
+        'planes, unpack_asm=2, max_registers=128' ('' for none): a label for benchmark tables."""
         out = []
         for f in dataclasses.fields(self)[3:]:
             v = getattr(self, f.name)
@@ -473,22 +542,25 @@ class DecodeConfig:
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "bf16": DecodeConfig(64, 4, 2),
-    "fp8": DecodeConfig(64, 4, 2, scale_values=True),
-    "int8": DecodeConfig(64, 4, 2),
-    "int4": DecodeConfig(64, 4, 2),
-    "int2": DecodeConfig(64, 4, 3),
+    "fp8": DecodeConfig(64, 4, 2, scale_values=True, max_registers=128),
+    "int8": DecodeConfig(64, 4, 2, unpack_asm=1),
+    "int4": DecodeConfig(64, 4, 2, planes=True, unpack_asm=2, max_registers=128),
+    "int2": DecodeConfig(64, 4, 2, planes=True, unpack_asm=2, max_registers=128),
 }
-"""Per quantization, the fastest of `bench/kernels.py --sweep` on the H200 at 32k x 8 (run of
-2026-12-01 23:30, us): bf16 247.9 (246.0 with 3 stages, within noise), fp8 287.4 (scale_values;
-302.5 at 128 tokens without), int8 327.7, int4 347.5 (358.8 with word_unpack, whose loop has 23%
-fewer instructions: the e4m3 path is not what bounds it), int2 371.6."""
+"""Per quantization, from `bench/kernels.py --sweep` on the H200 at 32k x 8 (2026-12-02, us,
+each against the previous shipped config in the same run): bf16 251.8; fp8 276.5 (281.7 without
+the register cap); int8 313.2 (318.5 without PTX unpacking); int4 269.2 (344.4 before planes;
+274.0 planes without the cap; 314.9 with the value planes joined into one dot); int2 295.3
+(364.1 before planes). int2 ships with the 128-register cap and 2 stages although 168 registers
+time 278.3 at block 64: at vLLM's block 16 (`bench/paged_decode.py`, half the blocks int2) the
+168 cap takes 459-478 us against 393 with 128."""
 
 _SPEC_KEYS = {"tokens": "tokens", "warps": "num_warps", "stages": "num_stages", "maxnreg": "max_registers"}
 
 
 def parse_decode_spec(spec: str) -> tuple[str, DecodeConfig]:
     """`FMT[:key=integer...]` -> (format, its shipped `DecodeConfig` with those fields changed), e.g.
-    `int4:planes=1:planes_asm=2:maxnreg=128`; keys: tokens, warps, stages, maxnreg and the boolean /
+    `int4:planes=1:unpack_asm=2:maxnreg=128`; keys: tokens, warps, stages, maxnreg and the boolean /
     integer fields of `DecodeConfig` by name. For the benchmarks' command lines."""
     fmt, *kvs = spec.split(":")
     if fmt not in DECODE_CONFIGS:
@@ -574,11 +646,6 @@ def plan_splits(q: torch.Tensor, seg: KVSegment, num_splits: int | None) -> int:
     return choose_splits(q.shape[0] * seg.store.num_kv_heads, tiles, sms * occ)
 
 
-def _word_aligned(*ts: torch.Tensor) -> bool:
-    """Every tensor's base address and leading strides allow 32-bit loads of its packed bytes."""
-    return all(t.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in t.stride()[:3]) for t in ts)
-
-
 def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else tuple(t.stride()[:3])  # type: ignore[return-value]
 
@@ -631,8 +698,8 @@ def segment_partial(
         QUANT=QUANT_CODE[quant], HAS_COUNT=lc is not None, GROUP=st.group_size,
         BITS=8 // per, PER=per, G=g, G_PAD=_p2(g, 16), D=d, BLOCK_D=_p2(d, 16), C=c, EPT=ept,
         RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET, SCALE_V=cfg.scale_values,
-        WORDS=cfg.word_unpack and _word_aligned(k_data, v_data),
-        PLANES=cfg.planes and quant == "int4" and _p2(d, 16) == d, PLANES_ASM=0 if INTERPRET else cfg.planes_asm,
+        PLANES=cfg.planes and quant in ("int4", "int2") and _p2(d, 16) == d,
+        UNPACK_ASM=0 if INTERPRET else cfg.unpack_asm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers and not INTERPRET else {}),
     )  # fmt: skip

@@ -144,10 +144,12 @@ def test_segment_rejects_more_tokens_than_a_slot_holds():
         KVSegment(seg.store, seg.slot_table, too_many)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4", "int2"])
 @pytest.mark.parametrize("tokens", [32, 64])
 def test_launch_variants_match_reference(fmt, tokens, device, monkeypatch):
-    """Every launch variant bench/kernels.py --sweep may pick computes the same attention."""
+    """Every launch variant bench/kernels.py --sweep may pick computes the same attention (the
+    interpreter runs no PTX and ignores the register cap: compiled, on the GPU, these variants
+    exercise the inline-PTX unpacking too)."""
     from proxima.compression import triton_attention as ta
 
     s = 2
@@ -156,8 +158,9 @@ def test_launch_variants_match_reference(fmt, tokens, device, monkeypatch):
     r = decode_attention_reference(q, [seg])
     variants = (
         {},
-        {"scale_values": True, "word_unpack": True},
-        {"planes": True, "planes_asm": 2, "max_registers": 128},
+        {"scale_values": True},
+        {"planes": True, "unpack_asm": 2, "max_registers": 128},
+        {"unpack_asm": 2},
     )
     for kw in variants:
         monkeypatch.setitem(ta.DECODE_CONFIGS, fmt, ta.DecodeConfig(tokens, 4, 2, **kw))

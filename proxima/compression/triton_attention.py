@@ -518,11 +518,13 @@ class DecodeConfig:
     """fp8 / int8: apply per-token value scales to the value rows instead of the probabilities
     (fewer instructions and registers when compiled; fp8 ships with it, the H200 sweep's fastest)."""
     planes: bool = False
-    """int4: unpack each tile into two channel planes (even / odd channels, `_nibble_planes_f16`)
-    contracted by two dots each for keys and values, with no join or reshape of the codes;
-    `unpack_asm` does the unpacking by PTX, four bytes at a time."""
+    """int4 / int2 with a power-of-two head dim: unpack each tile into PER channel planes (plane i:
+    channels PER j + i, `_nibble_planes_f16` / `_crumb_planes_f16`), one key dot and one value dot
+    with its own accumulator per plane, with no join or reshape of the codes."""
     unpack_asm: int = 0
-    """With `planes`: unpack by PTX the keys (1) or the keys and the values (2)."""
+    """Unpack by inline PTX, four bytes at a time, the keys (1) or the keys and the values (2):
+    int4 / int2 with `planes`, and int8 (no planes needed: its codes are whole bytes). Compiled
+    kernels only (the interpreter runs the same arithmetic in plain ops)."""
     max_registers: int | None = None
     """Register cap per thread passed to ptxas (`maxnreg`; None: the compiler's choice). A lower cap
     fits more programs per SM (65,536 registers: 4 programs of 4 warps at <= 128) at the price of

@@ -66,10 +66,10 @@ def _signature(fmt: str, cfg: ta.DecodeConfig) -> tuple[dict, dict, dict]:
     }  # fmt: skip
     ept = max(1, cfg.tokens // C)
     consts = {
-        "QUANT": QUANT_CODE[fmt], "HAS_COUNT": False, "GROUP": GROUP, "BITS": 8 // per, "PER": per,
+        "QUANT": QUANT_CODE[fmt], "HAS_COUNT": False, "GROUP": GROUP, "PER": per,
         "G": HQ // H, "G_PAD": ta._p2(HQ // H, 16), "D": D, "BLOCK_D": D, "C": C, "EPT": ept,
         "RS": min(GROUP, C) if kivi else C, "DOT_F32": False, "SCALE_V": cfg.scale_values,
-        "PLANES": cfg.planes and fmt in ("int4", "int2"), "UNPACK_ASM": cfg.unpack_asm,
+        "PLANES": ta._uses_planes(cfg, fmt, D, GROUP), "UNPACK_ASM": cfg.unpack_asm,
     }  # fmt: skip
     sig: dict = {}
     for name in kern.arg_names:

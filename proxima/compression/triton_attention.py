@@ -18,8 +18,8 @@ the loaded bytes, each contracted by its own dot (q, the key scales and the outp
 interleaved per plane once, in registers); `unpack_asm` does the unpacking by inline PTX four
 bytes at a time, which Triton's byte-wise code needed 3-4 instructions per code for.
 Compressed formats multiply in f16, the hot path in bf16. Per-token scales (fp8 keys and values,
-int8 values) are not applied per element: a key scale multiplies the score column, a value scale
-the probability column before P @ V.
+int8 values) are not applied per code: a key scale multiplies the score column, a value scale the
+probability column before P @ V, or, with `scale_values` (fp8's shipped config), the value rows.
 
 The launch configuration (tokens per iteration, warps, pipeline stages) is per format
 (`DECODE_CONFIGS`, chosen by `bench/kernels.py --sweep` on the H200), and the split count follows
@@ -49,7 +49,7 @@ LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
+def _small_codes_f16(b, PER: tl.constexpr):
     """uint8 [..., P] packed int4 / int2 codes -> float16 code * 2^-9 [..., P * PER], channel order.
 
     A code below 16 placed alone in a byte *is* the float8 e4m3 encoding of code * 2^-9 (e4m3's
@@ -60,14 +60,10 @@ def _small_codes_f16(b, BITS: tl.constexpr, PER: tl.constexpr):
     j*PER+PER-1, lowest bits first) moves no data.
     """
     if PER == 2:
-        lo = (b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        hi = (b >> 4).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        lo, hi = _nibble_planes_f16(b, False)
         return tl.reshape(tl.join(lo, hi), *b.shape[:-1], b.shape[-1] * 2)
     else:
-        c0 = (b & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c1 = ((b >> 2) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c2 = ((b >> 4) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c3 = (b >> 6).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c0, c1, c2, c3 = _crumb_planes_f16(b, False)
         # join(join(c0, c2), join(c1, c3))[..., i, o] = c[2 * i + o]: flattening gives channel order
         return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), *b.shape[:-1], b.shape[-1] * 4)
 
@@ -225,7 +221,6 @@ def _decode_kernel(
     QUANT: tl.constexpr,  # spec.QUANT_CODE: 0 bf16, 1 fp8, 2 int8, 3 int4, 4 int2
     HAS_COUNT: tl.constexpr,
     GROUP: tl.constexpr,
-    BITS: tl.constexpr,
     PER: tl.constexpr,  # codes per byte (1 for bf16 / fp8 / int8)
     G: tl.constexpr,  # query heads per KV head
     G_PAD: tl.constexpr,  # G padded to >= 16 (tl.dot's minimum)
@@ -237,7 +232,7 @@ def _decode_kernel(
     DOT_F32: tl.constexpr,  # interpreter only: its 16-bit tl.dot is wrong (Triton 3.9), so dot in f32
     SCALE_V: tl.constexpr,  # fp8 / int8: per-token value scales on the value rows, not on P
     PLANES: tl.constexpr,  # int4 / int2: PER channel planes, PER key dots per tile (`_nibble_planes_f16`)
-    UNPACK_ASM: tl.constexpr,  # int8, int4 with PLANES: unpack by PTX (compiled only): 1 keys, 2 keys and values
+    UNPACK_ASM: tl.constexpr,  # int8; int4 / int2 with PLANES: unpack by PTX (compiled only): 1 keys, 2 + values
 ):
     """Dot dtypes: the hot path multiplies bf16 as cached. Compressed formats dequantize to
     float16 (codes are small integers or e4m3, exact in f16; scales are stored f16) and use f16
@@ -253,8 +248,9 @@ def _decode_kernel(
     BP: tl.constexpr = BLOCK_D // PER  # stored elements per row, padded to a power of two
     P: tl.constexpr = D // PER
     SMALL: tl.constexpr = QUANT >= 3  # e4m3-unpacked int4 / int2: tiles hold code * 2^-9
-    # PLANES (int4, BLOCK_D == D): channel plane i = channels 2j + i; q, the key scales and the
-    # output are read / written per plane at stride 2, each tile is contracted plane by plane
+    # PLANES (int4 / int2, see `_uses_planes`): channel plane i = channels PER j + i; q, the key
+    # scales and the output are loaded / stored contiguously and split into planes / interleaved
+    # back in registers; each tile is contracted plane by plane
     PL: tl.constexpr = PER if PLANES else 1
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
@@ -359,7 +355,7 @@ def _decode_kernel(
                 kc2 = tl.reshape(kc2, (NR, RS, BP))
                 kc3 = tl.reshape(kc3, (NR, RS, BP))
             elif SMALL:
-                kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), BITS, PER)
+                kc = _small_codes_f16(tl.load(k_ptrs, mask=m2, other=0), PER)
             else:
                 kc = _codes_f16(tl.load(k_ptrs, mask=m2, other=0), False, UNPACK_ASM >= 1)
             if not PLANES:
@@ -438,7 +434,7 @@ def _decode_kernel(
                 vzp = vzp * 0.001953125
                 # Each plane gets its own dot and accumulator (`acc`, `acc1`..): joining the planes
                 # back into channel order before one dot measured slower on the H200 (int4 315 vs
-                # 275 us at 32k x 8, 2026-12-02), although it has fewer instructions.
+                # 274 us at 32k x 8, 2026-12-02), although it has fewer instructions.
                 if PER == 2:
                     v, v1 = _nibble_planes_f16(vb, UNPACK_ASM >= 2)
                     v2, v3 = v, v
@@ -450,7 +446,7 @@ def _decode_kernel(
                     v2 = _dequant_plane(v2, vsc, vzp, BLOCK_N, NG, GROUP // PER)
                     v3 = _dequant_plane(v3, vsc, vzp, BLOCK_N, NG, GROUP // PER)
             else:
-                vc = tl.reshape(_small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), BITS, PER), (BLOCK_N, NG, GROUP))
+                vc = tl.reshape(_small_codes_f16(tl.load(v_ptrs, mask=m2, other=0), PER), (BLOCK_N, NG, GROUP))
                 if SMALL:
                     vzp = vzp * 0.001953125  # 2^-9, exact
                 v = vc.to(dot_t) * vsc[:, :, None] + vzp[:, :, None]
@@ -535,7 +531,9 @@ class DecodeConfig:
         """The fields beyond tokens / warps / stages that differ from the defaults, e.g.
         'planes, unpack_asm=2, max_registers=128' ('' for none): a label for benchmark tables."""
         out = []
-        for f in dataclasses.fields(self)[3:]:
+        for f in dataclasses.fields(self):
+            if f.name in ("tokens", "num_warps", "num_stages"):
+                continue
             v = getattr(self, f.name)
             if v != f.default:
                 out.append(f.name if v is True else f"{f.name}={v}")
@@ -563,7 +561,8 @@ _SPEC_KEYS = {"tokens": "tokens", "warps": "num_warps", "stages": "num_stages", 
 def parse_decode_spec(spec: str) -> tuple[str, DecodeConfig]:
     """`FMT[:key=integer...]` -> (format, its shipped `DecodeConfig` with those fields changed), e.g.
     `int4:planes=1:unpack_asm=2:maxnreg=128`; keys: tokens, warps, stages, maxnreg and the boolean /
-    integer fields of `DecodeConfig` by name. For the benchmarks' command lines."""
+    integer fields of `DecodeConfig` by name; maxnreg=0 means no register cap. For the benchmarks'
+    command lines."""
     fmt, *kvs = spec.split(":")
     if fmt not in DECODE_CONFIGS:
         raise ValueError(f"{spec!r}: unknown format {fmt!r} (one of {', '.join(DECODE_CONFIGS)})")
@@ -575,6 +574,10 @@ def parse_decode_spec(spec: str) -> tuple[str, DecodeConfig]:
             keys = ", ".join(sorted(set(_SPEC_KEYS) | set(fields) - set(_SPEC_KEYS.values())))
             raise ValueError(f"{spec!r}: {kv!r} is not key=integer with key in {keys}")
         fields[name] = bool(int(val)) if isinstance(fields[name], bool) else int(val)
+    if not fields["max_registers"]:
+        fields["max_registers"] = None  # maxnreg=0: no cap
+    if fields["unpack_asm"] not in (0, 1, 2):
+        raise ValueError(f"{spec!r}: unpack_asm must be 0, 1 or 2, got {fields['unpack_asm']}")
     return fmt, DecodeConfig(**fields)
 
 
@@ -648,6 +651,14 @@ def plan_splits(q: torch.Tensor, seg: KVSegment, num_splits: int | None) -> int:
     return choose_splits(q.shape[0] * seg.store.num_kv_heads, tiles, sms * occ)
 
 
+def _uses_planes(cfg: DecodeConfig, quant: str, head_dim: int, group_size: int) -> bool:
+    """Whether a launch takes the channel-plane path: int4 / int2 with `planes`, a power-of-two
+    head dim whose planes are at least 16 channels wide (`tl.dot`'s smallest K on the tensor
+    cores), and value groups that split evenly over the planes."""
+    per = VALUES_PER_BYTE.get(quant, 0)
+    return cfg.planes and per > 0 and _p2(head_dim, 16) == head_dim and head_dim // per >= 16 and group_size % per == 0
+
+
 def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else tuple(t.stride()[:3])  # type: ignore[return-value]
 
@@ -698,9 +709,9 @@ def segment_partial(
         tab, ntok, o, lse, ent,
         s, e, hq, e_per_split, sm_scale * LOG2E,
         QUANT=QUANT_CODE[quant], HAS_COUNT=lc is not None, GROUP=st.group_size,
-        BITS=8 // per, PER=per, G=g, G_PAD=_p2(g, 16), D=d, BLOCK_D=_p2(d, 16), C=c, EPT=ept,
+        PER=per, G=g, G_PAD=_p2(g, 16), D=d, BLOCK_D=_p2(d, 16), C=c, EPT=ept,
         RS=min(st.group_size, c) if kivi else c, DOT_F32=INTERPRET, SCALE_V=cfg.scale_values,
-        PLANES=cfg.planes and quant in ("int4", "int2") and _p2(d, 16) == d,
+        PLANES=_uses_planes(cfg, quant, d, st.group_size),
         UNPACK_ASM=0 if INTERPRET else cfg.unpack_asm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers and not INTERPRET else {}),

@@ -1,9 +1,12 @@
 """Mixed-format decode attention: Triton vs reference vs attention over decompressed KV."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from proxima.compression import (
     KVSegment,
@@ -15,6 +18,7 @@ from proxima.compression import (
     decompress_blocks,
 )
 from proxima.compression.synthetic import queries_for, realistic_kv
+from proxima.compression.triton_attention import _codes_f16, _crumb_planes_f16, _nibble_planes_f16
 from tests.compression.conftest import rel_err
 
 
@@ -156,14 +160,90 @@ def test_launch_variants_match_reference(fmt, tokens, device, monkeypatch):
     seg = _segment(fmt, s, 3, 16, 2, 64, 11, device)[0]
     q = torch.randn(s, 8, 64, generator=torch.Generator().manual_seed(tokens)).bfloat16().to(device)
     r = decode_attention_reference(q, [seg])
-    variants = (
-        {},
-        {"scale_values": True},
-        {"planes": True, "unpack_asm": 2, "max_registers": 128},
-        {"unpack_asm": 2},
-    )
-    for kw in variants:
-        monkeypatch.setitem(ta.DECODE_CONFIGS, fmt, ta.DecodeConfig(tokens, 4, 2, **kw))
+    shipped = ta.DECODE_CONFIGS[fmt]
+    kws = ({}, {"scale_values": True}, {"unpack_asm": 2}, {"planes": True, "unpack_asm": 2, "max_registers": 128})
+    variants = [ta.DecodeConfig(tokens, 4, 2, **kw) for kw in kws] + [dataclasses.replace(shipped, tokens=tokens)]
+    for cfg in variants:
+        monkeypatch.setitem(ta.DECODE_CONFIGS, fmt, cfg)
         o = decode_attention(q, [seg], backend="triton")
         assert rel_err(o.out.float(), r.out.float()) < 1e-2
         assert torch.allclose(o.block_mass[0], r.block_mass[0], atol=MASS_ATOL)
+
+
+@pytest.mark.parametrize(
+    "fmt,d,group", [("int2", 32, 32), ("int4", 16, 16), ("int2", 64, 2), ("int4", 64, 1), ("int4", 64, 32)]
+)
+def test_shipped_configs_at_small_heads_and_groups(fmt, d, group, device):
+    """The shipped int4 / int2 configs ask for channel planes; a head dim whose planes would be
+    narrower than a tensor-core dot (K >= 16) or a value group that does not split over the planes
+    falls back to the joined path, and every case computes the reference attention."""
+    from proxima.compression import triton_attention as ta
+
+    per = {"int4": 2, "int2": 4}[fmt]
+    assert ta._uses_planes(ta.DECODE_CONFIGS[fmt], fmt, d, group) == (d // per >= 16 and group % per == 0)
+    s, e, b, h = 2, 3, 64, 2
+    k, v = realistic_kv(s * e + 1, b, h, d, seed=d + group, device=device)
+    cb = compress_blocks(fmt, k, v, group_size=group)
+    table = torch.randperm(s * e + 1, generator=torch.Generator().manual_seed(group))[: s * e].view(s, e).int()
+    ntok = torch.full((s, e), cb.slot_tokens, dtype=torch.int32)
+    ntok[0, -1] = 20
+    seg = KVSegment(cb, table.to(device), ntok.to(device))
+    q = torch.randn(s, 2 * h, d, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+    r = decode_attention_reference(q, [seg])
+    o = decode_attention(q, [seg], backend="triton")
+    assert rel_err(o.out.float(), r.out.float()) < 1e-2
+    assert torch.allclose(o.block_mass[0], r.block_mass[0], atol=MASS_ATOL)
+
+
+def test_parse_decode_spec():
+    from proxima.compression import triton_attention as ta
+
+    fmt, cfg = ta.parse_decode_spec("int4:planes=0:unpack_asm=1:maxnreg=96:tokens=128")
+    assert fmt == "int4" and cfg.planes is False and cfg.unpack_asm == 1 and cfg.max_registers == 96
+    assert cfg.tokens == 128 and cfg.num_warps == ta.DECODE_CONFIGS["int4"].num_warps
+    assert ta.parse_decode_spec("int4:maxnreg=0")[1].max_registers is None
+    assert ta.parse_decode_spec("bf16")[1] == ta.DECODE_CONFIGS["bf16"]
+    assert "planes" in ta.parse_decode_spec("int2")[1].variant
+    with pytest.raises(ValueError, match="unknown format 'int5'"):
+        ta.parse_decode_spec("int5")
+    with pytest.raises(ValueError, match="'bogus=1' is not key=integer"):
+        ta.parse_decode_spec("int4:bogus=1")
+    with pytest.raises(ValueError, match="'tokens=x' is not key=integer"):
+        ta.parse_decode_spec("int4:tokens=x")
+    with pytest.raises(ValueError, match="unpack_asm must be 0, 1 or 2"):
+        ta.parse_decode_spec("int8:unpack_asm=3")
+
+
+@triton.jit
+def _unpack_probe(b_ptr, out_ptr, WHICH: tl.constexpr, ASM: tl.constexpr):
+    """Every byte value through one unpack helper of the decode kernel, planes side by side."""
+    offs = tl.arange(0, 256)
+    b = tl.load(b_ptr + offs)
+    if WHICH == 0:
+        lo, hi = _nibble_planes_f16(b, ASM)
+        tl.store(out_ptr + offs, lo)
+        tl.store(out_ptr + 256 + offs, hi)
+    elif WHICH == 1:
+        c0, c1, c2, c3 = _crumb_planes_f16(b, ASM)
+        tl.store(out_ptr + offs, c0)
+        tl.store(out_ptr + 256 + offs, c1)
+        tl.store(out_ptr + 512 + offs, c2)
+        tl.store(out_ptr + 768 + offs, c3)
+    elif WHICH == 2:
+        tl.store(out_ptr + offs, _codes_f16(b, False, ASM))
+    else:
+        tl.store(out_ptr + offs, _codes_f16(b, True, ASM))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs compiled only: needs a CUDA GPU")
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
+def test_ptx_unpacking_equals_plain_ops(which):
+    """The decode kernel's PTX unpacking (`unpack_asm`) gives the same f16 codes as its plain-op
+    twin, which is what the interpreter runs, for every byte value."""
+    b = torch.arange(256, dtype=torch.uint8, device="cuda")
+    outs = []
+    for asm in (False, True):
+        out = torch.full((1024,), float("nan"), dtype=torch.float16, device="cuda")
+        _unpack_probe[(1,)](b, out, WHICH=which, ASM=asm)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

@@ -676,6 +676,8 @@ def segment_partial(
         raise ValueError(f"o must be contiguous [{splits}, {s}, {hq}, {d}], got {tuple(o.shape)}")
     if c & (c - 1):
         raise ValueError(f"{st.fmt}: the Triton decode kernel needs a power-of-two slot capacity, got {c}")
+    if d < 32:  # int4 at head_dim 16 computed wrong attention compiled on the H200 (cause not found)
+        raise ValueError(f"{st.fmt}: the Triton decode kernel needs head_dim >= 32, got {d}")
     for name, t in (("k_data", st.k_data), ("v_data", st.v_data), ("q", q)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")

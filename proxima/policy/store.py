@@ -115,6 +115,11 @@ class PolicyStore:
     def _install(self, policy: Policy, source: str, comment: str) -> tuple[PolicyVersion, list[Change]]:
         # Caller holds the lock.
         old = self._current
+        was, now = old.policy.storage.group_size, policy.storage.group_size
+        if now != was:
+            # Stored slots and their side tables are laid out for the start-up group size.
+            raise PolicyError([Problem(source, None, None, "storage.group_size",
+                                       f"is fixed while serving: {was} at start-up, got {now}; restart to change it")])
         new = PolicyVersion(old.version + 1, policy, source, self._clock(), comment)
         self._current = new
         self._history.append(new)

@@ -118,3 +118,14 @@ def test_json_schema_is_valid_json_schema() -> None:
     assert band["properties"]["ladder"]["items"]["type"] == "string"
     assert band["additionalProperties"] is False
     yaml.safe_dump(schema)  # serialisable
+
+
+def test_storage_group_size_defaults_to_32_and_is_read() -> None:
+    assert parse_policy(GOOD).storage.group_size == 32
+    assert parse_policy(GOOD + "storage:\n  group_size: 64\n").storage.group_size == 64
+
+
+@pytest.mark.parametrize("bad", ["48", "0", "'64'"])
+def test_storage_group_size_must_be_a_power_of_two(bad: str) -> None:
+    [p] = _problem(GOOD + f"storage:\n  group_size: {bad}\n")
+    assert p.field == "storage.group_size" and p.source == "p.yaml" and p.line == 10

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks, recompressible
-from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
+from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec, check_group_size
 from proxima.formats import HOT, Format
 from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.debug import SplitErrors
@@ -117,6 +117,8 @@ class WorkerStore:
         replaced by the block's next recompression, dropped with the request."""
         self.key_blocks: dict[int, str] = {}
         self.group_size = DEFAULT_GROUP_SIZE
+        """The quantization group of every slot this worker writes: the start-up policy's
+        `storage.group_size` (set in `register`; fixed while serving, as the slots' layout is)."""
         self.report = ProximaReport()
         self.meta_bytes = 0
         self.faults = FaultInjector(rank=rank)
@@ -167,6 +169,11 @@ class WorkerStore:
         self.observe_layer = names[len(names) // 2] if names else None
         policy = policy if policy is not None else _startup_policy()
         if policy is not None:
+            self.group_size = policy.storage.group_size
+            for kv in kv_caches.values():
+                # A group that cannot hold the ladder's formats fails here, once, with its field named.
+                check_group_size(self.group_size, kv.shape[3] // 2, (
+                    policy.layer_format(f, li) for f in policy.all_formats() for li in range(len(kv_caches))))
             self.formats = LayerFormats(policy)
             self.adopt(policy, self.policy_version)
         self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}

@@ -148,8 +148,8 @@ def _snapkv(ratio: float, cache: ProximaCache) -> None:
 
 
 RATIOS = (2, 4, 8)
-EXPERIMENT_RATIOS = (3.5, 4, 8)
-"""Asks for the bench/policies/ candidates (3.5x: what quantization alone reaches at 1k-2k tokens)."""
+EXPERIMENT_RATIOS = (3, 3.5, 4, 8)
+"""Asks for the bench/policies/ candidates (3x and 3.5x: what quantization alone reaches at 1k-2k tokens)."""
 GROUP_VARIANTS = (64,)
 """Quantization groups the uniform int4 / int2 rows are also measured at (`<method>:g<G>`; the
 plain rows use the default, 32): bench/results/experiments/groups/."""

@@ -388,7 +388,8 @@ class ProximaCache(Cache):
         observation_window: queries per layer kept to score tokens (default: the policy's).
         record_probes: keep a `ProbeRecord` per compressed (layer, block) for the damage model.
         group_size: the quantization group (`proxima.compression.spec.SlotSpec.group_size`);
-            None (default): the policy's `storage.group_size`, as the vLLM worker reads it.
+            None (default): the policy's `storage` (`group_size`, per-format `group_sizes`), as
+            the vLLM worker reads it.
         kv_dtype: the dtype a serving KV cache holds (vLLM: bf16). Blocks are cast to it before
             `compress_blocks`, so payloads equal vLLM's even when the model runs in float32 (the
             CPU harness), and hot blocks are counted at its size in `held_nbytes`. None: the
@@ -438,15 +439,20 @@ class ProximaCache(Cache):
         """Per logical block, the format the engine (or a caller) chose; layers may store a substitute."""
 
     @property
-    def group_size(self) -> int:
-        """The quantization group of new compressions: the constructor's, else the policy's
-        `storage.group_size` (what the vLLM worker uses). Each stored block keeps the group it was
-        written with (`CompressedBlocks.group_size`), so reads never depend on this."""
-        return self._group_size if self._group_size is not None else self.policy.storage.group_size
+    def group_size(self) -> int | None:
+        """The quantization group forced for every format (the constructor's), or None: the
+        policy's `storage` decides per format (`group_for`)."""
+        return self._group_size
 
     @group_size.setter
     def group_size(self, value: int | None) -> None:
         self._group_size = value
+
+    def group_for(self, fmt: Format) -> int:
+        """The quantization group of new `fmt` compressions: `group_size` if set, else the policy's
+        `storage.group_for(fmt)` (what the vLLM worker uses). Each stored block keeps the group it
+        was written with (`CompressedBlocks.group_size`), so reads never depend on this."""
+        return self._group_size if self._group_size is not None else self.policy.storage.group_for(fmt)
 
     # -- transformers interface ----------------------------------------------------------------
 
@@ -692,10 +698,11 @@ class ProximaCache(Cache):
             b = layer.tail_k.shape[0] if layer.tail_k is not None else 1
             # What vLLM holds hot is the 16-bit cache; compress exactly that, with the call its worker makes.
             kk, vv = kk.to(self.kv_dtype or kk.dtype), vv.to(self.kv_dtype or vv.dtype)
-            where = "storage.group_size" if self._group_size is None else "ProximaCache(group_size=)"
-            check_group_size(self.group_size, kk.shape[-1], (lf,), where)
+            group = self.group_for(lf)
+            where = self.policy.storage.field_for(lf) if self._group_size is None else "ProximaCache(group_size=)"
+            check_group_size(group, kk.shape[-1], (lf,), where)
             cb = compress_blocks(
-                lf, kk, vv, token_importance=timp, group_size=self.group_size, log_count=lc,
+                lf, kk, vv, token_importance=timp, group_size=group, log_count=lc,
                 source_tokens=layer.block_size, backend=self.backend,
             )
             measured = measure or self.record_probes

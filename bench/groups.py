@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import machine_info  # noqa: E402
 from proxima.compression import attention_errors, compress_blocks, slot_spec  # noqa: E402
 from proxima.compression.synthetic import queries_for, realistic_kv  # noqa: E402
+from proxima.formats import Format  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "experiments" / "groups"
 QUANTS = ("int8", "int4", "int2")
@@ -150,7 +151,98 @@ def smollm2_rows(contexts: int, context_len: int, block_size: int = 64) -> list[
     return rows
 
 
-def markdown(meta: dict, by: list[dict], syn: list[dict], real: list[dict]) -> str:
+META_FORMATS = (("fp8", 32), ("int8", 64), ("int4", 64), ("int2", 32), ("cluster(4)+int4", 64))
+"""Formats whose metadata has float32 fields (fp8 / int8 per-token scales, log-counts), at the group
+each is best at; the fp16 fields (KIVI scales and zeros) are rounded too in the bf16 variant."""
+
+
+def _round_meta(cb, dtype: torch.dtype):
+    """`cb` with every float32 metadata field (scales, log-counts) stored in `dtype` instead:
+    what a leaner side table would hold (`None` keeps the payload as it is)."""
+    from dataclasses import replace
+
+    def r(t):
+        return None if t is None or t.dtype != torch.float32 else t.to(dtype).float()
+
+    fields = {n: r(getattr(cb, n)) for n in ("k_scale", "v_scale", "log_count")}
+    return replace(cb, **{n: t for n, t in fields.items() if t is not None})
+
+
+def _meta_bytes(fmt: str, group: int, f32_as: int) -> tuple[float, float]:
+    """(bytes per token per head, byte ratio) at SmolLM2's geometry with float32 fields at `f32_as` bytes."""
+    s = slot_spec(fmt, block_size=64, head_dim=64, num_kv_heads=1, group_size=group)
+    meta = sum(
+        (f.bytes_per_head() // f.itemsize) * (f32_as if f.dtype == "float32" else f.itemsize) for f in s.meta_fields()
+    )
+    held = s.data_bytes_per_slot + meta
+    return held / 64, s.block_data_bytes / held
+
+
+def metadata_rows(contexts: int, context_len: int, block_size: int = 64) -> list[dict]:
+    """Probe error on SmolLM2's real KV with the float32 metadata fields held in fp16 / bf16
+    instead (issue 18 item 4: 'metadata in the leanest form the probe accepts'). Log-counts need no
+    measurement: a count is an integer <= block size, so a uint8 count is exact (bytes only)."""
+    from proxima.integration.hf import ProximaCache, enable
+    from proxima.models import load
+    from proxima.quality.datasets import text_samples
+
+    model, tok = load()
+    enable(model)
+    errs: dict[tuple[str, str], list[float]] = {}
+    for s in text_samples(tok, context_len, contexts, seed=7):
+        cache = ProximaCache(block_size=block_size)
+        with torch.no_grad():
+            model(torch.tensor([s.context_ids], device=model.device), past_key_values=cache)
+        for li, layer in enumerate(cache.proxima_layers):
+            q = cache.window_queries(li)
+            if q is None:
+                continue
+            wk, wv, _ = layer.materialize()  # [1, H, T, D]
+            n = layer.n_blocks
+            k = wk[0, :, block_size : n * block_size].unflatten(1, (n - 1, block_size)).permute(1, 2, 0, 3)
+            v = wv[0, :, block_size : n * block_size].unflatten(1, (n - 1, block_size)).permute(1, 2, 0, 3)
+            k, v = k.to(torch.bfloat16).contiguous(), v.to(torch.bfloat16).contiguous()
+            qs = q[0].transpose(0, 1)  # [W, Hq, D]
+            for fmt, g in META_FORMATS:
+                cb = compress_blocks(fmt, k, v, group_size=g, backend="torch")
+                for name, dt in (("float32 (stored)", None), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+                    c = cb if dt is None else _round_meta(cb, dt)
+                    errs.setdefault((fmt, name), []).extend(attention_errors(qs, k, v, c).tolist())
+        print(f"[groups] metadata precision, context {s.name}", flush=True)
+    rows = []
+    for fmt, g in META_FORMATS:
+        for name, nbytes in (("float32 (stored)", 4), ("float16", 2), ("bfloat16", 2)):
+            e = errs[(fmt, name)]
+            per_tok, ratio = _meta_bytes(fmt, g, nbytes)
+            rows.append(
+                {
+                    "format": fmt,
+                    "group_size": g,
+                    "float32_fields_as": name,
+                    "n": len(e),
+                    "median": statistics.median(e),
+                    "max": max(e),
+                    "bytes_per_token_head": per_tok,
+                    "bytes_ratio": ratio,
+                }
+            )
+        if Format.parse(fmt).attention_uses_counts:
+            per_tok, ratio = _meta_bytes(fmt, g, 2)
+            spec = slot_spec(fmt, block_size=64, head_dim=64, num_kv_heads=1, group_size=g)
+            lc = spec.slot_tokens  # log_count [C] per head: 2 bytes of fp16 -> 1 byte of uint8 count
+            rows.append(
+                {
+                    "format": fmt,
+                    "group_size": g,
+                    "float32_fields_as": "scales float16, counts uint8 (exact)",
+                    "bytes_per_token_head": per_tok - lc / 64,
+                    "bytes_ratio": spec.block_data_bytes / (per_tok * 64 - lc),
+                }
+            )
+    return rows
+
+
+def markdown(meta: dict, by: list[dict], syn: list[dict], real: list[dict], metas: list[dict]) -> str:
     out = ["# Quantization group size: bytes and attention error (issue 18)", ""]
     out += [f"- {k}: {v}" for k, v in meta.items()] + [""]
     out += ["## Bytes per token per KV head (data + metadata, one layer)", ""]
@@ -182,6 +274,19 @@ def markdown(meta: dict, by: list[dict], syn: list[dict], real: list[dict]) -> s
                 f"| {r['kv']} | {geo} | {r['format']} | {r['group_size']} | {r['n']} | {r['mean']:.4f} | {med} "
                 f"| {r['max']:.4f} |"
             )
+    if metas:
+        out += ["", "## Metadata precision (SmolLM2 real KV, float32 side-table fields held narrower)", ""]
+        out += [
+            "| format | group | float32 fields as | n | median | max | bytes/token/head | byte ratio |",
+            "|---|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in metas:
+            med = f"{r['median']:.4f} | {r['max']:.4f}" if "median" in r else "(no change) | "
+            n = r.get("n", "")
+            out.append(
+                f"| {r['format']} | {r['group_size']} | {r['float32_fields_as']} | {n} | {med} | "
+                f"{r['bytes_per_token_head']:.2f} | {r['bytes_ratio']:.2f} |"
+            )
     invalid = sorted({r["invalid"] for r in by + syn + real if "invalid" in r})
     if invalid:
         out += ["", "Invalid groups (the error SlotSpec / compress_blocks raise):", ""] + [f"- {e}" for e in invalid]
@@ -201,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     by, syn = byte_rows(), synthetic_rows(args.blocks, args.seeds)
     real = [] if args.no_model else smollm2_rows(args.contexts, args.context_len)
+    metas = [] if args.no_model else metadata_rows(args.contexts, args.context_len)
     meta = {
         "command": "python bench/groups.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         **{
@@ -215,9 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "groups.json").write_text(
-        json.dumps({"meta": meta, "bytes": by, "synthetic": syn, "smollm2": real}, indent=2) + "\n"
+        json.dumps(
+            {"meta": meta, "bytes": by, "synthetic": syn, "smollm2": real, "metadata_precision": metas}, indent=2
+        )
+        + "\n"
     )
-    md = markdown(meta, by, syn, real)
+    md = markdown(meta, by, syn, real, metas)
     (args.out / "groups.md").write_text(md)
     print(md)
     return 0

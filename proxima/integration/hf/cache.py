@@ -552,6 +552,11 @@ class ProximaCache(Cache):
 
     # -- importance ----------------------------------------------------------------------------
 
+    def window_queries(self, layer_idx: int) -> torch.Tensor | None:
+        """The observation window's queries of a layer, `[B, Hq, W, D]` after RoPE (what the
+        compression-time probe attends with); None before any was recorded."""
+        return self._obs.get(layer_idx)
+
     def token_importance(self, layer_idx: int) -> torch.Tensor | None:
         """Attention mass each cached token gets from the observation window, `[B, H_kv, T_full]`
         over the full blocks (mean over window queries, summed over each KV head's query heads)."""

@@ -126,6 +126,11 @@ class Format:
 
 
 HOT = Format()
+
+DEFAULT_GROUP_SIZE = 32
+"""KIVI group size: keys are grouped along tokens per channel, values along channels per token.
+The default of a policy's `storage.group_size`; defined here (pure Python) so that the policy
+language and the storage layer (`proxima.compression.spec`) share one constant."""
 QUANTS: tuple[str, ...] = get_args(Quant)
 
 

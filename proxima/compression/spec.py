@@ -14,12 +14,10 @@ can count it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from proxima.formats import Format
-
-DEFAULT_GROUP_SIZE = 32
-"""KIVI group size: keys are grouped along tokens per channel, values along channels per token."""
+from proxima.formats import DEFAULT_GROUP_SIZE, Format
 
 QUANT_CODE: dict[str, int] = {"bf16": 0, "fp8": 1, "int8": 2, "int4": 3, "int2": 4}
 """Integer id of each quantization, used as a `constexpr` selector by the Triton kernels."""
@@ -217,3 +215,20 @@ def slot_spec(
     # The whole storage contract rests on this equality; check it where it is made.
     assert spec.data_bytes_per_slot * f.pack_ratio == spec.block_data_bytes, spec
     return spec
+
+
+def check_group_size(
+    group_size: int, head_dim: int, formats: Iterable[Format], where: str = "storage.group_size"
+) -> None:
+    """Raise a `ValueError` naming `where` if `group_size` cannot store one of `formats` at this
+    head dim (int4 / int2 values are grouped along the head dim, so the group must divide it).
+    Both integrations call it before their first compression, so a policy whose group does not fit
+    the model fails at start-up with its field named, not at every compression batch."""
+    if not _is_pow2(group_size):
+        raise ValueError(f"{where}={group_size}: the quantization group size must be a power of two")
+    bad = sorted({f.name for f in formats if f.quant in VALUES_PER_BYTE and head_dim % group_size})
+    if bad:
+        raise ValueError(
+            f"{where}={group_size} does not divide the model's head_dim {head_dim}: {', '.join(bad)} group values "
+            f"along the head dim (use a power of two <= {head_dim}; {head_dim} = one group per token and head)"
+        )

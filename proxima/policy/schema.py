@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from proxima.formats import HOT, Format, FormatError
+from proxima.formats import DEFAULT_GROUP_SIZE, HOT, Format, FormatError
 
 SCHEMA_VERSION = 1
 
@@ -129,6 +129,49 @@ class Importance(_Model):
     """Exponential moving average factor for per-block attention mass (higher = longer memory)."""
     observation_window: int = Field(default=32, ge=1, le=4096)
     """Recent queries per layer kept to score tokens at compression time (sparsify, cluster weights)."""
+
+
+class Storage(_Model):
+    """How compressed blocks are laid out. Fixed for a server's lifetime: a slot written with one
+    group size cannot be read with another, so a live policy change that alters it is refused
+    (`proxima.policy.store.PolicyStore`)."""
+
+    group_size: int = Field(default=DEFAULT_GROUP_SIZE, ge=1, le=1 << 16)
+    """KIVI quantization group (int8 / int4 / int2): keys per channel in groups of this many tokens,
+    int4 / int2 values per token in groups of this many channels (it must divide the head dim;
+    checked against the model at start-up). A power of two. Larger groups hold less metadata
+    (int4 at block 64, head_dim 64: 3.20x bytes at 32, 3.56x at 64) and cost precision:
+    bench/results/experiments/groups/."""
+
+    group_sizes: dict[Literal["int8", "int4", "int2"], Annotated[int, Field(ge=1, le=1 << 16)]] = Field(
+        default_factory=dict
+    )
+    """Per quantization, a group that replaces `group_size` for it, e.g. `{int4: 64}`: the measured
+    trade differs by format (on SmolLM2, int4 at 64 keeps uniform int4's quality for 11% more bytes
+    ratio; int2 at 64 loses passkeys)."""
+
+    @field_validator("group_size")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"group_size must be a power of two (16, 32, 64, ...), got {v}")
+        return v
+
+    @field_validator("group_sizes")
+    @classmethod
+    def _pow2_each(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {q: g for q, g in v.items() if g & (g - 1)}
+        if bad:
+            raise ValueError(f"group sizes must be powers of two (16, 32, 64, ...), got {bad}")
+        return v
+
+    def group_for(self, fmt: Format) -> int:
+        """The group every slot of `fmt` is quantized with (formats that are not KIVI-grouped ignore it)."""
+        return self.group_sizes.get(fmt.quant, self.group_size)  # type: ignore[arg-type]
+
+    def field_for(self, fmt: Format) -> str:
+        """The policy field `group_for(fmt)` comes from (for error messages)."""
+        return f"storage.group_sizes.{fmt.quant}" if fmt.quant in self.group_sizes else "storage.group_size"
 
 
 class LayerOverride(_Model):
@@ -343,6 +386,7 @@ class Policy(_Model):
     budget: Budget = Budget()
     importance: Importance = Importance()
     layer_overrides: list[LayerOverride] = Field(default_factory=list)
+    storage: Storage = Storage()
     damage: Damage = Damage()
     probes: Probes = Probes()
     fallback: Fallback = Fallback()
@@ -388,4 +432,4 @@ class Policy(_Model):
 
 
 OFF = Policy(name="off", enabled=False)
-__all__ = ["HOT", "OFF", "SCHEMA_VERSION", "Band", "Policy", "default_damage"]
+__all__ = ["HOT", "OFF", "SCHEMA_VERSION", "Band", "Policy", "Storage", "default_damage"]

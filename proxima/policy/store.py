@@ -115,6 +115,15 @@ class PolicyStore:
     def _install(self, policy: Policy, source: str, comment: str) -> tuple[PolicyVersion, list[Change]]:
         # Caller holds the lock.
         old = self._current
+        was, now = old.policy.storage, policy.storage
+        if now != was:
+            # Stored slots and their side tables are laid out for the start-up group sizes.
+            if now.group_size != was.group_size:
+                field, old_v, new_v = "storage.group_size", str(was.group_size), str(now.group_size)
+            else:
+                field, old_v, new_v = "storage.group_sizes", str(was.group_sizes), str(now.group_sizes)
+            msg = f"is fixed while serving: {old_v} at start-up, got {new_v}; restart to change it"
+            raise PolicyError([Problem(source, None, None, field, msg)])
         new = PolicyVersion(old.version + 1, policy, source, self._clock(), comment)
         self._current = new
         self._history.append(new)

@@ -90,12 +90,14 @@ def _policy(name: str, ratio: float, calibrate: bool, cache: ProximaCache) -> No
     cache.apply_policy(target_ratio=ratio)
 
 
-def _format(fmt: str, cache: ProximaCache) -> None:
+def _format(fmt: str, cache: ProximaCache, group_size: int | None = None) -> None:
     bs = cache.block_size
+    cache.group_size = group_size
     cache.compress_all(fmt, protect_sinks=bs, protect_recent=bs)
 
 
-def _uniform(fmt: str, cache: ProximaCache) -> None:
+def _uniform(fmt: str, cache: ProximaCache, group_size: int | None = None) -> None:
+    cache.group_size = group_size
     cache.compress_all(fmt)
 
 
@@ -146,6 +148,11 @@ def _snapkv(ratio: float, cache: ProximaCache) -> None:
 
 
 RATIOS = (2, 4, 8)
+EXPERIMENT_RATIOS = (3, 3.5, 4, 8)
+"""Asks for the bench/policies/ candidates (3x and 3.5x: what quantization alone reaches at 1k-2k tokens)."""
+GROUP_VARIANTS = (64,)
+"""Quantization groups the uniform int4 / int2 rows are also measured at (`<method>:g<G>`; the
+plain rows use the default, 32): bench/results/experiments/groups/."""
 POLICIES = ("conservative", "balanced", "aggressive")
 FORMATS_BY_RATIO: dict[int, tuple[str, ...]] = {
     2: ("int8",),
@@ -168,16 +175,23 @@ def all_methods() -> list[Method]:
         ]
     experiments = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")) if EXPERIMENTS.is_dir() else []
     for p in experiments:
-        out += [Method(f"proxima:{p}@{r}x", "proxima", r, partial(_policy, p, r, False)) for r in (4, 8)]
+        out += [
+            Method(f"proxima:{p}@{r:g}x", "proxima", r, partial(_policy, p, r, False)) for r in EXPERIMENT_RATIOS
+        ]
     for r in RATIOS:
         out += [Method(f"streaming_llm@{r}x", "reference", r, partial(_streaming, r))]
         out += [Method(f"snapkv@{r}x", "reference", r, partial(_snapkv, r))]
     out += [Method("kivi-int4", "reference", 4, partial(_uniform, "int4"))]
+    out += [Method(f"kivi-int4:g{g}", "reference", 4, partial(_uniform, "int4", group_size=g)) for g in GROUP_VARIANTS]
     out += [Method("fp8", "reference", 2, partial(_uniform, "fp8"))]
     for r, fmts in FORMATS_BY_RATIO.items():
         for f in fmts:
             assert Format.parse(f).pack_ratio == r
             out += [Method(f"format:{f}", "format", r, partial(_format, f))]
+            if Format.parse(f).reduction is None and f != "int8":
+                out += [
+                    Method(f"format:{f}:g{g}", "format", r, partial(_format, f, group_size=g)) for g in GROUP_VARIANTS
+                ]
     return out
 
 
@@ -189,7 +203,10 @@ def select(names: list[str] | None) -> list[Method]:
     unknown = [n for n in names if n not in by and not any(m.name.startswith(n) for m in methods)]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; valid: {sorted(by)}")
-    chosen = [m for m in methods if m.name in names or any(m.name.startswith(n) for n in names)]
+    # A full method name selects that method only (`kivi-int4` is not also `kivi-int4:g64`);
+    # anything else selects every method it begins (`proxima:quantized` -> all its ratios).
+    prefixes = [n for n in names if n not in by]
+    chosen = [m for m in methods if m.name in names or any(m.name.startswith(n) for n in prefixes)]
     if chosen[0].name != "baseline":
         chosen.insert(0, by["baseline"])  # every metric is relative to the uncompressed model
     return chosen

@@ -67,3 +67,26 @@ def test_bytes_ratio_edges():
     assert bytes_ratio(100, 25) == 4.0
     with pytest.raises(ValueError, match="byte counts"):
         bytes_ratio(100, -1)
+
+
+def test_group_size_check_names_the_field_and_the_formats() -> None:
+    """int4 / int2 values group along the head dim, so a group must divide it; int8 values are per
+    token and fp8 / bf16 are not grouped, so any power of two stores them."""
+    from proxima.compression.spec import check_group_size
+
+    fmts = [Format.parse(f) for f in ("int8", "cluster(2)+int4", "int2", "fp8")]
+    check_group_size(64, 64, fmts)
+    check_group_size(128, 64, [Format.parse("int8"), Format.parse("fp8")])
+    want = r"storage\.group_size=128 does not divide the model's head_dim 64: cluster\(2\)\+int4, int2"
+    with pytest.raises(ValueError, match=want):
+        check_group_size(128, 64, fmts)
+    with pytest.raises(ValueError, match=r"ProximaCache\(group_size=\)=48: .* power of two"):
+        check_group_size(48, 64, fmts, "ProximaCache(group_size=)")
+
+
+@pytest.mark.parametrize(("fmt", "g32", "g64"), [("int8", 1.83, 1.88), ("int4", 3.20, 3.56), ("int2", 5.33, 6.40)])
+def test_group_64_byte_ratios_at_smollm2_geometry(fmt: str, g32: float, g64: float) -> None:
+    """The numbers docs/compression.md and bench/results/experiments/groups/ quote (block 64, head_dim 64)."""
+    for g, want in ((32, g32), (64, g64)):
+        spec = slot_spec(fmt, block_size=64, head_dim=64, num_kv_heads=3, group_size=g)
+        assert spec.bytes_ratio == pytest.approx(want, abs=0.005)

@@ -118,3 +118,25 @@ def test_json_schema_is_valid_json_schema() -> None:
     assert band["properties"]["ladder"]["items"]["type"] == "string"
     assert band["additionalProperties"] is False
     yaml.safe_dump(schema)  # serialisable
+
+
+def test_storage_group_size_defaults_to_32_and_is_read() -> None:
+    assert parse_policy(GOOD).storage.group_size == 32
+    assert parse_policy(GOOD + "storage:\n  group_size: 64\n").storage.group_size == 64
+    st = parse_policy(GOOD + "storage:\n  group_size: 64\n  group_sizes: {int2: 32}\n").storage
+    assert [st.group_for(Format.parse(f)) for f in ("int8", "int4", "cluster(2)+int4", "int2")] == [64, 64, 64, 32]
+    assert (st.field_for(Format.parse("int2")), st.field_for(Format.parse("int4"))) == (
+        "storage.group_sizes.int2", "storage.group_size")
+
+
+def test_storage_group_sizes_are_powers_of_two_of_known_quantizations() -> None:
+    [p] = _problem(GOOD + "storage:\n  group_sizes: {int4: 48}\n")
+    assert p.field == "storage.group_sizes" and "{'int4': 48}" in p.message
+    [p] = _problem(GOOD + "storage:\n  group_sizes: {int3: 64}\n")
+    assert p.field.startswith("storage.group_sizes")
+
+
+@pytest.mark.parametrize("bad", ["48", "0", "'64'"])
+def test_storage_group_size_must_be_a_power_of_two(bad: str) -> None:
+    [p] = _problem(GOOD + f"storage:\n  group_size: {bad}\n")
+    assert p.field == "storage.group_size" and p.source == "p.yaml" and p.line == 10

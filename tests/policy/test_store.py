@@ -104,3 +104,16 @@ def test_hot_reload_keeps_live_policy_on_bad_file(tmp_path: Path) -> None:
     assert watcher.poll() is None
     assert store.current.version == 2 and errors and "invalid YAML" in str(errors[0])
     assert watcher.last_error is errors[0]
+
+
+def test_a_live_change_of_the_group_size_is_refused(store: PolicyStore) -> None:
+    """Slots are laid out for the start-up quantization group: a new policy that changes it would
+    make the stored blocks unreadable, so it never replaces the live one (also by patch)."""
+    before = store.current
+    with pytest.raises(PolicyError) as info:
+        store.patch({"storage": {"group_size": 64}}, "api")
+    [p] = info.value.problems
+    assert p.field == "storage.group_size" and "fixed while serving: 32 at start-up, got 64" in p.message
+    assert store.current is before and len(store.history()) == 1
+    store.patch({"storage": {"group_size": 32}, "budget": {"max_blocks_per_step": 7}}, "api")  # unchanged: fine
+    assert store.current.version == 2

@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from proxima.compression.attention import attention_errors
 from proxima.compression.blocks import Backend, CompressedBlocks, compress_blocks, decompress_blocks, recompressible
-from proxima.compression.spec import bytes_ratio, kv16_bytes
+from proxima.compression.spec import bytes_ratio, check_group_size, kv16_bytes
 from proxima.formats import HOT, Format
 from proxima.integration.hf import attention
 from proxima.policy.engine import Action, EngineState, decide
@@ -387,6 +387,9 @@ class ProximaCache(Cache):
             compressed store stays resident.
         observation_window: queries per layer kept to score tokens (default: the policy's).
         record_probes: keep a `ProbeRecord` per compressed (layer, block) for the damage model.
+        group_size: the quantization group (`proxima.compression.spec.SlotSpec.group_size`);
+            None (default): the policy's `storage` (`group_size`, per-format `group_sizes`), as
+            the vLLM worker reads it.
         kv_dtype: the dtype a serving KV cache holds (vLLM: bf16). Blocks are cast to it before
             `compress_blocks`, so payloads equal vLLM's even when the model runs in float32 (the
             CPU harness), and hot blocks are counted at its size in `held_nbytes`. None: the
@@ -406,7 +409,7 @@ class ProximaCache(Cache):
         keep_working_copy: bool = True,
         observation_window: int | None = None,
         record_probes: bool = False,
-        group_size: int = 32,
+        group_size: int | None = None,
         kv_dtype: torch.dtype | None = torch.bfloat16,
         backend: Backend = "auto",
     ) -> None:
@@ -423,7 +426,7 @@ class ProximaCache(Cache):
         self.keep_working_copy = keep_working_copy
         self.window = observation_window or self.policy.importance.observation_window
         self.record_probes = record_probes
-        self.group_size = group_size
+        self._group_size = group_size
         self.kv_dtype = kv_dtype
         self.backend: Backend = backend
         self.engine_state = EngineState()
@@ -434,6 +437,22 @@ class ProximaCache(Cache):
         self._pending_bias: int | None = None
         self.chosen: list[Format] = []
         """Per logical block, the format the engine (or a caller) chose; layers may store a substitute."""
+
+    @property
+    def group_size(self) -> int | None:
+        """The quantization group forced for every format (the constructor's), or None: the
+        policy's `storage` decides per format (`group_for`)."""
+        return self._group_size
+
+    @group_size.setter
+    def group_size(self, value: int | None) -> None:
+        self._group_size = value
+
+    def group_for(self, fmt: Format) -> int:
+        """The quantization group of new `fmt` compressions: `group_size` if set, else the policy's
+        `storage.group_for(fmt)` (what the vLLM worker uses). Each stored block keeps the group it
+        was written with (`CompressedBlocks.group_size`), so reads never depend on this."""
+        return self._group_size if self._group_size is not None else self.policy.storage.group_for(fmt)
 
     # -- transformers interface ----------------------------------------------------------------
 
@@ -532,6 +551,11 @@ class ProximaCache(Cache):
         return sum(ratios) / len(ratios) if ratios else 1.0
 
     # -- importance ----------------------------------------------------------------------------
+
+    def window_queries(self, layer_idx: int) -> torch.Tensor | None:
+        """The observation window's queries of a layer, `[B, Hq, W, D]` after RoPE (what the
+        compression-time probe attends with); None before any was recorded."""
+        return self._obs.get(layer_idx)
 
     def token_importance(self, layer_idx: int) -> torch.Tensor | None:
         """Attention mass each cached token gets from the observation window, `[B, H_kv, T_full]`
@@ -679,8 +703,11 @@ class ProximaCache(Cache):
             b = layer.tail_k.shape[0] if layer.tail_k is not None else 1
             # What vLLM holds hot is the 16-bit cache; compress exactly that, with the call its worker makes.
             kk, vv = kk.to(self.kv_dtype or kk.dtype), vv.to(self.kv_dtype or vv.dtype)
+            group = self.group_for(lf)
+            where = self.policy.storage.field_for(lf) if self._group_size is None else "ProximaCache(group_size=)"
+            check_group_size(group, kk.shape[-1], (lf,), where)
             cb = compress_blocks(
-                lf, kk, vv, token_importance=timp, group_size=self.group_size, log_count=lc,
+                lf, kk, vv, token_importance=timp, group_size=group, log_count=lc,
                 source_tokens=layer.block_size, backend=self.backend,
             )
             measured = measure or self.record_probes

@@ -191,7 +191,7 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             _n, h, b, d = store.geometry(layer)
             k = torch.zeros(1, b, h, d, dtype=kv.dtype, device=kv.device)
             imp = torch.ones(1, b, h, device=kv.device) if stored.reduction is not None else None
-            cb = compress_blocks(stored, k, k, token_importance=imp, group_size=store.group_size,
+            cb = compress_blocks(stored, k, k, token_importance=imp, group_size=store.group_for(stored),
                                  backend=self.kernel_backend)
             decompress_blocks(cb, backend=self.kernel_backend)
             store.dtypes.setdefault(stored, (cb.k_data.dtype, cb.v_data.dtype))

@@ -95,7 +95,7 @@ class ProximaState:
     def create(cls, policy: Policy, pool: BlockPool, config: KVCacheConfig, check: bool, ranks: int = 1
                ) -> ProximaState:
         blocks = VllmBlockSource(pool)
-        meta = MetaSizes(config, ranks)
+        meta = MetaSizes(config, ranks, policy.storage)
         st = cls(policy=policy, effective=policy, formats=set(), blocks=blocks, packer=SlotPacker(blocks),
                  meta=meta, charge=SideTableCharge(pool, meta.block_bytes), check=check)
         st.adopt(policy, version=0)  # the worker loaded the same startup policy: nothing to send

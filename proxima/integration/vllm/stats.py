@@ -16,6 +16,7 @@ from proxima.integration.vllm.ledger import RequestLedger
 from proxima.integration.vllm.pool_usage import total_blocks
 from proxima.integration.vllm.side_tables import SideTableCharge
 from proxima.placement import SlotPacker
+from proxima.policy.schema import Storage
 
 
 @dataclass
@@ -75,8 +76,10 @@ class MetaSizes:
     rank's heads; every rank holds its heads' blocks and side table, so both sizes are the spec's
     times `ranks` (all ranks together)."""
 
-    def __init__(self, config: KVCacheConfig, ranks: int = 1) -> None:
+    def __init__(self, config: KVCacheConfig, ranks: int = 1, storage: Storage | None = None) -> None:
         group = config.kv_cache_groups[0]
+        self.storage = storage if storage is not None else Storage()
+        """The start-up policy's `storage`: the worker's slots' metadata is laid out for its groups."""
         self.spec = group.kv_cache_spec
         self.layers = len(group.layer_names)
         self.ranks = ranks
@@ -91,7 +94,8 @@ class MetaSizes:
         cached = self._cache.get(fmt)
         if cached is None:
             s = self.spec
-            ss = SlotSpec(fmt, s.block_size, s.head_size, s.num_kv_heads)  # type: ignore[attr-defined]
+            ss = SlotSpec(fmt, s.block_size, s.head_size, s.num_kv_heads,  # type: ignore[attr-defined]
+                          self.storage.group_for(fmt))
             cached = self._cache[fmt] = ss.meta_bytes_per_slot * self.layers * self.ranks
         return cached
 

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks, recompressible
-from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec
+from proxima.compression.spec import SlotSpec, check_group_size
 from proxima.formats import HOT, Format
 from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.debug import SplitErrors
@@ -32,7 +32,7 @@ from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, P
 from proxima.integration.vllm.ranks import check_remap
 from proxima.integration.vllm.timing import StepTimes
 from proxima.integration.vllm.worker_probe import RecentQueries, check_batch
-from proxima.policy.schema import Policy
+from proxima.policy.schema import Policy, Storage
 
 logger = logging.getLogger("proxima.vllm")
 
@@ -116,7 +116,9 @@ class WorkerStore:
         epoch, which the action (plain format names) cannot carry. One per recompressed block,
         replaced by the block's next recompression, dropped with the request."""
         self.key_blocks: dict[int, str] = {}
-        self.group_size = DEFAULT_GROUP_SIZE
+        self.storage = Storage()
+        """The quantization groups of the slots this worker writes (`group_for`): the start-up
+        policy's `storage` (set in `register`; fixed while serving, as the slots' layout is)."""
         self.report = ProximaReport()
         self.meta_bytes = 0
         self.faults = FaultInjector(rank=rank)
@@ -167,6 +169,12 @@ class WorkerStore:
         self.observe_layer = names[len(names) // 2] if names else None
         policy = policy if policy is not None else _startup_policy()
         if policy is not None:
+            self.storage = policy.storage
+            stored = {policy.layer_format(f, li) for f in policy.all_formats() for li in range(len(kv_caches))}
+            for kv in kv_caches.values():
+                # A group that cannot hold the ladder's formats fails here, once, with its field named.
+                for f in sorted(stored, key=lambda f: f.name):
+                    check_group_size(self.group_for(f), kv.shape[3] // 2, (f,), self.storage.field_for(f))
             self.formats = LayerFormats(policy)
             self.adopt(policy, self.policy_version)
         self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
@@ -186,6 +194,10 @@ class WorkerStore:
         self.formats.adopt(policy)
         self.policy, self.policy_version = policy, version
 
+    def group_for(self, fmt: Format) -> int:
+        """The quantization group of `fmt`'s slots (the start-up policy's `storage`)."""
+        return self.storage.group_for(fmt)
+
     def geometry(self, layer: str) -> tuple[int, int, int, int]:
         """(num_blocks, H_kv, block_size, head_dim) of a layer's `[N, H, B, 2D]` tensor."""
         n, h, b, d2 = self.kv_caches[layer].shape
@@ -198,7 +210,7 @@ class WorkerStore:
             return p
         kv = self.kv_caches[layer]
         n, h, b, d = self.geometry(layer)
-        spec = SlotSpec(fmt, b, d, h, self.group_size)
+        spec = SlotSpec(fmt, b, d, h, self.group_for(fmt))
         r, c = fmt.pack_ratio, spec.slot_tokens
         # Byte views; the element types (which may differ for keys and values) are applied on
         # read and write, from what `compress_blocks` produced.
@@ -392,7 +404,7 @@ class WorkerStore:
                 # A reduced block's rows are no longer token positions: uniform importance (the
                 # counts still weight the merge), as its per-token history cannot be mapped to them.
                 imp = (self.importance_of(acts, b, h) if counts is None else torch.ones(counts.shape)).to(kv.device)
-            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_size,
+            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_for(fmt_l),
                                  backend=_kernels(kv), log_count=counts, source_tokens=b)
             staged.append((self.pool(layer, fmt_l), cb))
         # Writes happen only after every layer compressed: a failure above leaves no partial slot.

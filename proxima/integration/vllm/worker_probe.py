@@ -43,8 +43,9 @@ class ProbedStore(Protocol):
     observe_layer: str | None
     recent_queries: RecentQueries
     formats: LayerFormats
-    group_size: int
     policy: Policy | None
+
+    def group_for(self, fmt: Format) -> int: ...
 
     def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
@@ -141,7 +142,7 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
         imp = None
         if f_l.reduction is not None:
             imp = (store.importance_of(sub, b, h) if lc is None else torch.ones(lc.shape)).to(kv.device)
-        cb = compress_blocks(f_l, k[idx], v[idx], token_importance=imp, group_size=store.group_size,
+        cb = compress_blocks(f_l, k[idx], v[idx], token_importance=imp, group_size=store.group_for(f_l),
                              backend="auto" if kv.is_cuda else "torch", log_count=lc, source_tokens=b)
         return attention_errors(q_obs[idx], k[idx], v[idx], cb, q_valid=valid[idx], sm_scale=scale,
                                 ref_log_count=lc)

@@ -352,3 +352,32 @@ def test_target_ratio_is_reached_in_bytes(model, ids, monkeypatch):
     passes.apply_policy(target_ratio=3.5)
     assert passes.achieved_ratio() >= 3.5 * (1 - 1e-3)
     assert passes.achieved_ratio() < one_round.nominal_ratio()  # asked for more, not for everything
+
+
+def test_group_size_comes_from_the_policy_unless_given() -> None:
+    """`storage.group_size` (the vLLM worker's setting) is the cache's too; an explicit
+    `group_size=` overrides it; a group that cannot store the format at this head dim is refused
+    with the setting named, and nothing is stored."""
+    from pathlib import Path
+
+    from proxima.policy.schema import Storage
+
+    base = load_policy(Path(__file__).resolve().parents[3] / "configs" / "balanced.yaml")
+    lean = base.model_copy(update={"storage": Storage(group_size=64)})
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
+    held = {}
+    for name, cache in (("policy", ProximaCache(lean)), ("default", ProximaCache(base)),
+                        ("explicit", ProximaCache(lean, group_size=32))):
+        cache.update(k, v, 0)
+        cache.compress_blocks([0], Format.parse("int4"))
+        slot = cache.proxima_layers[0].slots[0]
+        assert slot is not None
+        held[name] = (slot.cb.group_size, slot.nbytes)
+    assert held["policy"][0] == 64 and held["default"][0] == 32 and held["explicit"] == held["default"]
+    assert held["policy"][1] < held["default"][1]
+    bad = ProximaCache(base.model_copy(update={"storage": Storage(group_size=128)}))
+    bad.update(k, v, 0)
+    with pytest.raises(ValueError, match=r"storage\.group_size=128 does not divide the model's head_dim 64: int4"):
+        bad.compress_blocks([0], Format.parse("int4"))
+    assert bad.proxima_layers[0].slots[0] is None

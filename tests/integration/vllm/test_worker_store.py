@@ -237,3 +237,70 @@ def test_merged_blocks_recompress_with_counts_adding() -> None:
     rep = st.take_report()
     assert rep is not None and rep.failed == [2] and "recompressible" in rep.errors[0]
     assert st.remap["r"][0] == (c4, 11, 0)  # the block stays where it was
+
+
+def _policy_with_group(group: int, per_quant: dict[str, int] | None = None):
+    from proxima.policy.loader import load_policy
+    from proxima.policy.schema import Storage
+
+    base = load_policy(Path(__file__).resolve().parents[3] / "configs" / "balanced.yaml")
+    # The probe off (with no observed queries it would defer the action) and no layer overrides:
+    # the layout is what is tested.
+    probe = base.probes.compression.model_copy(update={"enabled": False})
+    probes = base.probes.model_copy(update={"compression": probe})
+    storage = Storage(group_size=group, group_sizes=per_quant or {})
+    return base.model_copy(update={"storage": storage, "probes": probes, "layer_overrides": []})
+
+
+@pytest.mark.parametrize(("fmt", "per_quant"), [
+    ("int8", None), ("int4", None), ("int2", None), ("cluster(2)+int4", None),
+    ("int4", {"int2": 32}), ("int2", {"int2": 32}),  # group 64 except int2: int2 at 32, int4 at 64
+])
+def test_policy_group_size_reaches_both_integrations(fmt: str, per_quant: dict[str, int] | None) -> None:
+    """`storage.group_size` is one setting: the worker (from the policy it registers with) and the
+    transformers cache (from its policy) store the same bytes at group 64, and hold the leaner
+    metadata `slot_spec(group_size=64)` counts (int4 at block 128 / head_dim 64: 64 bytes of scales
+    and zeros fewer per head than at 32)."""
+    from proxima.compression.spec import slot_spec
+    from proxima.integration.hf import ProximaCache
+
+    policy = _policy_with_group(64, per_quant)
+    f = Format.parse(fmt)
+    want = (per_quant or {}).get(f.quant, 64)
+    torch.manual_seed(0)
+    caches = {f"layer.{i}": torch.randn(NB, H, B, 2 * D).to(torch.bfloat16) for i in range(2)}
+    st = WorkerStore()
+    st.register(caches, policy)
+    assert st.group_for(f) == want
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=3, dst=10, slot=0, fmt=fmt)]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [1], rep and rep.errors
+    assert st.layout is not None
+    k, v = st.layout.read_blocks(caches["layer.0"], torch.tensor([3]))
+    hf = ProximaCache(policy, block_size=B)
+    hf.update(k.transpose(1, 2).float(), v.transpose(1, 2).float(), 0)
+    hf.compress_blocks([0], f)
+    slot = hf.proxima_layers[0].slots[0]
+    assert slot is not None and slot.cb.group_size == want
+    pool = st.pool("layer.0", f)
+    assert pool.spec.group_size == want
+    sid = 10 * f.pack_ratio
+    assert torch.equal(slot.cb.k_data[0].contiguous().view(torch.uint8), pool.k[sid].contiguous().view(torch.uint8))
+    for name, t in pool.meta.items():
+        assert torch.equal(getattr(slot.cb, name)[0].contiguous().view(torch.uint8), t[sid].view(torch.uint8)), name
+    lean = slot_spec(f, block_size=B, head_dim=D, num_kv_heads=H, group_size=want)
+    assert slot.nbytes == lean.held_bytes_per_slot
+    if f.quant != "int8" and want == 64:  # int8 values keep a per-token scale: only its keys' groups shrink
+        assert lean.meta_bytes_per_slot < slot_spec(f, block_size=B, head_dim=D, num_kv_heads=H).meta_bytes_per_slot
+
+
+def test_a_group_that_does_not_divide_head_dim_fails_at_registration() -> None:
+    """int4 values are grouped along the head dim: group 128 cannot store them at head_dim 64. The
+    worker refuses the policy when the caches are registered, naming the field, instead of failing
+    every compression batch later."""
+    caches = {"layer.0": torch.zeros(NB, H, B, 2 * D, dtype=torch.bfloat16)}
+    with pytest.raises(ValueError, match=r"storage\.group_size=128 does not divide the model's head_dim 64"):
+        WorkerStore().register(caches, _policy_with_group(128))
+    want = r"storage\.group_sizes\.int4=128 does not divide the model's head_dim 64: cluster\(2\)\+int4"
+    with pytest.raises(ValueError, match=want):
+        WorkerStore().register(caches, _policy_with_group(32, {"int4": 128}))

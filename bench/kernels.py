@@ -78,6 +78,11 @@ def bench_ms(fn, graph: bool = False, rep: int = 200) -> float:
     # happened under CUDA_LAUNCH_BLOCKING=1 (every launch synchronous).
     torch.cuda.synchronize()
     if graph:
+        # and warm up on the default stream: the first timing of a new kernel in a process ran
+        # 1.4-1.5x slow at 4k x 1 (int4 16.0 vs 11.8 us re-timed in the same process, 2026-12-02)
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
         try:
             return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
         except Exception as e:  # capture can fail on a host sync; eager timing is then the fallback

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 
 import torch
@@ -42,7 +41,7 @@ def main() -> None:
     rows = [row for f in a.fmt for row in time_one(Format.parse(f), a.requests, a.tokens)]
     if a.out:
         meta = {
-            "command": "python " + " ".join(sys.argv), "git_commit": _git_commit(), "gpu": torch.cuda.get_device_name(),
+            "command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "decode_configs": {
@@ -51,14 +50,6 @@ def main() -> None:
         }  # fmt: skip
         with open(a.out, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown (no git here)"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no git here)"
 
 
 def time_one(fmt: Format, r: int, tokens: int) -> list[dict]:

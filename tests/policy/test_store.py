@@ -104,3 +104,20 @@ def test_hot_reload_keeps_live_policy_on_bad_file(tmp_path: Path) -> None:
     assert watcher.poll() is None
     assert store.current.version == 2 and errors and "invalid YAML" in str(errors[0])
     assert watcher.last_error is errors[0]
+
+
+def test_the_engines_requirements_refuse_a_candidate_and_change_nothing() -> None:
+    from proxima.policy.loader import Problem
+
+    store = PolicyStore(load_policy(CONFIGS / "conservative.yaml"))
+    store.patch({"probes": {"drift": {"enabled": True}}}, "api")  # version 2: allowed, no requirement yet
+    store.requirements = lambda p, src: (
+        [Problem(src, None, None, "probes.drift.enabled", "no observer here")] if p.probes.drift.enabled else [])
+    with pytest.raises(PolicyError, match="no observer here") as err:
+        store.patch({"budget": {"max_blocks_per_step": 9}}, "api")  # drift still on in the merged policy
+    assert err.value.problems[0].field == "probes.drift.enabled"
+    with pytest.raises(PolicyError):
+        store.rollback(2)
+    assert store.current.version == 2
+    store.patch({"probes": {"drift": {"enabled": False}}}, "api")
+    assert store.current.version == 3 and not store.policy.probes.drift.enabled

@@ -96,6 +96,8 @@ COST_LABELS = {
 TOKEN = "fallback-bench"
 BLOCK = 32
 PROMPT_TOKENS = 160
+RESUME = False
+"""`--resume DIR`: reuse the runs whose results an interrupted invocation left in DIR."""
 STEP_LIMIT = 400
 """Engine steps after the rollback within which the bad policy must have been stepped down."""
 
@@ -359,10 +361,14 @@ def _child_good(model: str, pool_blocks: int, requests: int, max_tokens: int, wa
 
 class _Receiver(BaseHTTPRequestHandler):
     received: ClassVar[list[dict[str, Any]]] = []
+    log: ClassVar[Path | None] = None
+    """Where the receipts are also written (a resumed invocation reads them back)."""
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.received.append({"at": time.time(), "alert": json.loads(body)})
+        if self.log is not None:
+            self.log.write_text(json.dumps(self.received))
         self.send_response(204)
         self.end_headers()
 
@@ -379,6 +385,9 @@ def _free_port() -> int:
 
 
 def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path, tag: str = "") -> dict[str, Any]:
+    name = f"{policy.stem}-{kind}{'-' + tag if tag else ''}-result.json"
+    if RESUME and (tmp / name).exists():  # `--resume`: a run of an interrupted invocation, reused
+        return dict(json.loads((tmp / name).read_text()))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
     env.update({"PROXIMA_POLICY": str(policy), "PROXIMA_API_PORT": str(_free_port()), "PROXIMA_API_TOKEN": TOKEN,
                 "PROXIMA_STATS_FILE": str(tmp / f"{kind}-stats.json"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -388,7 +397,6 @@ def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path, tag: str = "
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{kind} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    name = f"{policy.stem}-{kind}{'-' + tag if tag else ''}-result.json"
     (tmp / name).write_text(lines[-1])  # each run's result as soon as it is in
     return dict(json.loads(lines[-1]))
 
@@ -617,6 +625,8 @@ def main() -> None:
                     help="requests each cost run serves (and the canary rounds it waits for) before its clock starts")
     ap.add_argument("--cost-configs", default="off,default",
                     help=f"comma-separated cost-run policies, 'off' among them: {', '.join(COST_CONFIGS)}")
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="the run directory of an interrupted invocation (same arguments): its runs are reused")
     ap.add_argument("--cost-only", action="store_true", help="only the cost runs (their table and JSON)")
     ap.add_argument("--contrast", action="store_true",
                     help="also run the bad policy with the compression-time probe off and the canary on")
@@ -638,7 +648,13 @@ def main() -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     webhook = f"http://127.0.0.1:{server.server_address[1]}/alerts"
-    tmp = Path(tempfile.mkdtemp(prefix="proxima-fallback-"))
+    global RESUME
+    RESUME = a.resume is not None
+    tmp = a.resume if a.resume is not None else Path(tempfile.mkdtemp(prefix="proxima-fallback-"))
+    print(f"runs in {tmp}", file=sys.stderr)
+    _Receiver.log = tmp / "webhook.json"
+    if RESUME and _Receiver.log.exists():
+        _Receiver.received.extend(json.loads(_Receiver.log.read_text()))
     bad, bad_off = tmp / "bad.yaml", tmp / "bad-probes-off.yaml"
     bad.write_text(BAD_POLICY.format(probes="true", canary="false", webhook=webhook))
     # The contrast: no compression-time probe; the canary alone watches the policy.

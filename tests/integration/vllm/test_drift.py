@@ -180,8 +180,8 @@ def test_the_verdict_compares_the_same_output_positions() -> None:
 
 
 def test_which_requests_the_engine_compresses_does_not_fake_drift() -> None:
-    """A selection effect, as the bench measured it with 4-token requests: the requests the engine
-    compresses are the uncertain ones (here: exactly the more uncertain half, before and after
+    """A selection effect (the candidate cause of the drift the bench showed with 4-token requests):
+    the requests the engine compresses are the uncertain ones (here: exactly the more uncertain half, before and after
     their blocks are compressed; compression itself changes nothing). Their tokens alone against
     the holdout look like drift; the compressible sample as a whole (drawn like the holdout)
     does not."""

@@ -457,6 +457,18 @@ def drift_selection(history: list[Any]) -> dict[str, Any]:
         a, b = np.array(old_side), np.array(hold_side)
         r = drift_test(DriftSample(a[:, 0], a[:, 1]), DriftSample(b[:, 0], b[:, 1]), DriftProbe(enabled=True))
         out["compressed_tokens_only_vs_holdout"] = {"passed": r.passed, **r.values}
+    # The test's false-alarm rate on this traffic: windows of 10 requests a side drawn at random
+    # from the run's requests (both samples pooled: alike under a good policy), as many draws.
+    pool = np.array([(h[2], h[3]) for h in history])
+    cfg, draws, rng = DriftProbe(enabled=True, window=10), 2000, np.random.default_rng(0)
+    if len(pool) >= 2 * cfg.window:
+        fails = 0
+        for _ in range(draws):
+            idx = rng.permutation(len(pool))[: 2 * cfg.window]
+            x, y = pool[idx[: cfg.window]], pool[idx[cfg.window:]]
+            fails += not drift_test(DriftSample(x[:, 0], x[:, 1]), DriftSample(y[:, 0], y[:, 1]), cfg).passed
+        out["random_windows"] = {"draws": draws, "failures": fails, "requests": len(pool),
+                                 "entropy_sd_per_request": float(pool[:, 1].std())}
     return out
 
 
@@ -488,6 +500,11 @@ def markdown(res: dict[str, Any]) -> str:
                        if isinstance(v, dict) and "entropy_excess" in v and v["entropy_excess"] is not None)
     rows.append((f"drift, {res['good_max_tokens']}-token requests: entropy minus the holdout's at the same position "
                  "(nats; requests)", excess))
+    cal = sel.get("random_windows")
+    if cal:
+        rows.append(("drift: false alarms of random 10-vs-10 windows of the run's requests (nominal 1%)",
+                     f"{cal['failures']} of {cal['draws']} ({cal['requests']} requests; per-request entropy sd "
+                     f"{cal['entropy_sd_per_request']:.2f} nats)"))
     naive = sel.get("compressed_tokens_only_vs_holdout")
     if naive:
         rows.append(("drift: the compressed tokens only against the holdout (the old comparison)",
@@ -693,6 +710,7 @@ def main() -> None:
         "machine": machine_info(),
         "date": machine_info()["date"],
         "wall_s": time.time() - t0,
+        "resumed_from": None if a.resume is None else str(a.resume),  # (then wall_s is this invocation's only)
         "steps_to_step_down": b["steps_to_step_down"] if b["stepped_down"] else None,
         "seconds_to_step_down": b["seconds_to_step_down"] if b["stepped_down"] else None,
         "webhook_alerts": [al["kind"] for al in webhook_alerts],

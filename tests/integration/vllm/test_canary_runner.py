@@ -148,7 +148,7 @@ def test_a_canary_prefilled_in_one_step_is_said_to_measure_nothing_and_not_score
             m.build_plan([t.submitted[-1]])
             live.after_plan()
             canary = api.get("/v1/stats").json()["probe_progress"]["canary"]
-            measurable = 320 > chunk_tokens
+            measurable = chunk_tokens < 320
             assert canary["prompt_tokens"] == 320 and canary["measurable"] is measurable
             got = runner.tick()
             if measurable:

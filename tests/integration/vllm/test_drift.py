@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 from proxima.integration.vllm import drift, drift_observer
-from proxima.integration.vllm.live import NO_DRIFT_OBSERVER, LiveControl
 from proxima.integration.vllm.canary import CANARY_PREFIX
+from proxima.integration.vllm.live import NO_DRIFT_OBSERVER, LiveControl
 from proxima.policy.loader import load_policy
 from proxima.policy.probes import DriftSample, drift_test
 from proxima.policy.schema import DriftProbe, Policy
 from tests.integration.vllm.engine_helpers import test_model
-from tests.integration.vllm.test_live_control import AUTH, B, TOKEN, _free_port, _manager, _prefilled
+from tests.integration.vllm.test_live_control import AUTH, TOKEN, B, _free_port, _manager, _prefilled
 
 ROOT = Path(__file__).resolve().parents[3]
 HALF = DriftProbe(enabled=True, holdout_fraction=0.5, window=10, p_value=0.01)
@@ -103,7 +103,7 @@ def test_holdout_requests_are_never_compressed_and_only_the_two_samples_are_tagg
 
 
 def test_without_the_observer_nothing_is_held_out_or_tagged() -> None:
-    m, reqs, canary, hold, comp, rest = _pressured(drift_observer=False)
+    m, reqs, canary, hold, _comp, _rest = _pressured(drift_observer=False)
     assert not m.px.holdout
     planned = {a.req_id for a in m.build_plan([*reqs, canary.request_id]).actions}
     assert planned & set(hold), "a holdout with no observer would be kept uncompressed for nothing"

@@ -91,6 +91,10 @@ class PolicyStore:
         self._current = first
         self._history: list[PolicyVersion] = [first]
         self._listeners: list[Callable[[PolicyVersion, PolicyVersion], None]] = []
+        self.requirements: Callable[[Policy, str], list[Problem]] | None = None
+        """What the engine behind this store cannot do: the problems of a candidate policy (e.g. a
+        drift probe in an engine without its observer). A candidate with any is refused, as an
+        invalid one (`PolicyError`); the first version is not checked (the engine started with it)."""
 
     @classmethod
     def from_file(cls, path: str | Path) -> PolicyStore:
@@ -114,6 +118,9 @@ class PolicyStore:
 
     def _install(self, policy: Policy, source: str, comment: str) -> tuple[PolicyVersion, list[Change]]:
         # Caller holds the lock.
+        problems = self.requirements(policy, source) if self.requirements is not None else []
+        if problems:
+            raise PolicyError(problems)
         old = self._current
         was, now = old.policy.storage, policy.storage
         if now != was:

@@ -117,3 +117,21 @@ def test_a_live_change_of_the_group_size_is_refused(store: PolicyStore) -> None:
     assert store.current is before and len(store.history()) == 1
     store.patch({"storage": {"group_size": 32}, "budget": {"max_blocks_per_step": 7}}, "api")  # unchanged: fine
     assert store.current.version == 2
+
+
+def test_the_engines_requirements_refuse_a_candidate_and_change_nothing() -> None:
+    from proxima.policy.loader import Problem
+
+    store = PolicyStore(load_policy(CONFIGS / "conservative.yaml"))
+    store.patch({"probes": {"drift": {"enabled": True}}}, "api")  # version 2: allowed, no requirement yet
+    store.requirements = lambda p, src: (
+        [Problem(src, None, None, "probes.drift.enabled", "no observer here")] if p.probes.drift.enabled else []
+    )
+    with pytest.raises(PolicyError, match="no observer here") as err:
+        store.patch({"budget": {"max_blocks_per_step": 9}}, "api")  # drift still on in the merged policy
+    assert err.value.problems[0].field == "probes.drift.enabled"
+    with pytest.raises(PolicyError):
+        store.rollback(2)
+    assert store.current.version == 2
+    store.patch({"probes": {"drift": {"enabled": False}}}, "api")
+    assert store.current.version == 3 and not store.policy.probes.drift.enabled

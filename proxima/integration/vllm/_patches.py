@@ -13,8 +13,8 @@ Every patch here is version-checked (`check_vllm_version`) and names the hook it
      user chose none, and refuses to start, saying what to pass, if the user chose another one:
      vLLM's own backends would read the freed source blocks of compressed blocks. A policy that
      is off leaves vLLM's choice untouched;
-   * when the startup policy enables the drift probe, adds its logits processor
-     (`drift_observer.DriftObserver`; vLLM's own `logits_processors` option, filled for the user).
+   * adds the drift probe's logits processor (`drift_observer.DriftObserver`; vLLM's own
+     `logits_processors` option, filled for the user), idle until a policy enables the probe.
 2. The KV manager's class is swapped on the live instance (`adopt_kv_manager`). Missing hook:
    `Scheduler.__init__` constructs `KVCacheManager` directly, with no config option naming its
    class (the connector only receives the built instance, through `bind_kv_cache_manager`).
@@ -123,16 +123,16 @@ def select_attention_backend(args: Any, policy: Policy, on_cuda: bool) -> str | 
     return None
 
 
-def add_drift_observer(args: Any, policy: Policy) -> None:
-    """The drift probe's logits processor (`drift_observer.DriftObserver`), when the startup policy enables
-    the probe: vLLM builds its logits processors once, at start-up, and refuses custom ones with
-    speculative decoding (then the drift probe cannot run: said once, here)."""
+def add_drift_observer(args: Any) -> None:
+    """The drift probe's logits processor (`drift_observer.DriftObserver`), in every engine Proxima's
+    connector runs in, whatever the startup policy: vLLM builds its logits processors once, at
+    start-up, and a policy may enable the drift probe later. Idle (no request tagged) it costs a
+    dictionary check per step. vLLM refuses custom logits processors with speculative decoding:
+    then the drift probe cannot run (said here, and by the API when a policy enables it)."""
     import logging
 
     from proxima.integration.vllm.drift_observer import DriftObserver
 
-    if not policy.probes.drift.enabled:
-        return
     if getattr(args, "speculative_config", None):
         logging.getLogger("proxima.vllm").warning(
             "proxima: the drift probe needs a logits processor, which vLLM refuses with speculative decoding: "
@@ -169,7 +169,7 @@ def install(policy: Policy) -> None:
                         self.kv_transfer_config.kv_role, CONNECTOR_ROLE)
             self.kv_transfer_config.kv_role = CONNECTOR_ROLE
         if getattr(self.kv_transfer_config, "kv_connector", None) == CONNECTOR_NAME:
-            add_drift_observer(self, policy)
+            add_drift_observer(self)
             chosen = select_attention_backend(self, policy, on_cuda)
             if chosen is not None:
                 logger.warning("proxima: attention backend %s selected (policy %r compresses on CUDA)",

@@ -100,6 +100,28 @@ def forced_actions(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool
     return decide(snap, unprotected, state).actions
 
 
+def prefill_chunk_tokens(vllm_config: Any) -> int:
+    """The most prompt tokens vLLM 0.32 prefills for one request in one step: the step budget
+    (`--max-num-batched-tokens`), or `--long-prefill-token-threshold` when set and lower; with
+    chunked prefill off, a whole prompt (`max_model_len`)."""
+    sc = vllm_config.scheduler_config
+    if not getattr(sc, "enable_chunked_prefill", True):
+        return int(vllm_config.model_config.max_model_len)
+    chunk = int(sc.max_num_batched_tokens)
+    threshold = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
+    return min(chunk, threshold) if threshold > 0 else chunk
+
+
+def chunking_problem(prompt_tokens: int, chunk_tokens: int) -> str | None:
+    """Why a live canary of `prompt_tokens` measures nothing with this chunk size, or None."""
+    if prompt_tokens > chunk_tokens:
+        return None
+    return (f"the canary prompt ({prompt_tokens} tokens) is prefilled in one step (at most {chunk_tokens} prompt "
+            f"tokens a step): none of its blocks can be compressed before its log-probs are computed, so it "
+            f"measures nothing; start vLLM with --max-num-batched-tokens (or --long-prefill-token-threshold) "
+            f"below {prompt_tokens}")
+
+
 def _row(entry: Mapping[Any, Any] | None) -> dict[int, tuple[float, int]]:
     """vLLM's per-position dict as token -> (logprob, rank): token -> `Logprob` from an engine, or
     the JSON of the completions endpoint (token id as a string -> {"logprob": .., "rank": ..})."""
@@ -154,5 +176,18 @@ def evaluate(references: Sequence[Sequence[Mapping[Any, Any] | None]],
     return evaluate_canary(ref, live, cfg)
 
 
-__all__ = ["CANARY_PREFIX", "COMPLETIONS_PREFIX", "REFERENCE_PREFIX", "TOP_K", "evaluate", "forced_actions",
-           "is_canary", "is_reference", "is_special", "logprob_bins", "special_requests"]
+__all__ = [
+    "CANARY_PREFIX",
+    "COMPLETIONS_PREFIX",
+    "REFERENCE_PREFIX",
+    "TOP_K",
+    "chunking_problem",
+    "evaluate",
+    "forced_actions",
+    "is_canary",
+    "is_reference",
+    "is_special",
+    "logprob_bins",
+    "prefill_chunk_tokens",
+    "special_requests",
+]

@@ -17,7 +17,9 @@ on), a *reference* round for the live policy version (compression off: the engin
 compresses a reference), then a *live* round at once and every `probes.canary.interval_s` after
 (compressed at the current ladder level regardless of pressure). A new policy version gets new
 references before its next live round; a live round that straddles a version change measured
-neither policy and is dropped. One round is in flight at a time, so the canaries' share of the
+neither policy and is dropped, and so is every live round while the engine says its canaries
+measure nothing (`Control.canary_problem`: prompts no longer than what vLLM prefills in one
+step; logged, and in `status()`). One round is in flight at a time, so the canaries' share of the
 engine is at most `len(prompts)` single-token requests per interval.
 """
 
@@ -78,6 +80,11 @@ class Control(Protocol):
 
     def report(self, result: ProbeResult) -> None: ...
 
+    def canary_problem(self) -> str | None:
+        """Why the engine's live canaries measure nothing (its prompts are prefilled in one step:
+        `probe_progress.canary.problem`, `canary.chunking_problem`), or None."""
+        ...
+
 
 @dataclass
 class _Round:
@@ -103,6 +110,8 @@ class CanaryRunner:
         self.next_at = 0.0
         self.verdicts: list[dict[str, Any]] = []
         self.last_error: str | None = None
+        self.cannot_measure: str | None = None
+        """Why the last live round was not scored (the engine prefills canaries in one step)."""
         self._cfg = CanaryProbe()
 
     # -- one step of the schedule ------------------------------------------------------------------
@@ -157,6 +166,13 @@ class CanaryRunner:
             logger.info("proxima: canary round of policy v%d dropped: the policy is at v%d now", rnd.version, version)
             self.next_at = now  # new references, then a live round of the new policy
             return None
+        problem = self.control.canary_problem()
+        if problem is not None:  # a verdict of a canary that measured nothing would pass for nothing
+            if problem != self.cannot_measure:
+                logger.warning("proxima: canary round of policy v%d not scored: %s", rnd.version, problem)
+            self.cannot_measure = problem
+            return None
+        self.cannot_measure = None
         verdict = evaluate(self.references[1], rows, cfg)
         result = ProbeResult(verdict.kind, verdict.passed,
                              {**verdict.values, "policy_version": float(version), "round_s": now - rnd.started},
@@ -169,7 +185,7 @@ class CanaryRunner:
     def status(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "in_flight": self.round is not None, "verdicts": len(self.verdicts),
                 "reference_version": None if self.references is None else self.references[0],
-                "last_error": self.last_error}
+                "last_error": self.last_error, "cannot_measure": self.cannot_measure}
 
     def run(self, stop: Callable[[], bool], period_s: float = 0.25) -> None:
         """Tick until `stop()` (a server's runner thread)."""
@@ -196,6 +212,12 @@ class RuntimeApi:
         doc = r.json()
         cfg = CanaryProbe.model_validate(doc["policy"]["probes"]["canary"])
         return int(doc["version"]), bool(cfg.enabled and doc["policy"]["enabled"]), cfg
+
+    def canary_problem(self) -> str | None:
+        r = self.client.get("/v1/stats")
+        r.raise_for_status()
+        problem = (r.json().get("probe_progress") or {}).get("canary", {}).get("problem")
+        return None if problem is None else str(problem)
 
     def report(self, result: ProbeResult) -> None:
         body = {"kind": result.kind, "passed": result.passed, "values": result.values, "detail": result.detail}

@@ -91,9 +91,14 @@ class ProximaConnector(KVConnectorBase_V1):
         if self.manager is not None and os.environ.get(STATS_ENV):
             self.manager.px.on_change = self.dump_stats
         if self.manager is not None:
+            from proxima.integration.vllm.canary import prefill_chunk_tokens
+            from proxima.integration.vllm.drift_observer import configured
             from proxima.integration.vllm.live import LiveControl
 
-            self.live = LiveControl.from_env(self.manager, self.policy, self.policy_source)
+            observer = configured(self._vllm_config)
+            self.manager.px.drift_observer = observer
+            self.live = LiveControl.from_env(self.manager, self.policy, self.policy_source, drift_observer=observer,
+                                             canary_chunk_tokens=prefill_chunk_tokens(self._vllm_config))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING
 from proxima.api.backend import BackendStats, StepReport
 from proxima.api.controller import Controller
 from proxima.api.metrics import Metrics
+from proxima.integration.vllm.canary import chunking_problem, is_special
 from proxima.integration.vllm.drift import DriftWindows, classify
 from proxima.integration.vllm.pool_usage import total_blocks
+from proxima.policy.loader import Problem
 from proxima.policy.probes import compression_step
 from proxima.policy.schema import Policy
 from proxima.policy.store import PolicyStore
@@ -43,6 +45,8 @@ API_PORT_ENV = "PROXIMA_API_PORT"
 API_HOST_ENV = "PROXIMA_API_HOST"
 """Bind address; defaults to the policy's `api.host` (127.0.0.1)."""
 STARTUP_TIMEOUT_S = 10.0
+NO_DRIFT_OBSERVER = ("this engine runs without the drift probe's observer (a vLLM logits processor, which vLLM "
+                     "refuses with speculative decoding): the drift probe cannot run here")
 
 
 def api_address(policy: Policy, environ: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
@@ -119,6 +123,8 @@ class LiveControl:
         port: int,
         source: str = "initial",
         metrics: Metrics | None = None,
+        drift_observer: bool = True,
+        canary_chunk_tokens: int | None = None,
     ) -> None:
         self.manager = manager
         self.host, self.port = host, port
@@ -129,6 +135,7 @@ class LiveControl:
         self._step_unreported = False
         self._committed: Counter[str] = Counter()  # since the last report, by format
         self._failed = 0
+        self._revoke_mismatches = 0  # (a broken worker invariant: `WorkerStore.revoke`)
         self._kernel_seconds = 0.0
         self._probe_errors: list[tuple[str, float]] = []
         self._probe_measured = 0
@@ -138,14 +145,32 @@ class LiveControl:
         self._window_measured = 0
         self._window_refused = 0
         self.drift = DriftWindows()
+        self._drift_seconds = 0.0  # the observer's work, all told (its cost)
         self._compressed_then: deque[frozenset[str]] = deque(maxlen=2)
         """Requests holding committed compressed blocks after each of the last two commits: a
         report's drift samples are of the forward two engine steps back (`drift.py`)."""
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        self.canary_chunk_tokens = canary_chunk_tokens
+        """The most prompt tokens vLLM prefills for a request in one step (`canary.prefill_chunk_tokens`;
+        None: not known). A live canary no longer than that measures nothing: said in the log and
+        in `probe_progress.canary` (the canary runner then posts no verdict)."""
+        self._canary_prompt_tokens: int | None = None
+        if canary_chunk_tokens is not None:
+            self.controller.set_progress("canary", {"chunk_tokens": canary_chunk_tokens})
+        self.drift_observer = drift_observer
+        """Whether the worker observes tokens (`drift_observer.py`). Without it, a policy enabling
+        the drift probe is refused by the API, and the startup one's probe is reported unavailable
+        (the manager then holds no request out: `ProximaState.drift_observer`)."""
+        if not drift_observer:
+            self.controller.store.requirements = _needs_no_drift
+            self.controller.set_progress("drift", {"unavailable": NO_DRIFT_OBSERVER})
+            if policy.probes.drift.enabled:
+                logger.warning("proxima: probes.drift.enabled, but %s", NO_DRIFT_OBSERVER)
 
     @classmethod
-    def from_env(cls, manager: ProximaKVCacheManager, policy: Policy, source: str) -> LiveControl | None:
+    def from_env(cls, manager: ProximaKVCacheManager, policy: Policy, source: str,
+                 drift_observer: bool = True, canary_chunk_tokens: int | None = None) -> LiveControl | None:
         """A started LiveControl when the API is enabled; without the API, one with no server when
         the policy compresses (its probes move the fallback ladder, its alerts reach the log and
         the webhook); else None (nothing of this module runs)."""
@@ -153,10 +178,12 @@ class LiveControl:
         if address is None:
             if policy.is_off:
                 return None
-            live = cls(manager, policy, "", 0, source=source)
+            live = cls(manager, policy, "", 0, source=source, drift_observer=drift_observer,
+                       canary_chunk_tokens=canary_chunk_tokens)
             live.controller.start()
             return live
-        live = cls(manager, policy, *address, source=source)
+        live = cls(manager, policy, *address, source=source, drift_observer=drift_observer,
+                   canary_chunk_tokens=canary_chunk_tokens)
         live.start()
         return live
 
@@ -205,6 +232,14 @@ class LiveControl:
 
     def after_plan(self) -> None:
         self._step_unreported = True
+        prompt = self.manager.px.canary_prompt_tokens
+        if prompt != self._canary_prompt_tokens and prompt is not None and self.canary_chunk_tokens is not None:
+            self._canary_prompt_tokens = prompt
+            problem = chunking_problem(prompt, self.canary_chunk_tokens)
+            self.controller.set_progress("canary", {"chunk_tokens": self.canary_chunk_tokens, "prompt_tokens": prompt,
+                                                    "measurable": problem is None, "problem": problem})
+            if problem is not None:
+                logger.warning("proxima: %s", problem)
         self.backend.publish(self._pending_blocks, self.applied_version)
 
     def commit(self, report: ProximaReport) -> None:
@@ -212,6 +247,7 @@ class LiveControl:
         pending = self.manager.px.pending
         self._committed.update(pending[aid].fmt for aid in report.ok if aid in pending)  # before apply pops them
         self._failed += len(report.failed)
+        self._revoke_mismatches += report.revoke_mismatches
         self._kernel_seconds += report.kernel_seconds
         self._probe_errors.extend(report.probe_errors)
         self._probe_measured += report.probe_measured
@@ -229,20 +265,25 @@ class LiveControl:
         """The drift probe's samples into their windows; a verdict when both sides have one."""
         px = self.manager.px
         cfg = self.controller.store.policy.probes.drift
-        if not cfg.enabled and not self.drift.open:
+        if not self.drift_observer or (not cfg.enabled and not self.drift.open):
             self._compressed_then.clear()
             return
         compressed = self._compressed_then[0] if len(self._compressed_then) == 2 else frozenset()
+        self._drift_seconds += report.drift_seconds
         classify(report.drift, px.holdout, compressed, self.drift)
         self.drift.close_absent(px.ledger)
-        self._compressed_then.append(frozenset(rid for rid, e in px.ledger.items() if e.compressed))
+        # (canaries are compressed whatever the pressure: they say nothing of the users' requests)
+        self._compressed_then.append(frozenset(rid for rid, e in px.ledger.items()
+                                               if e.compressed and not is_special(rid)))
         if cfg.enabled and (verdict := self.drift.verdict(cfg)) is not None:
             self.controller.on_probe(verdict)
-        self.controller.set_progress("drift", self.drift.progress())
+        self.controller.set_progress("drift", {**self.drift.progress(), "observer_seconds": self._drift_seconds})
 
     def _report(self) -> None:
         self._step_unreported = False
         errors = {"kernel": self._failed} if self._failed else {}
+        if self._revoke_mismatches:
+            errors["revoke_mismatch"] = self._revoke_mismatches
         kernel = self._kernel_seconds if self._kernel_seconds > 0 else None
         measured = self._probe_measured > 0
         self.controller.on_step(StepReport(decisions_by_format=dict(self._committed), errors_by_reason=errors,
@@ -260,8 +301,16 @@ class LiveControl:
             self._window, self._window_measured, self._window_refused = [], 0, 0
         self._committed = Counter()
         self._failed = 0
+        self._revoke_mismatches = 0
         self._kernel_seconds = 0.0
         self._probe_errors, self._probe_measured, self._probe_refused, self._probe_seconds = [], 0, 0, 0.0
 
 
-__all__ = ["API_HOST_ENV", "API_PORT_ENV", "LiveControl", "ManagerBackend", "api_address"]
+def _needs_no_drift(policy: Policy, source: str) -> list[Problem]:
+    """`PolicyStore.requirements` of an engine without the drift observer."""
+    if policy.probes.drift.enabled:
+        return [Problem(source, None, None, "probes.drift.enabled", NO_DRIFT_OBSERVER)]
+    return []
+
+
+__all__ = ["API_HOST_ENV", "API_PORT_ENV", "NO_DRIFT_OBSERVER", "LiveControl", "ManagerBackend", "api_address"]

@@ -78,7 +78,10 @@ class ProximaKVCacheManager(KVCacheManager):
     ) -> KVCacheBlocks | None:
         px, rid = self.px, request.request_id
         # A drift holdout request is never compressed (`drift.py`): it is admitted as vLLM would.
-        holdout = drift.is_holdout(rid, px.policy.probes.drift) and not canary.is_special(rid)
+        # Without the observer there is no drift probe, so no request is held out for it.
+        sample = drift.assignment(rid, px.policy.probes.drift) if px.drift_observer and not canary.is_special(rid) \
+            else None
+        holdout = sample == "holdout"
         if rid not in px.ledger and not px.policy.is_off and not px.disabled:
             if full_sequence_must_fit and not px.policy.protect.prefilling and not holdout:
                 # vLLM admits a request only if its whole prompt fits uncompressed. When the policy
@@ -112,7 +115,9 @@ class ProximaKVCacheManager(KVCacheManager):
             if rid not in px.ledger:
                 px.ledger[rid] = RequestEntry(request)
                 px.canaries += canary.is_special(rid)
-                if px.policy.probes.drift.enabled and not canary.is_special(rid):
+                if canary.is_canary(rid):
+                    px.canary_prompt_tokens = request.num_prompt_tokens
+                if sample is not None:  # one of the drift probe's two samples: observed
                     if holdout:
                         px.holdout.add(rid)
                     drift.tag(request)  # (in this step's scheduler output: before the worker sees it)

@@ -108,6 +108,11 @@ class ProximaReport(KVConnectorWorkerMetadata):
     drift: list[tuple[str, int, float, float]] = field(default_factory=list)
     """(request, output position, sampled-token log-prob, entropy) of the tagged requests' tokens
     sampled since the last report (`drift_observer.DriftObserver`; `merge_reports` keeps one rank's)."""
+    drift_seconds: float = 0.0
+    """Wall time of the drift observer's work since the last report (its cost; merged: summed)."""
+    revoke_mismatches: int = 0
+    """Revoked recompressions whose replaced entry this worker did not hold (`WorkerStore.revoke`:
+    a broken invariant, logged; the block was pointed where the scheduler keeps it). Merged: summed."""
 
     @property
     def probe_measured(self) -> int:
@@ -162,7 +167,9 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
                          probe_errors=a.probe_errors + b.probe_errors,
                          probe_measured_ids=sorted(set(a.probe_measured_ids) | set(b.probe_measured_ids)),
                          probe_refused_ids=sorted(set(a.probe_refused_ids) | set(b.probe_refused_ids)),
-                         probe_seconds=a.probe_seconds + b.probe_seconds, drift=a.drift or b.drift)
+                         probe_seconds=a.probe_seconds + b.probe_seconds, drift=a.drift or b.drift,
+                         drift_seconds=a.drift_seconds + b.drift_seconds,
+                         revoke_mismatches=a.revoke_mismatches + b.revoke_mismatches)
 
 
 def _mildest(a: str | None, b: str | None) -> str:

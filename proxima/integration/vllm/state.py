@@ -85,6 +85,12 @@ class ProximaState:
     holdout: set[str] = field(default_factory=set)
     """Resident requests of the drift probe's holdout (`drift.is_holdout`): never compressed, the
     uncompressed population the compressed requests' tokens are compared with."""
+    canary_prompt_tokens: int | None = None
+    """Prompt tokens of the last live canary admitted (`canary.py`: informative only when vLLM
+    prefills it in more than one step; `live.LiveControl` compares it with the chunk size)."""
+    drift_observer: bool = True
+    """The worker runs the drift probe's observer (`drift_observer.py`; the connector says, from
+    vLLM's configuration). Without it nothing is held out or tagged for the drift probe."""
     probe_status: ProbeStatus = "ok"
     """What the quality probes say, for the policy engine (`Snapshot.probe_status`; set each step
     by `live.LiveControl` from the controller)."""

@@ -336,9 +336,15 @@ class WorkerStore:
                 continue
             # A recompression: the old slot was not touched (a new slot is always another one).
             if before is None or before[0] != a.action_id or before[1][1:] != (a.from_dst, a.from_slot):
-                raise AssertionError(f"proxima rank {self.rank}: request {a.req_id} block {a.index} holds the "
-                                     f"revoked recompression {a.action_id}, but not the entry it replaced "
-                                     f"(slot {a.from_slot} of block {a.from_dst}): {before}")
+                # The invariant is broken (a bug, not the request's fault): never fail the request
+                # for it. Point the block where the scheduler keeps it (the action's source slot),
+                # read with today's override table (the replaced entry's is lost), and say so.
+                logger.error("proxima rank %d: request %s block %d holds the revoked recompression %d, but not "
+                             "the entry it replaced (slot %d of block %d): %s; restored from the plan",
+                             self.rank, a.req_id, a.index, a.action_id, a.from_slot, a.from_dst, before)
+                self.report.revoke_mismatches += 1
+                blocks[a.index] = (self.formats.stored(Format.parse(a.from_fmt)), a.from_dst, a.from_slot)
+                continue
             blocks[a.index] = before[1]
 
     def _current_format(self, a: CompressAction) -> Format:
@@ -423,7 +429,8 @@ class WorkerStore:
     def take_report(self) -> ProximaReport | None:
         rep, self.report = self.report, ProximaReport()
         rep.timings = self.times.take()
-        return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings or rep.drift) else None
+        return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings or rep.drift
+                       or rep.revoke_mismatches or rep.drift_seconds) else None
 
     # --- importance -------------------------------------------------------------------------
 

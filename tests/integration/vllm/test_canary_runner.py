@@ -15,13 +15,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from proxima.integration.vllm import serve
-from proxima.integration.vllm.canary import CANARY_PREFIX, REFERENCE_PREFIX
+from proxima.integration.vllm.canary import CANARY_PREFIX, REFERENCE_PREFIX, prefill_chunk_tokens
 from proxima.integration.vllm.canary_runner import CanaryRunner, RuntimeApi, canary_prompts
+from proxima.integration.vllm.live import LiveControl
 from proxima.policy.loader import load_policy
-from tests.integration.vllm.test_live_control import TOKEN, _manager, _served
+from tests.integration.vllm.test_live_control import TOKEN, _free_port, _manager, _prefilled, _served
 
 HERE = Path(__file__).parent
 PROXIMA = Path(sys.executable).with_name("proxima")
@@ -120,6 +122,55 @@ def test_a_round_straddling_a_policy_change_is_dropped_and_errors_are_retried(
         runner.tick()
         assert runner.round is None, "waits RETRY_S before the next try"
         assert live.controller.probes()["probes"]["canary"]["passes"] == 0
+
+
+@pytest.mark.parametrize("chunk_tokens", [512, 128])
+def test_a_canary_prefilled_in_one_step_is_said_to_measure_nothing_and_not_scored(
+    monkeypatch: pytest.MonkeyPatch, chunk_tokens: int,
+) -> None:
+    """vLLM's default step budget prefills a 320-token canary at once: none of its blocks can be
+    compressed before its log-probs exist, so its verdict would pass for nothing."""
+    monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
+    now = [0.0]
+    m = _manager(_policy_with_canary(), blocks=40)
+    live = LiveControl(m, m.px.policy, "127.0.0.1", _free_port(), canary_chunk_tokens=chunk_tokens)
+    live.start()
+    try:
+        with httpx.Client(base_url=f"http://{live.host}:{live.port}", timeout=10) as api:
+            assert api.get("/v1/stats").json()["probe_progress"]["canary"] == {"chunk_tokens": chunk_tokens}
+            t = Answers()
+            runner = CanaryRunner(["a"], t, RuntimeApi(str(api.base_url), TOKEN), clock=lambda: now[0])
+            runner.tick()
+            runner.tick()  # references collected
+            runner.tick()  # the live round: the engine admits its request
+            live.before_plan()
+            _prefilled(m, t.submitted[-1], 320)
+            m.build_plan([t.submitted[-1]])
+            live.after_plan()
+            canary = api.get("/v1/stats").json()["probe_progress"]["canary"]
+            measurable = chunk_tokens < 320
+            assert canary["prompt_tokens"] == 320 and canary["measurable"] is measurable
+            got = runner.tick()
+            if measurable:
+                assert canary["problem"] is None and got is not None and runner.cannot_measure is None
+            else:
+                assert "--max-num-batched-tokens" in canary["problem"] and "320 tokens" in canary["problem"]
+                assert got is None and not runner.verdicts and runner.status()["cannot_measure"] == canary["problem"]
+                assert live.controller.probes()["probes"]["canary"]["passes"] == 0
+    finally:
+        live.stop()
+
+
+def test_the_chunk_size_is_vllms_step_budget_or_its_long_prefill_threshold() -> None:
+    def config(budget: int, threshold: int = 0, chunked: bool = True) -> Any:
+        sc = type("S", (), {"max_num_batched_tokens": budget, "long_prefill_token_threshold": threshold,
+                            "enable_chunked_prefill": chunked})()
+        return type("C", (), {"scheduler_config": sc, "model_config": type("M", (), {"max_model_len": 4096})()})()
+
+    assert prefill_chunk_tokens(config(2048)) == 2048
+    assert prefill_chunk_tokens(config(2048, 256)) == 256
+    assert prefill_chunk_tokens(config(128, 256)) == 128
+    assert prefill_chunk_tokens(config(128, chunked=False)) == 4096
 
 
 def test_canary_prompts_come_from_the_bundled_corpus() -> None:

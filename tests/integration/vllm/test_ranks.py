@@ -20,6 +20,7 @@ from vllm.v1.request import Request
 
 from proxima.formats import Format
 from proxima.integration.vllm.faults import FAULT_ENV, FaultInjector, parse_fault
+from proxima.integration.vllm.live import LiveControl
 from proxima.integration.vllm.manager import ProximaKVCacheManager, install
 from proxima.integration.vllm.plan import NO_BLOCK, CompressAction, ProximaPlan, ProximaReport, merge_reports, settle
 from proxima.integration.vllm.ranks import check_remap
@@ -208,6 +209,34 @@ def test_a_failed_recompression_points_back_to_the_old_slot(monkeypatch: pytest.
     assert st.remap["r"][0] == (Format.parse("int8"), 10, 0)
     st.apply(ProximaPlan(revoked=[first]))
     assert 0 not in st.remap["r"]
+
+
+def test_a_revoke_the_worker_cannot_match_is_logged_and_counted_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    """A broken invariant (the replaced entry is not the revoked action's) stopped the engine with
+    an AssertionError; now the block points where the scheduler keeps it, and the metric counts it."""
+    st = WorkerStore(rank=0)
+    torch.manual_seed(0)
+    st.register({"l0": torch.randn(NB, 2, B, 2 * D).bfloat16()})
+    first = CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")
+    again = CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10, from_slot=0)
+    st.apply(ProximaPlan(actions=[first]))
+    st.apply(ProximaPlan(actions=[again]))
+    st.replaced["r"].clear()  # the entry it replaced is lost
+    with caplog.at_level("ERROR", logger="proxima.vllm"):
+        st.apply(ProximaPlan(revoked=[again]))
+    assert st.remap["r"][0] == (Format.parse("int8"), 10, 0)  # the scheduler's view: the old slot
+    assert "holds the revoked recompression 1" in caplog.text
+    rep = st.take_report()
+    assert rep is not None and rep.revoke_mismatches == 1
+    assert merge_reports(rep, rep).revoke_mismatches == 2  # every rank's count
+    m = _manager(1)
+    live = LiveControl(m, m.px.policy, "", 0)
+    live.before_plan()
+    m.build_plan([])
+    live.after_plan()
+    live.commit(rep)  # the step's report, as the connector hands it over
+    counter = live.controller.metrics.compression_errors.labels(reason="revoke_mismatch")
+    assert counter._value.get() == 1
 
 
 def test_stats_count_every_ranks_side_table() -> None:

@@ -194,7 +194,9 @@ def test_a_write_failed_on_one_rank_is_undone_on_every_rank(ranks: int, monkeypa
     _step(m, stores, ids)
 
 
-def test_a_failed_recompression_points_back_to_the_old_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+def _recompressed_store() -> tuple[WorkerStore, CompressAction, CompressAction]:
+    """A worker store with block 0 of request r compressed to int8 (`first`), then recompressed
+    to int4 (`again`)."""
     st = WorkerStore(rank=0)
     torch.manual_seed(0)
     st.register({"l0": torch.randn(NB, 2, B, 2 * D).bfloat16()})
@@ -202,6 +204,11 @@ def test_a_failed_recompression_points_back_to_the_old_slot(monkeypatch: pytest.
     again = CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10, from_slot=0)
     st.apply(ProximaPlan(actions=[first]))
     st.apply(ProximaPlan(actions=[again]))
+    return st, first, again
+
+
+def test_a_failed_recompression_points_back_to_the_old_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    st, first, again = _recompressed_store()
     assert st.remap["r"][0] == (Format.parse("int4"), 11, 0)
     st.apply(ProximaPlan(revoked=[again, CompressAction(9, "gone", 0, src=1, dst=12, slot=0, fmt="int8")]))
     assert st.remap["r"][0] == (Format.parse("int8"), 10, 0)
@@ -214,13 +221,7 @@ def test_a_failed_recompression_points_back_to_the_old_slot(monkeypatch: pytest.
 def test_a_revoke_the_worker_cannot_match_is_logged_and_counted_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     """A broken invariant (the replaced entry is not the revoked action's) stopped the engine with
     an AssertionError; now the block points where the scheduler keeps it, and the metric counts it."""
-    st = WorkerStore(rank=0)
-    torch.manual_seed(0)
-    st.register({"l0": torch.randn(NB, 2, B, 2 * D).bfloat16()})
-    first = CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")
-    again = CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10, from_slot=0)
-    st.apply(ProximaPlan(actions=[first]))
-    st.apply(ProximaPlan(actions=[again]))
+    st, _, again = _recompressed_store()
     st.replaced["r"].clear()  # the entry it replaced is lost
     with caplog.at_level("ERROR", logger="proxima.vllm"):
         st.apply(ProximaPlan(revoked=[again]))

@@ -129,13 +129,20 @@ def test_reduced_formats_need_proxima_attention(model, ids):
         model(ids[:, :2], past_key_values=cache)
 
 
+def _without_compression_probe(path: str):  # type: ignore[no-untyped-def]
+    """A shipped policy with its compression-time probe off (a random model's flat attention
+    puts int4 errors over the shipped bounds)."""
+    policy = load_policy(path)
+    no_probe = policy.probes.compression.model_copy(update={"enabled": False})
+    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": no_probe})})
+    return policy
+
+
 @torch.no_grad()
 def test_policy_engine_reaches_target_ratio(model, ids):
     enable(model)
     # A random model's attention is flat, so int4 errors exceed the shipped probe bounds: probes off here.
-    policy = load_policy("configs/balanced.yaml")
-    no_probe = policy.probes.compression.model_copy(update={"enabled": False})
-    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": no_probe})})
+    policy = _without_compression_probe("configs/balanced.yaml")
     cache = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=cache)
     rep = cache.apply_policy(target_ratio=4)
@@ -258,9 +265,7 @@ def test_policy_asked_for_more_recompresses_merged_blocks(model, ids):
     """The engine, asked for 2x then 8x, moves blocks it already merged to 16x formats (before,
     merged blocks were final and the second request stopped short)."""
     enable(model)
-    policy = load_policy("configs/aggressive.yaml")
-    no_probe = policy.probes.compression.model_copy(update={"enabled": False})
-    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": no_probe})})
+    policy = _without_compression_probe("configs/aggressive.yaml")
     cache = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=cache)
     cache.apply_policy(target_ratio=2)
@@ -338,9 +343,7 @@ def test_target_ratio_is_reached_in_bytes(model, ids, monkeypatch):
     from proxima.integration.hf import cache as cache_mod
 
     enable(model)
-    policy = load_policy("configs/aggressive.yaml")
-    no_probe = policy.probes.compression.model_copy(update={"enabled": False})
-    policy = policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": no_probe})})
+    policy = _without_compression_probe("configs/aggressive.yaml")
     base = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=base)
     one_round = copy.deepcopy(base)

@@ -12,6 +12,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, QUANT_CODE, VALUES_PER_BYTE
 
@@ -66,33 +67,42 @@ def _round_to_bf16(x):
 #   (32 KB of bf16 at D 128), so every load and store is a wide vector.
 # - *key* kernels (KIVI keys of int8 / int4 / int2): a program takes one group of GROUP tokens
 #   and BLOCK_W channels of the flattened (head, channel) axis, [GROUP, BLOCK_W] contiguous rows,
-#   and reduces min / max over the tokens; the group's scale row is loaded or stored once.
+#   and reduces min / max over the tokens; the group's scale row is loaded or stored once. The
+#   quantizer walks the group in chunks of token rows, twice (min / max, then codes), so that its
+#   warps split channels only (`_quant_keys_kernel`).
 #
 # No per-element int <-> float converts or floor instructions: on the H200 those run on the
 # conversion pipe at 16 lanes per clock per SM (an eighth of the FMA rate), and a memory-bound
-# pass over 256 MiB has about 24 lane-instructions per element in total. Codes are made with the
-# float "magic number" trick instead (exact, see `_floor_code`), read back by OR-ing them into
+# pass over 256 MiB has about 24 lane-instructions per element in total. Codes are made with one
+# add rounded toward -inf into a float's mantissa instead (exact, see `_floor_code`), read back by OR-ing them into
 # a float's mantissa (`_code_to_float`), and packed / unpacked with tl.split / tl.interleave on
 # register-local pairs (no gather of the same byte by two lanes).
 
 ROW_TILE = 8192
-"""Elements per program (rows x padded D, or group x channels): 32 KB of bf16 in, 64 fp32
-registers a thread at 4 warps."""
+"""Elements per row-kernel program (rows x padded D) and per key-dequantization program (group x
+channels): 32 KB of bf16 in, 64 fp32 registers a thread at 4 warps."""
 
 
 @triton.jit
-def _floor_code(t, LO: tl.constexpr, HI: tl.constexpr):
+def _floor_code(t, LO: tl.constexpr, HI: tl.constexpr, HW_RND: tl.constexpr):
     """floor(t) clamped to [LO, HI] (integers, |.| < 2^22) as int32, without FRND / F2I.
 
     clamp(floor(t), LO, HI) == floor(clamp(t, LO, HI)) because floor is monotone and LO, HI are
-    integers. m = t + 1.5 * 2^23 lies in [2^23, 2^24), where the float grid is the integers, so the
-    add rounds t to the nearest integer (ties to even) and m's low mantissa bits hold it (offset
-    by 2^22); one is taken off where that rounded up (m - 1.5 * 2^23 > t, exact), which is floor.
+    integers. On the GPU (HW_RND) one add rounded toward -inf does it: the exact sum
+    t + 2^23 - LO lies in [2^23, 2^24), where the float grid is the integers, so rounding it down
+    gives floor(t) + 2^23 - LO, and its low mantissa bits hold floor(t) - LO. The interpreter has
+    no directed rounding: there m = t + 1.5 * 2^23 rounds t to the nearest integer (ties to even)
+    and one is taken off where that rounded up (m - 1.5 * 2^23 > t, exact), which is floor too.
+    Both give the same integer for every t (tests/compression/test_quant.py checks the GPU's).
     """
     t = tl.minimum(tl.maximum(t, LO * 1.0), HI * 1.0)
-    m = t + 12582912.0
-    q = m.to(tl.int32, bitcast=True) - 0x4B400000
-    return q - ((m - 12582912.0) > t).to(tl.int32)
+    if HW_RND:
+        m = libdevice.add_rd(t, 8388608.0 - LO)
+        return m.to(tl.int32, bitcast=True) - (0x4B000000 - LO)
+    else:
+        m = t + 12582912.0
+        q = m.to(tl.int32, bitcast=True) - 0x4B400000
+        return q - ((m - 12582912.0) > t).to(tl.int32)
 
 
 @triton.jit
@@ -185,7 +195,7 @@ def _quant_rows_kernel(
             y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
             tl.store(d_ptr + row[:, None] * D + od[None, :], _to_e4m3(y, HW_CVT), mask=m2)
         else:
-            code = _floor_code(y + 0.5, -127, 127)
+            code = _floor_code(y + 0.5, -127, 127, HW_CVT)
             tl.store(d_ptr + row[:, None] * D + od[None, :], code.to(tl.int8), mask=m2)
         tl.store(s_ptr + row, scale, mask=mr)
     else:
@@ -200,7 +210,7 @@ def _quant_rows_kernel(
         zero = lo.to(tl.float16)
         inv = tl.math.div_rn(tl.full((ROWS, NG), 1.0, tl.float32), scale.to(tl.float32))
         y3 = (x3 - zero.to(tl.float32)[:, :, None]) * inv[:, :, None] + 0.5
-        code = _floor_code(tl.reshape(y3, (ROWS, BLOCK_D)), 0, LEVELS)
+        code = _floor_code(tl.reshape(y3, (ROWS, BLOCK_D)), 0, LEVELS, HW_CVT)
         og = tl.arange(0, NG)
         DG: tl.constexpr = D // GROUP
         mg = mr[:, None] & (og < DG)[None, :]
@@ -223,36 +233,80 @@ def _quant_keys_kernel(
     W: tl.constexpr,  # H * D
     BLOCK_W: tl.constexpr,  # channels per program (power of two; D % PER == 0 keeps bytes whole)
     GROUP: tl.constexpr,
+    RT: tl.constexpr,  # token rows per chunk (divides GROUP)
     BITS: tl.constexpr,
     PER: tl.constexpr,
+    EVEN: tl.constexpr,  # T % GROUP == 0 and W % BLOCK_W == 0: every tile is whole, no masks
+    HW_CVT: tl.constexpr,
 ):
+    """Two passes over the group's [GROUP, BLOCK_W] tile in chunks of RT token rows: min / max per
+    channel, then the codes (the second pass reads the tile again, from L1 / L2). Triton gives a
+    thread 16 channels of a chunk (one 16-byte store of int8 codes), and quantize() launches one
+    warp per 512 channels, so warps split the channels, never the tokens: the reductions stay in a
+    thread or a warp (a shuffle), with no shared memory or barriers. The chunk loops are not
+    unrolled: unrolled, ptxas hoisted every chunk's loads and spilled. (The one-pass kernel this
+    replaced reduced across warps and ran at a third of the copy bandwidth on the H200.)"""
     n = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     oc = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
-    ot = g * GROUP + tl.arange(0, GROUP)
-    mt = ot < T
+    orow = tl.arange(0, RT)
     mc = oc < W
-    m2 = mt[:, None] & mc[None, :]
-    tok = n * T + ot  # [GROUP] int64
-    x = tl.load(x_ptr + tok[:, None] * W + oc[None, :], mask=m2, other=0.0).to(tl.float32)
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    # min / max per channel over the group's tokens (a short last group: its valid tokens only)
-    lo = tl.where(mc, tl.min(tl.where(m2, x, float("inf")), axis=0), 0.0)
-    hi = tl.where(mc, tl.max(tl.where(m2, x, float("-inf")), axis=0), 0.0)
+    lo = tl.full((BLOCK_W,), float("inf"), tl.float32)
+    hi = tl.full((BLOCK_W,), float("-inf"), tl.float32)
+    for r0 in range(0, GROUP, RT):
+        ot = g * GROUP + r0 + orow
+        tok = n * T + ot  # [RT] int64
+        if EVEN:
+            x = tl.load(x_ptr + tok[:, None] * W + oc[None, :]).to(tl.float32)
+            lo = tl.minimum(lo, tl.min(x, axis=0))
+            hi = tl.maximum(hi, tl.max(x, axis=0))
+        else:  # a short last group: its valid tokens only
+            m2 = (ot < T)[:, None] & mc[None, :]
+            x = tl.load(x_ptr + tok[:, None] * W + oc[None, :], mask=m2, other=0.0).to(tl.float32)
+            lo = tl.minimum(lo, tl.min(tl.where(m2, x, float("inf")), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(m2, x, float("-inf")), axis=0))
+    if not EVEN:
+        lo = tl.where(mc, lo, 0.0)
+        hi = tl.where(mc, hi, 0.0)
     rng = hi - lo
     scale = tl.where(rng > 0, tl.math.div_rn(rng, LEVELS * 1.0), 1.0).to(tl.float16)
     zero = lo.to(tl.float16)
     inv = tl.math.div_rn(tl.full((BLOCK_W,), 1.0, tl.float32), scale.to(tl.float32))
-    code = _floor_code((x - zero.to(tl.float32)[None, :]) * inv[None, :] + 0.5, 0, LEVELS)
     GK = (T + GROUP - 1) // GROUP
     m_off = (n * GK + g) * W + oc
-    tl.store(s_ptr + m_off, scale, mask=mc)
-    tl.store(z_ptr + m_off, zero, mask=mc)
+    if EVEN:
+        tl.store(s_ptr + m_off, scale)
+        tl.store(z_ptr + m_off, zero)
+    else:
+        tl.store(s_ptr + m_off, scale, mask=mc)
+        tl.store(z_ptr + m_off, zero, mask=mc)
     BP: tl.constexpr = BLOCK_W // PER
-    packed = _pack(code, GROUP, BLOCK_W, BITS, PER)
     op = tl.program_id(2) * BP + tl.arange(0, BP)
-    mp = mt[:, None] & (op < W // PER)[None, :]
-    tl.store(d_ptr + tok[:, None] * (W // PER) + op[None, :], packed.to(tl.uint8), mask=mp)
+    zf = zero.to(tl.float32)
+    for r0 in range(0, GROUP, RT):
+        ot = g * GROUP + r0 + orow
+        tok = n * T + ot
+        if EVEN:
+            x = tl.load(x_ptr + tok[:, None] * W + oc[None, :]).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + tok[:, None] * W + oc[None, :], mask=(ot < T)[:, None] & mc[None, :], other=0.0)
+            x = x.to(tl.float32)
+        code = _floor_code((x - zf[None, :]) * inv[None, :] + 0.5, 0, LEVELS, HW_CVT)
+        packed = _pack(code, RT, BLOCK_W, BITS, PER).to(tl.uint8)
+        d_off = tok[:, None] * (W // PER) + op[None, :]
+        if EVEN:
+            tl.store(d_ptr + d_off, packed)
+        else:
+            tl.store(d_ptr + d_off, packed, mask=(ot < T)[:, None] & (op < W // PER)[None, :])
+
+
+KEY_TILE_W = 256
+KEY_ROWS = 16
+"""A key-quantization program: KEY_TILE_W channels, in chunks of KEY_ROWS token rows (one warp per
+512 channels, so one warp here; 8 KV heads x 128 channels make 4 programs per group). Timed on the
+H200 (256 MiB of bf16 KV, compress int8 / int4, 2026-12-02): 256 x 16 128 / 131 us, 256 x 8
+134 / 136, 512 x 8 141 / 139, 512 x 4 152 / 160 (the one-pass kernel before it: 237 / 223)."""
 
 
 def _kivi(quant: str, is_key: bool) -> bool:
@@ -283,10 +337,14 @@ def quantize(
         return data, scale, zero
     z = zero if zero is not None else scale
     if _kivi(quant, is_key) and is_key:
-        block_w = min(_p2(h * d, 16), max(16, ROW_TILE // group))
+        # a chunk of KEY_ROWS token rows x block_w channels; one warp per 512 channels (at most 4),
+        # so that the warps split channels only (see _quant_keys_kernel)
+        block_w = min(_p2(h * d, 16), KEY_TILE_W)
         grid = (n, triton.cdiv(t, group), triton.cdiv(h * d, block_w))
         _quant_keys_kernel[grid](
-            x, data, scale, z, t, W=h * d, BLOCK_W=block_w, GROUP=group, BITS=bits, PER=per, num_warps=4,
+            x, data, scale, z, t, W=h * d, BLOCK_W=block_w, GROUP=group, RT=min(KEY_ROWS, group), BITS=bits,
+            PER=per, EVEN=t % group == 0 and (h * d) % block_w == 0, HW_CVT=not INTERPRET,
+            num_warps=max(1, min(4, block_w // 512)),
         )  # fmt: skip
     else:
         block_d = _p2(d, 16)
@@ -643,7 +701,7 @@ def _cluster_kernel(
     tl.store(lc_ptr + (n * C + oc) * H + h, lc, mask=mc)
 
 
-CLUSTER_WARPS = 8
+CLUSTER_WARPS = 4
 
 
 def cluster(

@@ -2,10 +2,13 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from proxima.compression import compress_blocks, decompress_blocks
 from proxima.compression import reference as ref
 from proxima.compression.synthetic import realistic_kv
+from proxima.compression.triton_ops import _floor_code
 from tests.compression.conftest import rel_err
 
 QUANTS = ["fp8", "int8", "int4", "int2"]
@@ -121,3 +124,34 @@ def test_invalid_inputs_name_the_problem():
         compress_blocks("int8", k.int(), k.int())
     with pytest.raises(ValueError, match="backend"):
         compress_blocks("int8", k, k, backend="cuda")
+
+
+@triton.jit
+def _floor_probe(t_ptr, out_ptr, N: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, HW: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _floor_code(tl.load(t_ptr + offs), LO, HI, HW))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="directed rounding runs compiled only: needs a CUDA GPU")
+@pytest.mark.parametrize(("lo", "hi"), [(-127, 127), (0, 255), (0, 15), (0, 3)])
+def test_floor_by_directed_rounding_equals_the_interpreters_floor(lo, hi):
+    """The quantize kernels' GPU floor (one add rounded toward -inf) gives the integer the
+    interpreter's round-to-nearest-and-correct floor gives, and torch's floor of the clamped value,
+    at and next to every integer of the range, at .5 ties and outside the range. Denormals are left
+    out: the kernels' argument is y + 0.5 with |y| < 2^9, never a denormal, and the GPU may flush
+    them in one path and not the other."""
+    base = torch.arange(lo - 3, hi + 4, dtype=torch.float32, device="cuda")
+    near = [base, base + 0.5, base - 0.5, base + 0.25, torch.nextafter(base, base + 1), torch.nextafter(base, base - 1)]
+    t = torch.cat([*near, torch.tensor([-1e6, 1e6, -0.0, 1e-30, -1e-30, 2.0**-26], device="cuda")])
+    t = t[(t == 0) | (t.abs() >= torch.finfo(torch.float32).tiny)]
+    n = triton.next_power_of_2(t.numel())
+    t = torch.cat([t, torch.zeros(n - t.numel(), device="cuda")])
+    outs = []
+    for hw in (True, False):
+        out = torch.empty(n, dtype=torch.int32, device="cuda")
+        _floor_probe[(1,)](t, out, N=n, LO=lo, HI=hi, HW=hw)
+        outs.append(out)
+    want = torch.floor(t.clamp(lo, hi)).to(torch.int32)
+    for got in outs:
+        bad = got != want
+        assert not bad.any(), (t[bad][:8].tolist(), got[bad][:8].tolist(), want[bad][:8].tolist())

@@ -608,6 +608,39 @@ def _dot_f32(a, b, EXACT_A: tl.constexpr, EXACT_B: tl.constexpr, PRECISION: tl.c
 
 
 @triton.jit
+def _split_bf16(x):
+    """float32 x = hi + mid + lo, three bf16 (8 significant bits each: x's 24, exactly)."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    return hi, mid, (r - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _mma16(a, b, acc, INTERPRET_: tl.constexpr):
+    """acc + a @ b (acc None: a @ b) of bf16 tiles with float32 sums. The interpreter's bf16 dot is wrong (it read
+    the operands as other numbers, 2026-12-02), so there the exact bf16 values go in as float32."""
+    if INTERPRET_:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _dot_bf16x3(a, b, A16: tl.constexpr, INTERPRET_: tl.constexpr):
+    """a @ b, one operand bf16 (A16: a) and the other float32 split three ways (`_split_bf16`):
+    three bf16 MMAs with exact products and float32 sums, smallest parts first. Against
+    `_dot_f32`'s tf32 hi + lo it holds the bf16 tile in each operand layout at half the registers
+    (the k-means kernel: 192 registers and no spill at 16 centroids, against 255 + 88 B)."""
+    if A16:
+        hi, mid, lo = _split_bf16(b)
+        return _mma16(a, hi, _mma16(a, mid, _mma16(a, lo, None, INTERPRET_), INTERPRET_), INTERPRET_)
+    else:
+        hi, mid, lo = _split_bf16(a)
+        return _mma16(hi, b, _mma16(mid, b, _mma16(lo, b, None, INTERPRET_), INTERPRET_), INTERPRET_)
+
+
+@triton.jit
 def _cluster_kernel(
     k_ptr,
     v_ptr,  # [N, T, H, D] source, contiguous
@@ -627,6 +660,7 @@ def _cluster_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
     EXACT16: tl.constexpr,  # k and v are bf16 / fp16, so every element is a tf32 number
+    BF16: tl.constexpr,  # k and v are bf16: the products run on bf16 tiles (`_dot_bf16x3`)
     PRECISION: tl.constexpr,  # "tf32" on the GPU; "ieee" under the interpreter
     HW_CVT: tl.constexpr,
 ):
@@ -643,7 +677,8 @@ def _cluster_kernel(
     mc = oc < C
     m2 = mt[:, None] & md[None, :]
     row = (n * T + ot) * H + h  # [BLOCK_T] int64
-    K = tl.load(k_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0).to(tl.float32)
+    K16 = tl.load(k_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0)
+    K = K16.to(tl.float32)
     w = tl.load(w_ptr + row, mask=mt, other=0.0)
     rank = _ranks(imp_ptr, prot_ptr, n, h, T, H, HAS_PROT, BLOCK_T, False)  # [BLOCK_T] as columns
     BIG = BLOCK_T + 1
@@ -680,17 +715,26 @@ def _cluster_kernel(
     sw = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for _ in range(ITERS):  # a loop, not unrolled: four copies of the tile's temporaries spilled
         cn = tl.sum(cent * cent, axis=1)
-        kc = _dot_f32(K, tl.trans(cent), EXACT_A=EXACT16, EXACT_B=False, PRECISION=PRECISION)
+        if BF16:
+            kc = _dot_bf16x3(K16, tl.trans(cent), True, PRECISION == "ieee")
+        else:
+            kc = _dot_f32(K, tl.trans(cent), EXACT_A=EXACT16, EXACT_B=False, PRECISION=PRECISION)
         dist = knorm[:, None] - 2.0 * kc + cn[None, :]
         dist = tl.where(mc[None, :], dist, float("inf"))
         assign = tl.argmin(dist, axis=1, tie_break_left=True)
         onehot = (assign[:, None] == oc[None, :]) & mt[:, None]
         aw = tl.where(onehot, w[:, None], 0.0)
         sw = tl.sum(aw, axis=0)
-        new = _dot_f32(tl.trans(aw), K, EXACT_A=False, EXACT_B=EXACT16, PRECISION=PRECISION)
+        if BF16:
+            new = _dot_bf16x3(tl.trans(aw), K16, False, PRECISION == "ieee")
+        else:
+            new = _dot_f32(tl.trans(aw), K, EXACT_A=False, EXACT_B=EXACT16, PRECISION=PRECISION)
         cent = tl.where((sw > 0)[:, None], new / tl.maximum(sw, 1e-30)[:, None], cent)
-    V = tl.load(v_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0).to(tl.float32)
-    vc = _dot_f32(tl.trans(aw), V, EXACT_A=False, EXACT_B=EXACT16, PRECISION=PRECISION)
+    V16 = tl.load(v_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0)
+    if BF16:
+        vc = _dot_bf16x3(tl.trans(aw), V16, False, PRECISION == "ieee")
+    else:
+        vc = _dot_f32(tl.trans(aw), V16.to(tl.float32), EXACT_A=False, EXACT_B=EXACT16, PRECISION=PRECISION)
     vc = vc / tl.maximum(sw, 1e-30)[:, None]
     count = tl.sum(onehot.to(tl.float32), axis=0)
     lc = tl.where(count > 0, tl.log(count), float("-inf"))
@@ -702,6 +746,10 @@ def _cluster_kernel(
 
 
 CLUSTER_WARPS = 4
+CLUSTER_BF16 = True
+CLUSTER_MAX_REGISTERS: int | None = None
+"""k-means launch: warps, bf16 products for bf16 sources (`_dot_bf16x3`) and a ptxas register cap
+(None: the compiler's choice). See docs/compression.md, session 9, for the timings behind them."""
 
 
 def cluster(
@@ -731,7 +779,9 @@ def cluster(
             k, v, w, imp, prot, ko, vo, lc, t, h, n_centroids,
             ITERS=iters, HAS_PROT=protected is not None, D=d,
             BLOCK_T=_p2(t, 16), BLOCK_D=_p2(d, 16), BLOCK_C=_p2(n_centroids, 16),
-            EXACT16=k.dtype in (torch.bfloat16, torch.float16), PRECISION="ieee" if INTERPRET else "tf32",
+            EXACT16=k.dtype in (torch.bfloat16, torch.float16), BF16=k.dtype == torch.bfloat16 and CLUSTER_BF16,
+            PRECISION="ieee" if INTERPRET else "tf32",
             HW_CVT=not INTERPRET, num_warps=CLUSTER_WARPS,
+            **({"maxnreg": CLUSTER_MAX_REGISTERS} if CLUSTER_MAX_REGISTERS and not INTERPRET else {}),
         )  # fmt: skip
     return ko, vo, lc

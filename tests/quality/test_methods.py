@@ -36,13 +36,38 @@ def prefilled():
     return model, cache
 
 
+def _state(cache: ProximaCache, slot_ids: bool = True) -> list:
+    """Everything a method could change in a cache: per layer the working copy, hot blocks,
+    tail, formats, slots (the objects, or with `slot_ids=False` whether there is one) and masks;
+    the engine's bookkeeping."""
+    out: list = [list(cache.chosen), sorted(cache.ineligible), len(cache.probe_log), dict(cache._obs)]
+    for layer in cache.proxima_layers:
+        out += [
+            [t.clone() if t is not None else None for t in layer.materialize()],
+            [t.clone() if t is not None else None for t in layer.hot_k + layer.hot_v],
+            layer.tail_k.clone(), list(layer.formats), [id(s) if slot_ids else s is None for s in layer.slots],
+            list(layer.keep),
+        ]
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
 @pytest.mark.parametrize("method", ALL, ids=[m.name for m in ALL])
 def test_every_method_applies_and_keeps_its_budget(prefilled, method):
-    import copy
-
     model, base = prefilled
-    cache = copy.deepcopy(base)
+    before = _state(base)
+    cache = base.fork()  # what the harness compresses: a fork of the prefill
     method.apply(cache)
+    assert _same(_state(base), before), "compressing a fork changed the cache it was forked from"
     ratio = cache.nominal_ratio()
     # Bytes held include the metadata: the achieved ratio never exceeds the nominal one, and equals
     # it only where nothing carries metadata (eviction keeps 16-bit tokens).
@@ -73,6 +98,33 @@ def test_every_method_applies_and_keeps_its_budget(prefilled, method):
         out = model(torch.randint(0, 256, (1, 5)), past_key_values=cache).logits
     assert torch.isfinite(out).all()
     assert base.nominal_ratio() == 1.0  # the prefilled cache is untouched
+
+
+FORK_METHODS = [
+    "proxima:aggressive@4x", "proxima:quantized@8x", "proxima:balanced-cal@8x", "snapkv@4x", "streaming_llm@8x",
+    "kivi-int4", "format:cluster(2)+int4", "format:sparse(4)",
+]
+
+
+@pytest.mark.parametrize("name", FORK_METHODS)
+def test_a_fork_compresses_exactly_like_a_deepcopy(prefilled, name):
+    """`ProximaCache.fork` (the harness's copy per method, and `apply_policy`'s byte passes)
+    gives what `copy.deepcopy` gives: same formats, bytes, working copy and logits."""
+    import copy
+
+    model, base = prefilled
+    (method,) = [m for m in ALL if m.name == name]
+    before = _state(base)
+    forked, deep = base.fork(), copy.deepcopy(base)
+    method.apply(forked)
+    method.apply(deep)
+    assert forked.block_formats() == deep.block_formats() and forked.chosen == deep.chosen
+    assert forked.held_nbytes() == deep.held_nbytes() and forked.ineligible == deep.ineligible
+    assert _same(_state(forked, slot_ids=False)[4:], _state(deep, slot_ids=False)[4:])
+    nxt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(nxt, past_key_values=forked).logits, model(nxt, past_key_values=deep).logits)
+    assert _same(_state(base), before)  # appending tokens to the fork left the prefill as it was
 
 
 def test_select_puts_baseline_first():
@@ -207,3 +259,4 @@ def test_shards_merge_into_the_whole_run():
         assert a.formats == b["formats"]
     with pytest.raises(ValueError, match="b: its rows are not the same"):
         report.merge_shards([as_dicts[0], as_dicts[1][:2]], [{}, {}], ["a", "b"])
+

@@ -271,8 +271,8 @@ def plot(rows: Sequence[Any], path: Path) -> None:
     palette = [warm(i) for i in (6, 2, 4, 8, 10, 16, 12, 18, 7, 3, 5, 9, 11, 17, 13, 19)]
     fixed = {UNIFORM_EVERY: "tab:blue", UNIFORM_FORMAT: "navy", REDUCING_FORMAT: "tab:cyan"}
     grays = ["dimgray", "darkgray", "black", "silver"]
-    colors = {k: palette[i % len(palette)] for i, k in enumerate(ours)}
-    colors.update({k: fixed.get(k) or grays[i % len(grays)] for i, k in enumerate(o for o in others if o not in fixed)})
+    colors: dict[str, Any] = {k: palette[i % len(palette)] for i, k in enumerate(ours)}
+    colors.update({k: grays[i % len(grays)] for i, k in enumerate(o for o in others if o not in fixed)})
     colors.update({k: v for k, v in fixed.items() if k in others})
     handles: dict[str, Any] = {}
     for si, st in enumerate(settings):
@@ -288,13 +288,13 @@ def plot(rows: Sequence[Any], path: Path) -> None:
                 pts = sorted(p for p in pts if math.isfinite(p[0]) and math.isfinite(p[1]) and p[0] > 0)
                 if not pts:
                     continue  # a metric this run did not measure (e.g. no passkey sample fitted the budget)
-                ours = key.startswith("proxima")
-                if ours:
+                is_ours = key.startswith("proxima")
+                if is_ours:
                     proxima_pts += [(x, y) for x, y, _ in pts]
-                style = "-o" if ours else ("--s" if key in (UNIFORM_EVERY, UNIFORM_FORMAT) else ":^")
+                style = "-o" if is_ours else ("--s" if key in (UNIFORM_EVERY, UNIFORM_FORMAT) else ":^")
                 (line,) = ax.plot(
                     [x for x, _, _ in pts], [y for _, y, _ in pts], style, color=colors[key], label=key,
-                    linewidth=2.0 if ours else 1.3, markersize=5,
+                    linewidth=2.0 if is_ours else 1.3, markersize=5,
                 )
                 handles.setdefault(key, line)
                 for x, y, lab in pts:

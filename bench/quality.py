@@ -4,24 +4,28 @@
     nice -n 10 .venv/bin/python bench/quality.py            # 1 text + 3 passkeys, both settings
     .venv/bin/python bench/quality.py --quick               # 1 text + 1 passkey sample, smoke test
     python3 bench/quality.py --full --device cuda --model $PX_MODEL --no-calibrate --no-probe-fit \
-        --budget-s 420 --shard I/N --out DIR                # one GPU's share; join with --merge
+        --budget-s 450 --shard I/N --out DIR                # one call's (or GPU's) share; join with --merge
     python3 bench/quality.py --merge DIR*/quality-smollm2.json --out bench/results
     python3 bench/quality.py --render bench/results/quality-smollm2.json   # the plot, afterwards
 
 Writes bench/results/quality-smollm2.{json,md,png} (rewritten after every sample) and the damage
 model fitted from the same run's compression-time probes (proxima/quality/data/damage-smollm2.json).
 
-Sizing. Every sample's context is prefilled once; each method compresses its own copy, then all
-methods are decoded together as one batch. The cost is the compression: kernel launches, not
-arithmetic, on a GPU. Counted on CPU (torch operations that launch a kernel, views excluded), one
-4k passkey setting costs about 1.3M operations for `FULL_METHODS` (the policies 0.08-0.37M each,
-the uniform formats and the references 2-23k, a copy of the prefilled cache 20k), both settings
-2.6M; 1k and 2k samples about 1/4 and 1/2 of that. At 8-16 us per eager operation that is 20-40 s
-per 4k sample, 7-14 min for the full suite on one GPU, plus a minute or two of start-up and
-Triton compilation: four GPUs (`--shard I/4`) fit 8 minutes; `--budget-s` keeps any run inside
-its limit (samples that would end past it are not started, the rows say how many ran). On this
-project's CPU machine (2 shared cores) one 1,536-token text window took 41-76 s for 14 methods
-and a passkey (both settings) about 60 s at 1k and 120 s at 2k: hours for `--full`.
+Sizing. Every sample's context is prefilled once; each method compresses its own copy
+(`ProximaCache.fork`; a deepcopy of a 4k-token cache was 27k operations, more than most methods'
+compression), then all methods are decoded together as one batch. On a GPU the cost is the host's
+eager dispatch (torch operations and kernel launches), not arithmetic. Counted on CPU (torch
+operations, views excluded; each call of a compression kernel that Triton replaces on CUDA
+counted as 15, each host sync as 2), one setting of one passkey sample costs 0.41M operations at
+1k tokens for `FULL_METHODS`, 0.54M at 2k, 0.61M at 4k (at 4k: conservative 0.11M, aggressive
+0.10M, quantized@8x 0.08M, the other policies 0.03-0.06M, a token-eviction reference 0.02M, a
+uniform format 3k), a 1.5k text window 0.48M: 51M for the suite, both settings. At 8-16 us per
+operation that is 7-14 min on one GPU, plus start-up (imports, model, Triton compilation): two
+calls of `--shard I/2 --budget-s 450`, 4-8 min each (docs/quality.md, "The full suite on the
+H200"). `--budget-s` keeps any run inside its limit: samples that would end past it are not
+started, the rows say how many ran. On this project's CPU machine (2 shared cores, before
+`fork`) one 1,536-token text window took 41-76 s for 14 methods and a passkey (both settings)
+about 60 s at 1k and 120 s at 2k: hours for `--full`.
 - The damage model is calibrated first (1 context x 9 formats, no generation) and written to
   proxima/quality/data/damage-smollm2.json (`--no-calibrate` reuses it); the `-cal` policies read it.
 - Block size 64 (vLLM's CPU default is 128; 64 gives 1k contexts 16 blocks to choose from).
@@ -64,28 +68,42 @@ and not a target)."""
 
 
 FULL_METHODS = (
+    # the shipped policies as written
     "proxima:conservative@4x",
     "proxima:balanced@4x",
     "proxima:aggressive@4x",
+    # the experimental policies docs/quality.md found best: quantized (int4 / int2 / merges last),
+    # the same at quantization group 64, and int8 / int4 at group 64 (uniform int4's tie at 3x)
     "proxima:quantized@4x",
     "proxima:quantized@8x",
-    "kivi-int4",
+    "proxima:quantized-g64@3.5x",
+    "proxima:quantized-g64@4x",
+    "proxima:int8-int4-g64@3x",
+    # uniform formats over every token, and outside the first and last block
     "fp8",
+    "kivi-int4",
+    "kivi-int4:g64",
     "format:int8",
+    "format:int4",
     "format:int2",
+    "format:int2:g64",
+    "format:sparse(4)",
     "format:cluster(2)+int4",
+    # token eviction
     "snapkv@4x",
     "snapkv@8x",
     "streaming_llm@4x",
     "streaming_llm@8x",
 )
-"""The methods of a `--full` run unless `--methods` says otherwise (baseline is always added): the
-shipped policies as written, the experimental quantized policy at 4x and 8x, the uniform formats
-near 2x / 4x / 8x and the token-eviction references at 4x and 8x. Left out to fit a GPU call
-(each a `--methods` away): the calibrated `-cal` policies (aggressive-cal@8x alone cost as many
-kernel launches as the eight cheapest methods together: 0.70M operations per 4k sample and
-setting, counted on CPU), adaptive, snapkv / streaming_llm at 2x, format:int4 / sparse(4) /
-cluster(4)."""
+"""The methods of a `--full` run unless `--methods` says otherwise (21 + baseline, which is always
+added): the shipped policies as written, the best experimental ones, a curve of uniform formats
+from 1.8x to 5x bytes in both placements, and the token-eviction references at 4x and 8x.
+Sized for one GPU in two calls (see Sizing): 51M operations for the whole suite, against 42M for
+the 14 methods before and 79M with the costliest ones added back. Left out (each a `--methods`
+away): the calibrated `-cal` policies (aggressive-cal@8x alone costs 0.21M operations per 4k
+sample and setting, twice aggressive@4x), quantized-g64@8x and quantized@3.5x (0.07-0.12M),
+adaptive and quant-only (no better in the reduced suite), snapkv / streaming_llm at 2x,
+format:int4:g64 / cluster(4)."""
 
 
 def needle_suite(tok, lengths: list[int], depths: list[float], per_cell: int) -> list:

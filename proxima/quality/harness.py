@@ -15,7 +15,6 @@ so it is excluded from scoring: every scored position reads the compressed cache
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable
@@ -198,7 +197,7 @@ def evaluate(
         caches = []
         for m in chunk:
             tm = time.monotonic()
-            cache = copy.deepcopy(prefilled)
+            cache = prefilled.fork()
             m.apply(cache)
             acc = acc_of(m)
             _record_formats(acc, cache)
@@ -262,7 +261,7 @@ def evaluate(
         if "after" in settings:
             prompts["after"] = (base_cache, q)  # compressed before the question arrives
         if "inside" in settings:
-            inside = copy.deepcopy(base_cache)
+            inside = base_cache.fork()
             if len(q) > 1:
                 model(torch.tensor([q[:-1]], device=dev), past_key_values=inside, use_cache=True)
             prompts["inside"] = (inside, q[-1:])  # the question is in the compressed prompt

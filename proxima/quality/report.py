@@ -37,6 +37,12 @@ def markdown(rows: Sequence[Any], meta: dict | None = None) -> str:
     settings = list(dict.fromkeys(_setting(r) for r in rows))
     out = ["# Quality on SmolLM2-135M-Instruct", ""]
     if meta:
+        if meta.get("partial"):
+            out += ["**Partial results**: the run was still going (or was killed) when these were written.", ""]
+        elif meta.get("complete") is False:
+            ran = f"{meta.get('passkey_samples_run', '?')} of {meta.get('passkey_samples', '?')} passkeys"
+            texts = f"{meta.get('text_samples_run', '?')} of {len(meta.get('text_samples', [])) or '?'} text windows"
+            out += [f"**Not the whole suite**: {ran} and {texts} ran (`needle_n` / `text_n` per row).", ""]
         out += [f"- {k}: {v}" for k, v in meta.items()] + [""]
     out += [
         "`achieved` is 16-bit KV bytes over the bytes held (compressed data, scales, zero points and "
@@ -68,6 +74,8 @@ def markdown(rows: Sequence[Any], meta: dict | None = None) -> str:
                 f"| {_fmt(_get(r, 'kl'), 4)} | {_fmt(_get(r, 'agreement'), 2)} |"
             )
         out += ["", f"### Targets, setting `{st}`", "", *check_targets(srows)]
+        out += ["", f"### Each policy against the uniform formats holding no more bytes, setting `{st}`", ""]
+        out += against_uniform(srows)
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 
@@ -115,13 +123,7 @@ def check_targets(rows: Sequence[Any]) -> list[str]:
         out.append(line(t >= top1, f"teacher-forced top-1 {t:.3f} >= {top1}"))
         if ratio == TARGET_RATIO:
             ach = _num(_get(best, "achieved_ratio"))
-            uniform = [
-                r
-                for r in rows
-                if (_get(r, "family") if _has(r, "family") else "") in ("format", "reference")
-                and not str(_get(r, "method")).startswith(("snapkv", "streaming_llm"))
-                and _num(_get(r, "achieved_ratio")) >= ach
-            ]
+            uniform = [r for r in rows if _uniform(r) and _num(_get(r, "achieved_ratio")) >= ach]
             for ref in [*(by[x] for x in REFERENCES_AT_4X if x in by), *uniform]:
                 rn, rp, rt = metrics(ref)
                 won = [w for w, ok in (("needle", n > rn), ("ppl", p < rp), ("tf_top1", t > rt)) if ok]
@@ -143,65 +145,200 @@ def check_targets(rows: Sequence[Any]) -> list[str]:
     return out
 
 
+UNIFORM_EVERY = "uniform quantization, every token (fp8, kivi-int4)"
+UNIFORM_FORMAT = "uniform quantization, first / last block 16-bit (format:int8 ... int2)"
+REDUCING_FORMAT = "token-reducing formats, first / last block 16-bit (format:cluster / sparse)"
+ENVELOPE = "Proxima, best policy at >= each ratio"
+
+
+def family_curve(row: Any) -> str | None:
+    """The plot's curve a row belongs to: one per Proxima policy (over the ratios it was asked
+    for), one per eviction reference (snapkv, streaming_llm, over their ratios), and one per kind
+    of uniform format, over the formats' byte ratios: every token quantized (fp8, kivi-int4 at
+    its groups), quantized outside the first and last block (`format:int8` ... `format:int2:g64`),
+    token-reducing formats (`format:cluster(2)+int4`, `sparse(4)`, `cluster(4)`). None: baseline."""
+    name = str(_get(row, "method"))
+    family = str(_get(row, "family")) if _has(row, "family") else ""
+    if name == "baseline" or family == "baseline":
+        return None
+    if name.startswith("proxima:"):
+        return name.split("@")[0]
+    if name.startswith("format:"):
+        fmt = name[len("format:") :]
+        return REDUCING_FORMAT if fmt.startswith(("sparse", "cluster")) or "+" in fmt else UNIFORM_FORMAT
+    if "@" in name:
+        return name.split("@")[0]
+    return UNIFORM_EVERY
+
+
+def _uniform(row: Any) -> bool:
+    """A uniform format: one format on every block (`format:*`, kivi-int4, fp8), not token eviction."""
+    family = _get(row, "family") if _has(row, "family") else ""
+    return family in ("format", "reference") and not str(_get(row, "method")).startswith(("snapkv", "streaming_llm"))
+
+
+def _wins(a: Any, b: Any) -> list[str]:
+    """The metrics on which row `a` is strictly better than row `b` (needle, ppl, tf_top1)."""
+    pairs = (("needle", "needle_acc", 1), ("ppl", "ppl", -1), ("tf_top1", "tf_top1", 1))
+    return [w for w, key, sign in pairs if sign * (_num(_get(a, key)) - _num(_get(b, key))) > 0]
+
+
+def against_uniform(rows: Sequence[Any]) -> list[str]:
+    """A table row per Proxima policy (rows of one setting): the uniform formats whose achieved
+    bytes ratio is at least the policy's, and which of them it beats on at least 2 of needle /
+    perplexity / top-1 (the issue's comparison at equal or fewer bytes, at every ratio)."""
+    uniform = [r for r in rows if _uniform(r)]
+    policies = [r for r in rows if str(_get(r, "method")).startswith("proxima:")]
+    if not policies or not uniform:
+        return ["no proxima policy or no uniform format in this run"]
+    out = [
+        "| policy | achieved | uniform formats at >= its bytes | beaten on >= 2 of 3 | not beaten (metrics won) |",
+        "|---|---:|---:|---|---|",
+    ]
+    for p in sorted(policies, key=lambda r: _num(_get(r, "achieved_ratio"))):
+        ach = _num(_get(p, "achieved_ratio"))
+        lean = sorted((u for u in uniform if _num(_get(u, "achieved_ratio")) >= ach),
+                      key=lambda r: _num(_get(r, "achieved_ratio")))
+        beaten = [u for u in lean if len(_wins(p, u)) >= 2]
+        kept = [u for u in lean if len(_wins(p, u)) < 2]
+        lost = [f"{_get(u, 'method')} ({', '.join(_wins(p, u)) or 'none'})" for u in kept]
+        won = ", ".join(str(_get(u, "method")) for u in beaten) or "—"
+        out.append(f"| {_get(p, 'method')} | {ach:.2f} | {len(lean)} | {won} | {', '.join(lost) or '—'} |")
+    return out
+
+
 def _series(rows: Sequence[Any]) -> dict[str, list[Any]]:
-    """Group rows into lines: one per policy, per reference method, per format family."""
     groups: dict[str, list[Any]] = {}
     for r in rows:
-        name = str(_get(r, "method"))
-        if name == "baseline":
-            continue
-        if name.startswith("proxima:") or "@" in name:
-            key = name.split("@")[0]
-        elif name.startswith("format:"):
-            f = name[len("format:") :]
-            if "+" in f:
-                key = "format:cluster(2)+int"
-            elif f.startswith(("sparse", "cluster")):
-                key = "format:" + f.split("(")[0]
-            else:
-                key = "format:quant (fp8/int8/int4/int2)" if f != "fp8" else "format:fp8"
-        else:
-            key = name
-        groups.setdefault(key, []).append(r)
+        key = family_curve(r)
+        if key is not None:
+            groups.setdefault(key, []).append(r)
     return groups
 
 
+def _short(row: Any) -> str:
+    """A point's label on the plot: the asked ratio for a policy or eviction reference, the format otherwise."""
+    name = str(_get(row, "method"))
+    if "@" in name:
+        return "@" + name.split("@")[1]
+    return name.removeprefix("format:")
+
+
+def envelope(pts: Sequence[tuple[float, float]], higher_is_better: bool) -> list[tuple[float, float]]:
+    """The points no other point beats at an equal or higher ratio (the best quality reachable at
+    >= each ratio), sorted by ratio."""
+    better = (lambda a, b: a > b) if higher_is_better else (lambda a, b: a < b)
+    out: list[tuple[float, float]] = []
+    for x, y in sorted(pts, key=lambda p: (-p[0], -p[1] if higher_is_better else p[1])):
+        if not out or better(y, out[-1][1]):
+            out.append((x, y))
+    return out[::-1]
+
+
+XMAX = 13.0
+"""The plot's widest ratio (cluster(4)+int4 blocks hold 11.1x)."""
+PANELS = (
+    # (metric, title, higher is better)
+    ("needle_acc", "passkey accuracy", True),
+    ("ppl_delta", "perplexity vs uncompressed (%)", False),
+    ("tf_top1", "teacher-forced top-1", True),
+)
+
+
+def _value(row: Any, metric: str, base_ppl: float) -> float:
+    if metric == "ppl_delta":
+        p = _num(_get(row, "ppl"))
+        return (p / base_ppl - 1) * 100 if base_ppl and math.isfinite(p) else float("nan")
+    return _num(_get(row, metric))
+
+
 def plot(rows: Sequence[Any], path: Path) -> None:
+    """Quality against achieved bytes ratio: a row of panels per setting (passkey accuracy,
+    perplexity change, teacher-forced top-1), in each a curve per method family over its ratios
+    (`family_curve`), the best-Proxima envelope, the uncompressed level and the issue's targets."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = next(r for r in rows if _get(r, "method") == "baseline")
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    for ax, metric, label in zip(
-        axes, ("needle_acc", "tf_top1", "ppl"), ("passkey accuracy", "teacher-forced top-1", "perplexity"), strict=True
-    ):
-        plotted = 0
-        for key, rs in sorted(_series(rows).items()):
-            rs = sorted(rs, key=lambda r: _num(_get(r, "achieved_ratio")))
-            pts = [(_num(_get(r, "achieved_ratio")), _num(_get(r, metric))) for r in rs]
-            pts = [(x, y) for x, y in pts if math.isfinite(x) and math.isfinite(y) and x > 0]
-            if not pts:
-                continue  # a metric this run did not measure (e.g. no passkey sample fitted the budget)
-            style = "-o" if key.startswith("proxima") else ("--s" if not key.startswith("format") else ":.")
-            lw = 2.5 if key.startswith("proxima") else 1.2
-            ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=key, linewidth=lw, markersize=5)
-            plotted += 1
-        ax.set_title(label)
-        if not plotted:
-            ax.text(0.5, 0.5, "not measured in this run", ha="center", transform=ax.transAxes)
-            continue
-        ax.axhline(_num(_get(base, metric)), color="k", linewidth=0.8, label="uncompressed")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("achieved compression ratio of the context KV (16-bit bytes / bytes held)")
-        if metric == "ppl":
-            ax.set_yscale("log")
-    with_lines = [ax for ax in axes if ax.get_lines()]
-    if with_lines:
-        with_lines[0].legend(fontsize=7, loc="lower left")
-    fig.suptitle("SmolLM2-135M-Instruct: quality against KV compression (higher ratio = less memory)")
-    fig.tight_layout()
+    settings = list(dict.fromkeys(_setting(r) for r in rows))
+    fig, axes = plt.subplots(len(settings), len(PANELS), figsize=(18, 5.2 * len(settings)), squeeze=False)
+    keys = sorted(_series(rows), key=lambda k: (not k.startswith("proxima"), k))
+    ours = [k for k in keys if k.startswith("proxima")]
+    others = [k for k in keys if not k.startswith("proxima")]
+    # Proxima's curves in warm and strong colours, the uniform formats in blues, eviction in grays.
+    warm = plt.get_cmap("tab20")
+    palette = [warm(i) for i in (6, 2, 4, 8, 10, 16, 12, 18, 7, 3, 5, 9, 11, 17, 13, 19)]
+    fixed = {UNIFORM_EVERY: "tab:blue", UNIFORM_FORMAT: "navy", REDUCING_FORMAT: "tab:cyan"}
+    grays = ["dimgray", "darkgray", "black", "silver"]
+    colors: dict[str, Any] = {k: palette[i % len(palette)] for i, k in enumerate(ours)}
+    colors.update({k: grays[i % len(grays)] for i, k in enumerate(o for o in others if o not in fixed)})
+    colors.update({k: v for k, v in fixed.items() if k in others})
+    handles: dict[str, Any] = {}
+    for si, st in enumerate(settings):
+        srows = [r for r in rows if _setting(r) == st]
+        base = next(r for r in srows if _get(r, "method") == "baseline")
+        bppl = _num(_get(base, "ppl"))
+        series = _series(srows)
+        for ax, (metric, title, up) in zip(axes[si], PANELS, strict=True):
+            proxima_pts: list[tuple[float, float]] = []
+            for key in keys:
+                rs = series.get(key, [])
+                pts = [(_num(_get(r, "achieved_ratio")), _value(r, metric, bppl), _short(r)) for r in rs]
+                pts = sorted(p for p in pts if math.isfinite(p[0]) and math.isfinite(p[1]) and p[0] > 0)
+                if not pts:
+                    continue  # a metric this run did not measure (e.g. no passkey sample fitted the budget)
+                is_ours = key.startswith("proxima")
+                if is_ours:
+                    proxima_pts += [(x, y) for x, y, _ in pts]
+                style = "-o" if is_ours else ("--s" if key in (UNIFORM_EVERY, UNIFORM_FORMAT) else ":^")
+                (line,) = ax.plot(
+                    [x for x, _, _ in pts], [y for _, y, _ in pts], style, color=colors[key], label=key,
+                    linewidth=2.0 if is_ours else 1.3, markersize=5,
+                )
+                handles.setdefault(key, line)
+                for x, y, lab in pts:
+                    ax.annotate(lab, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=colors[key])
+            if proxima_pts:
+                env = envelope(proxima_pts, up)
+                (line,) = ax.plot(
+                    [x for x, _ in env], [y for _, y in env], "-", color="crimson", alpha=0.25, linewidth=7,
+                    label=ENVELOPE, zorder=0,
+                )
+                handles.setdefault(ENVELOPE, line)
+            ax.set_title(f"{title}, setting `{st}`")
+            if not ax.get_lines():
+                ax.text(0.5, 0.5, "not measured in this run", ha="center", transform=ax.transAxes)
+                continue
+            level = 0.0 if metric == "ppl_delta" else _num(_get(base, metric))
+            if math.isfinite(level):
+                handles.setdefault("uncompressed", ax.axhline(level, color="k", linewidth=0.8, label="uncompressed"))
+            for (ratio, needle_frac, ppl_up, top1), ls in zip(TARGETS, ("--", ":"), strict=True):
+                target = {"needle_acc": needle_frac * level, "ppl_delta": ppl_up * 100, "tf_top1": top1}[metric]
+                if math.isfinite(target):
+                    ax.plot([ratio, XMAX], [target, target], ls, color="gray", linewidth=0.9)
+            for ratio in (4, 6, 8):
+                ax.axvline(ratio, color="gray", linewidth=0.5, alpha=0.5)
+            if metric == "ppl_delta":
+                ys = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y)]
+                top, low = max(ys, default=0), min(ys, default=0)
+                if top > 30:  # a collapsed method would flatten everything else: linear to 10%, log above
+                    ax.set_yscale("symlog", linthresh=10, linscale=3)
+                    ticks = [t for t in (-10, -5, -2, 0, 3, 6, 10, 30, 100, 300, 1000) if low - 3 <= t <= top * 1.5]
+                    ax.set_yticks(ticks)
+                    ax.set_yticklabels([f"{t:+d}" if t else "0" for t in ticks])
+                    ax.set_ylim(min(low, 0) - 2, top * 1.6)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([1, 1.5, 2, 3, 4, 6, 8, 12])
+            ax.set_xticklabels(["1", "1.5", "2", "3", "4", "6", "8", "12"])
+            ax.set_xlim(0.9, XMAX)
+            ax.set_xlabel("achieved ratio: 16-bit KV bytes / bytes held (metadata included)")
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(
+        "SmolLM2-135M-Instruct: quality against KV bytes (further right = less memory); gray: the issue's "
+        "targets at >= 4x (dashed) and >= 6x (dotted)"
+    )
+    fig.tight_layout(rect=(0, 0.03 + 0.025 * math.ceil(len(handles) / 3), 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -248,13 +385,31 @@ def merge_shards(
             seconds=round(sum(r["seconds"] for r in parts), 1),
         )
         out.append(row)
-    meta = {k: v for k, v in shard_meta[0].items() if k not in ("shard", "partial")}
+    per_shard = ("shard", "partial", "command", "date", "budget_s")
+    meta = {k: v for k, v in shard_meta[0].items() if k not in per_shard}
+    # What the shards planned to run, joined (each shard's meta lists only its own samples).
+    if all("passkey_samples" in m for m in shard_meta):
+        meta["passkey_samples"] = sum(int(m["passkey_samples"]) for m in shard_meta)
+    if all("text_samples" in m for m in shard_meta):
+        meta["text_samples"] = [name for m in shard_meta for name in m["text_samples"]]
+    for key in ("text_context_tokens", "passkey_lengths", "passkey_depths"):
+        if all(key in m for m in shard_meta):
+            meta[key] = sorted({x for m in shard_meta for x in m[key]})
+    planned = (meta.get("passkey_samples"), len(meta["text_samples"]) if "text_samples" in meta else None)
     meta.update(
         shards=[m.get("shard") for m in shard_meta],
+        commands=[m.get("command") for m in shard_meta],
+        dates=[m.get("date") for m in shard_meta],
+        budgets_s=[m.get("budget_s") for m in shard_meta],
+        shard_seconds=[m.get("seconds") for m in shard_meta],
         seconds=max(m.get("seconds", 0) for m in shard_meta),
         passkey_samples_run=out[0]["needle_n"],
         text_samples_run=out[0]["text_n"],
-        complete=all(m.get("complete", False) for m in shard_meta),
+        # Every shard finished (a shard killed by its time limit left `partial` results without
+        # `complete`) and every planned sample ran.
+        complete=all(m.get("complete", False) and not m.get("partial", False) for m in shard_meta)
+        and planned[0] in (None, out[0]["needle_n"])
+        and planned[1] in (None, out[0]["text_n"]),
         merged_from=list(names),
     )
     return out, meta

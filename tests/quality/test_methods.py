@@ -36,13 +36,38 @@ def prefilled():
     return model, cache
 
 
+def _state(cache: ProximaCache, slot_ids: bool = True) -> list:
+    """Everything a method could change in a cache: per layer the working copy, hot blocks,
+    tail, formats, slots (the objects, or with `slot_ids=False` whether there is one) and masks;
+    the engine's bookkeeping."""
+    out: list = [list(cache.chosen), sorted(cache.ineligible), len(cache.probe_log), dict(cache._obs)]
+    for layer in cache.proxima_layers:
+        out += [
+            [t.clone() if t is not None else None for t in layer.materialize()],
+            [t.clone() if t is not None else None for t in layer.hot_k + layer.hot_v],
+            layer.tail_k.clone(), list(layer.formats), [id(s) if slot_ids else s is None for s in layer.slots],
+            list(layer.keep),
+        ]
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
 @pytest.mark.parametrize("method", ALL, ids=[m.name for m in ALL])
 def test_every_method_applies_and_keeps_its_budget(prefilled, method):
-    import copy
-
     model, base = prefilled
-    cache = copy.deepcopy(base)
+    before = _state(base)
+    cache = base.fork()  # what the harness compresses: a fork of the prefill
     method.apply(cache)
+    assert _same(_state(base), before), "compressing a fork changed the cache it was forked from"
     ratio = cache.nominal_ratio()
     # Bytes held include the metadata: the achieved ratio never exceeds the nominal one, and equals
     # it only where nothing carries metadata (eviction keeps 16-bit tokens).
@@ -73,6 +98,33 @@ def test_every_method_applies_and_keeps_its_budget(prefilled, method):
         out = model(torch.randint(0, 256, (1, 5)), past_key_values=cache).logits
     assert torch.isfinite(out).all()
     assert base.nominal_ratio() == 1.0  # the prefilled cache is untouched
+
+
+FORK_METHODS = [
+    "proxima:aggressive@4x", "proxima:quantized@8x", "proxima:balanced-cal@8x", "snapkv@4x", "streaming_llm@8x",
+    "kivi-int4", "format:cluster(2)+int4", "format:sparse(4)",
+]
+
+
+@pytest.mark.parametrize("name", FORK_METHODS)
+def test_a_fork_compresses_exactly_like_a_deepcopy(prefilled, name):
+    """`ProximaCache.fork` (the harness's copy per method, and `apply_policy`'s byte passes)
+    gives what `copy.deepcopy` gives: same formats, bytes, working copy and logits."""
+    import copy
+
+    model, base = prefilled
+    (method,) = [m for m in ALL if m.name == name]
+    before = _state(base)
+    forked, deep = base.fork(), copy.deepcopy(base)
+    method.apply(forked)
+    method.apply(deep)
+    assert forked.block_formats() == deep.block_formats() and forked.chosen == deep.chosen
+    assert forked.held_nbytes() == deep.held_nbytes() and forked.ineligible == deep.ineligible
+    assert _same(_state(forked, slot_ids=False)[4:], _state(deep, slot_ids=False)[4:])
+    nxt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(nxt, past_key_values=forked).logits, model(nxt, past_key_values=deep).logits)
+    assert _same(_state(base), before)  # appending tokens to the fork left the prefill as it was
 
 
 def test_select_puts_baseline_first():
@@ -207,3 +259,73 @@ def test_shards_merge_into_the_whole_run():
         assert a.formats == b["formats"]
     with pytest.raises(ValueError, match="b: its rows are not the same"):
         report.merge_shards([as_dicts[0], as_dicts[1][:2]], [{}, {}], ["a", "b"])
+
+
+def test_merged_meta_counts_every_shard_and_is_complete_only_when_all_ran():
+    """The merged meta plans the samples of all shards; a shard cut by its budget (`complete`
+    false) or killed mid-run (`partial`, no `complete`) makes the whole run incomplete, and the
+    markdown says so above the tables."""
+    row = {
+        "method": "baseline", "family": "baseline", "setting": "after", "ratio": 1.0, "achieved_ratio": 1.0,
+        "nominal_ratio": 1.0, "needle_acc": 1.0, "needle_n": 2, "text_n": 1, "ppl": 10.0, "tf_top1": 1.0,
+        "kl": 0.0, "agreement": None, "formats": {}, "seconds": 1.0,
+    }
+    metas = [
+        {"shard": f"{i}/2", "passkey_samples": 2, "text_samples": [f"t{i}"], "passkey_lengths": [1020 * (i + 1)],
+         "command": f"run {i}", "budget_s": 450.0, "complete": True}
+        for i in range(2)
+    ]
+    rows, meta = report.merge_shards([[row], [row]], metas, ["a", "b"])
+    assert meta["complete"] is True and meta["passkey_samples"] == 4 and meta["passkey_samples_run"] == 4
+    assert meta["text_samples"] == ["t0", "t1"] and meta["passkey_lengths"] == [1020, 2040]
+    assert meta["commands"] == ["run 0", "run 1"] and "command" not in meta and meta["budgets_s"] == [450.0] * 2
+    assert "Not the whole suite" not in report.markdown(rows, meta)
+    cut = {**row, "needle_n": 1}
+    rows, meta = report.merge_shards([[row], [cut]], metas, ["a", "b"])
+    assert meta["complete"] is False and meta["passkey_samples_run"] == 3
+    assert "**Not the whole suite**: 3 of 4 passkeys and 2 of 2 text windows ran" in report.markdown(rows, meta)
+    killed = {k: v for k, v in metas[1].items() if k != "complete"} | {"partial": True}
+    assert report.merge_shards([[row], [row]], [metas[0], killed], ["a", "b"])[1]["complete"] is False
+
+
+def _row(method, family, setting, ratio, needle, ppl, top1):
+    return {"method": method, "family": family, "setting": setting, "achieved_ratio": ratio, "needle_acc": needle,
+            "ppl": ppl, "tf_top1": top1}
+
+
+def test_plot_curves_by_family_and_the_proxima_envelope(tmp_path):
+    rows = []
+    for st in ("after", "inside"):
+        rows += [
+            _row("baseline", "baseline", st, 1.0, 1.0, 10.0, 1.0),
+            _row("proxima:quantized@4x", "proxima", st, 3.9, 0.8, 10.5, 0.9),
+            _row("proxima:quantized@8x", "proxima", st, 7.5, 0.1, 12.0, 0.8),
+            _row("proxima:aggressive@4x", "proxima", st, 4.2, 0.9, 11.0, 0.85),
+            _row("kivi-int4", "reference", st, 3.1, 1.0, 10.0, 0.95),
+            _row("fp8", "reference", st, 1.9, 1.0, 10.0, 0.99),
+            _row("format:int2", "format", st, 4.4, 0.9, 11.5, 0.82),
+            _row("format:cluster(2)+int4", "format", st, 4.9, 0.2, 11.0, 0.88),
+            _row("snapkv@4x", "reference", st, 4.0, 0.1, 12.0, 0.85),
+            _row("snapkv@8x", "reference", st, 8.0, 0.0, 40.0, 0.7),
+        ]
+    series = report._series([r for r in rows if r["setting"] == "after"])
+    assert sorted(series) == sorted([
+        "proxima:quantized", "proxima:aggressive", report.UNIFORM_EVERY, report.UNIFORM_FORMAT,
+        report.REDUCING_FORMAT, "snapkv",
+    ])
+    assert [r["method"] for r in series[report.UNIFORM_EVERY]] == ["kivi-int4", "fp8"]
+    assert len(series["proxima:quantized"]) == 2 and len(series["snapkv"]) == 2
+    # The envelope: the best value reachable at >= each ratio (aggressive@4x beats quantized@4x
+    # at a higher ratio, so quantized@4x is not on it for passkeys; it is for top-1).
+    needle = [(3.9, 0.8), (7.5, 0.1), (4.2, 0.9)]
+    assert report.envelope(needle, higher_is_better=True) == [(4.2, 0.9), (7.5, 0.1)]
+    assert report.envelope([(3.9, 0.9), (7.5, 0.8), (4.2, 0.85)], True) == [(3.9, 0.9), (4.2, 0.85), (7.5, 0.8)]
+    assert report.envelope([(3.9, 10.5), (7.5, 12.0), (4.2, 11.0)], False) == [(3.9, 10.5), (4.2, 11.0), (7.5, 12.0)]
+    report.plot(rows, tmp_path / "q.png")
+    assert (tmp_path / "q.png").stat().st_size > 50_000
+    lines = report.against_uniform([r for r in rows if r["setting"] == "after"])
+    by = {line.split(" | ")[0].removeprefix("| "): line for line in lines[2:]}
+    # quantized@4x (3.9x): kivi-int4 holds more bytes, so is not compared; int2 (4.4x) and
+    # cluster(2)+int4 (4.9x) hold fewer: it beats both on perplexity and top-1.
+    assert by["proxima:quantized@4x"].split(" | ")[2:4] == ["2", "format:int2, format:cluster(2)+int4"]
+    assert by["proxima:quantized@8x"].split(" | ")[2] == "0"

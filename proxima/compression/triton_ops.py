@@ -747,7 +747,7 @@ def _cluster_kernel(
 
 CLUSTER_WARPS = 4
 CLUSTER_BF16 = True
-CLUSTER_MAX_REGISTERS: int | None = None
+CLUSTER_MAX_REGISTERS: int | None = 168
 """k-means launch: warps, bf16 products for bf16 sources (`_dot_bf16x3`) and a ptxas register cap
 (None: the compiler's choice). See docs/compression.md, session 9, for the timings behind them."""
 

@@ -127,9 +127,10 @@ def check_targets(rows: Sequence[Any]) -> list[str]:
             for ref in [*(by[x] for x in REFERENCES_AT_4X if x in by), *uniform]:
                 rn, rp, rt = metrics(ref)
                 won = [w for w, ok in (("needle", n > rn), ("ppl", p < rp), ("tf_top1", t > rt)) if ok]
-                out.append(
-                    line(len(won) >= 2, f"beats `{_get(ref, 'method')}` on {len(won)}/3 ({', '.join(won) or 'none'})")
-                )
+                # the fixed references are reported whatever their ratio; the target proper is
+                # the uniform formats at >= the policy's bytes ratio (the table below)
+                name = f"`{_get(ref, 'method')}` at {_num(_get(ref, 'achieved_ratio')):.2f}x"
+                out.append(line(len(won) >= 2, f"beats {name} on {len(won)}/3 ({', '.join(won) or 'none'})"))
     reaching8 = [r for r in cands if _num(_get(r, "achieved_ratio")) >= 8 * 0.98]
     if not reaching8:
         best_ach = max(_num(_get(r, "achieved_ratio")) for r in cands)
@@ -197,8 +198,10 @@ def against_uniform(rows: Sequence[Any]) -> list[str]:
     ]
     for p in sorted(policies, key=lambda r: _num(_get(r, "achieved_ratio"))):
         ach = _num(_get(p, "achieved_ratio"))
-        lean = sorted((u for u in uniform if _num(_get(u, "achieved_ratio")) >= ach),
-                      key=lambda r: _num(_get(r, "achieved_ratio")))
+        lean = sorted(
+            (u for u in uniform if _num(_get(u, "achieved_ratio")) >= ach),
+            key=lambda r: _num(_get(r, "achieved_ratio")),
+        )
         beaten = [u for u in lean if len(_wins(p, u)) >= 2]
         kept = [u for u in lean if len(_wins(p, u)) < 2]
         lost = [f"{_get(u, 'method')} ({', '.join(_wins(p, u)) or 'none'})" for u in kept]
@@ -293,8 +296,13 @@ def plot(rows: Sequence[Any], path: Path) -> None:
                     proxima_pts += [(x, y) for x, y, _ in pts]
                 style = "-o" if is_ours else ("--s" if key in (UNIFORM_EVERY, UNIFORM_FORMAT) else ":^")
                 (line,) = ax.plot(
-                    [x for x, _, _ in pts], [y for _, y, _ in pts], style, color=colors[key], label=key,
-                    linewidth=2.0 if is_ours else 1.3, markersize=5,
+                    [x for x, _, _ in pts],
+                    [y for _, y, _ in pts],
+                    style,
+                    color=colors[key],
+                    label=key,
+                    linewidth=2.0 if is_ours else 1.3,
+                    markersize=5,
                 )
                 handles.setdefault(key, line)
                 for x, y, lab in pts:
@@ -302,8 +310,14 @@ def plot(rows: Sequence[Any], path: Path) -> None:
             if proxima_pts:
                 env = envelope(proxima_pts, up)
                 (line,) = ax.plot(
-                    [x for x, _ in env], [y for _, y in env], "-", color="crimson", alpha=0.25, linewidth=7,
-                    label=ENVELOPE, zorder=0,
+                    [x for x, _ in env],
+                    [y for _, y in env],
+                    "-",
+                    color="crimson",
+                    alpha=0.25,
+                    linewidth=7,
+                    label=ENVELOPE,
+                    zorder=0,
                 )
                 handles.setdefault(ENVELOPE, line)
             ax.set_title(f"{title}, setting `{st}`")

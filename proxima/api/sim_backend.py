@@ -19,7 +19,7 @@ from proxima.api.controller import Controller
 from proxima.compression.spec import slot_spec
 from proxima.formats import Format
 from proxima.policy.probes import DriftSample, ProbeResult, drift_test, evaluate_canary
-from proxima.policy.schema import CanaryProbe, DriftProbe, Policy
+from proxima.policy.schema import CanaryProbe, DriftProbe, Policy, Storage
 from proxima.simulator.sim import PoolConfig, Simulator
 from proxima.simulator.workload import RequestSpec, WorkloadConfig, synthetic
 
@@ -29,15 +29,18 @@ SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 2
 SMOLLM2_GEOMETRY = {"layers": 30, "num_kv_heads": 3, "head_dim": 64}
 
 
-def side_table_bytes(blocks_by_format: dict[str, int], block_size: int, geometry: dict[str, int]) -> int:
-    """Metadata bytes of compressed blocks held as `blocks_by_format` says (SmolLM2's geometry)."""
+def side_table_bytes(
+    blocks_by_format: dict[str, int], block_size: int, geometry: dict[str, int], storage: Storage
+) -> int:
+    """Metadata bytes of compressed blocks held as `blocks_by_format` says (SmolLM2's geometry),
+    each format at the quantization group the policy stores it with (`storage.group_for`)."""
     total = 0
     for name, n in blocks_by_format.items():
         fmt = Format.parse(name)
         if fmt.is_hot:
             continue
         spec = slot_spec(fmt, block_size=block_size, head_dim=geometry["head_dim"],
-                         num_kv_heads=geometry["num_kv_heads"])
+                         num_kv_heads=geometry["num_kv_heads"], group_size=storage.group_for(fmt))
         total += n * spec.meta_bytes_per_slot * geometry["layers"]
     return total
 
@@ -94,6 +97,7 @@ class SimulatedBackend:
     def stats(self) -> BackendStats:
         with self._lock:
             sim, pool = self.sim, self.sim.pool
+            storage = sim.policy.storage if sim.policy is not None else Storage()  # off: nothing compressed
             decision = sim.last_decision
             free = pool.num_free()
             physical = 1.0 - free / self.pool_cfg.total_blocks
@@ -107,7 +111,7 @@ class SimulatedBackend:
                 fragmentation_blocks=sim.packer.fragmentation_blocks(),
                 step=sim.step_no,
                 applied_policy_version=self._version or None,
-                meta_bytes=side_table_bytes(by_fmt, self.pool_cfg.block_size, SMOLLM2_GEOMETRY),
+                meta_bytes=side_table_bytes(by_fmt, self.pool_cfg.block_size, SMOLLM2_GEOMETRY, storage),
             )
 
 

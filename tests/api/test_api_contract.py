@@ -306,3 +306,19 @@ def test_posted_canary_verdicts_move_the_ladder(client: TestClient) -> None:
     assert [a["kind"] for a in client.get("/v1/alerts").json()["alerts"]][-1] == "fallback_step_down"
     r = client.post("/v1/probes", json={"kind": "compression", "passed": True}, headers=AUTH)
     assert r.status_code == 422  # the engine reports that one itself
+
+
+def test_simulated_metadata_counts_the_policys_quantization_group() -> None:
+    """The simulated engine's side-table bytes follow `storage.group_size`: int4 blocks at group 64
+    carry half the scale / zero bytes of group 32 (keys per 64-token group, values per 64 channels)."""
+    from proxima.api.sim_backend import SMOLLM2_GEOMETRY, side_table_bytes
+    from proxima.policy.schema import Storage
+
+    held = {"bf16": 5, "int4": 7, "cluster(2)+int4": 3}
+    g32 = side_table_bytes(held, 64, SMOLLM2_GEOMETRY, Storage())
+    g64 = side_table_bytes(held, 64, SMOLLM2_GEOMETRY, Storage(group_size=64))
+    assert 0 < g64 < g32
+    only_int4 = {"int4": 7}
+    a = side_table_bytes(only_int4, 64, SMOLLM2_GEOMETRY, Storage())
+    b = side_table_bytes(only_int4, 64, SMOLLM2_GEOMETRY, Storage(group_size=64))
+    assert b * 2 == a

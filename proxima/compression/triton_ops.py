@@ -243,7 +243,9 @@ def _quant_keys_kernel(
     channel, then the codes (the second pass reads the tile again, from L1 / L2). Triton gives a
     thread 16 channels of a chunk (one 16-byte store of int8 codes), and quantize() launches one
     warp per 512 channels, so warps split the channels, never the tokens: the reductions stay in a
-    thread or a warp (a shuffle), with no shared memory or barriers. The chunk loops are not
+    thread or a warp (a shuffle), with no shared memory or barriers for int8. (int4 / int2 pack PER
+neighbouring channels of a thread's row into a byte; Triton moves them through shared memory with
+a barrier, once per chunk.) The chunk loops are not
     unrolled: unrolled, ptxas hoisted every chunk's loads and spilled. (The one-pass kernel this
     replaced reduced across warps and ran at a third of the copy bandwidth on the H200.)"""
     n = tl.program_id(0).to(tl.int64)
@@ -337,8 +339,8 @@ def quantize(
         return data, scale, zero
     z = zero if zero is not None else scale
     if _kivi(quant, is_key) and is_key:
-        # a chunk of KEY_ROWS token rows x block_w channels; one warp per 512 channels (at most 4),
-        # so that the warps split channels only (see _quant_keys_kernel)
+        # a chunk of KEY_ROWS token rows x block_w channels; one warp per 512 channels, so that warps
+        # split channels only (see _quant_keys_kernel): at KEY_TILE_W = 256 that is one warp
         block_w = min(_p2(h * d, 16), KEY_TILE_W)
         grid = (n, triton.cdiv(t, group), triton.cdiv(h * d, block_w))
         _quant_keys_kernel[grid](

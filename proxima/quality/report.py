@@ -313,6 +313,7 @@ def plot(rows: Sequence[Any], path: Path) -> None:
                     [x for x, _ in env],
                     [y for _, y in env],
                     "-",
+                    drawstyle="steps-pre",  # the best at >= x: each point's value holds back to the previous point
                     color="crimson",
                     alpha=0.25,
                     linewidth=7,

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from proxima.compression import compress_blocks, decompress_blocks
+from proxima.compression import compress_blocks, decompress_blocks, triton_ops
 from proxima.compression import reference as ref
 from proxima.compression.synthetic import realistic_kv
 from proxima.compression.triton_ops import _floor_code
@@ -132,7 +132,10 @@ def _floor_probe(t_ptr, out_ptr, N: tl.constexpr, LO: tl.constexpr, HI: tl.const
     tl.store(out_ptr + offs, _floor_code(tl.load(t_ptr + offs), LO, HI, HW))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="directed rounding runs compiled only: needs a CUDA GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or triton_ops.INTERPRET,
+    reason="directed rounding runs compiled only: needs a CUDA GPU and TRITON_INTERPRET unset",
+)
 @pytest.mark.parametrize(("lo", "hi"), [(-127, 127), (0, 255), (0, 15), (0, 3)])
 def test_floor_by_directed_rounding_equals_the_interpreters_floor(lo, hi):
     """The quantize kernels' GPU floor (one add rounded toward -inf) gives the integer the

@@ -458,7 +458,9 @@ class ProximaCache(Cache):
         payloads and observation queries are shared (every change replaces them); block lists,
         the engine's bookkeeping and each layer's working copy (patched in place) are copied.
         A deepcopy of a 4k-token SmolLM2 cache is about 27k tensor operations (kernel launches
-        on a GPU); a fork is two or three clones per layer."""
+        on a GPU); a fork is two or three clones per layer. Relies on hot blocks not aliasing the
+        working copy, which holds for every cache but a `stacked()` one (its hot blocks are views
+        of its working copy, so a fork's would still view the original's): never fork those."""
         out = copy.copy(self)
         out.layers = [layer.fork() for layer in self.proxima_layers]
         out.engine_state = copy.copy(self.engine_state)

@@ -70,6 +70,27 @@ def cb_bytes(cb) -> int:
     return nbytes(cb.k_data, cb.v_data, cb.k_scale, cb.k_zero, cb.v_scale, cb.v_zero, cb.log_count, cb.token_index)
 
 
+def sm_clock_mhz() -> int | None:
+    try:
+        return int(torch.cuda.clock_rate())  # NVML's current SM clock
+    except Exception:  # no NVML in this environment
+        return None
+
+
+def warm_clocks(seconds: float = 3.0) -> int | None:
+    """Keep the SMs busy until the clocks have left the idle state; returns the SM clock then.
+    An idle H200 sits at 345 MHz and the compress rows, the first timed, ran up to 1.5x slow
+    while it ramped (fp8 163 vs 108 us, int8 204 vs 122 us, the same kernels twice in one call,
+    2026-12-02); the copy roofline, memory-bound, did not move (4,248 GB/s both times)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(20):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+    return sm_clock_mhz()
+
+
 def bench_ms(fn, graph: bool = False, rep: int = 200) -> float:
     # Triton's do_bench_cudagraph warms up and captures on a new side stream, which is not ordered
     # after the default stream: without this sync its first call can read inputs (a slot table,
@@ -390,6 +411,8 @@ def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
         f"copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write).",
         "",
     ]
+    if clk := meta.get("sm_clock_mhz"):
+        lines += [f"SM clock {clk['before_warmup']} MHz before the warm-up, {clk['after_warmup']} MHz after.", ""]
     lines += ["## Targets", "", "| target | value | met |", "|---|---|---|"]
     lines += [f"| {x['target']} | {_fmt_value(x['value'])} | {'yes' if x['met'] else 'no'} |" for x in tg]
     lines += [
@@ -814,6 +837,7 @@ def main() -> int:
         meta["checks"] = [{"op": "checks", "format": "-", "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}]
     for r in meta["checks"]:
         print(f"  {r['op']} {r['format']} ok={r['ok']}", flush=True)
+    meta["sm_clock_mhz"] = {"before_warmup": sm_clock_mhz(), "after_warmup": warm_clocks()}
     meta["copy_gbps"] = copy_bandwidth()
     print(f"copy {meta['copy_gbps']:.0f} GB/s  ({time.time() - t0:.0f}s)", flush=True)
     rows = [

@@ -1,0 +1,137 @@
+"""Static profile of the k-means kernel for the H200 (sm_90), made on a CPU machine.
+
+    PYTHONPATH=/tmp/triton-3.6:. python bench/cluster_sass.py [--out bench/results]
+
+Compiles `triton_ops._cluster_kernel` ahead of time for sm_90 as `compress_blocks` launches it
+on bf16 blocks of 64 tokens, 128 channels, 4 Lloyd steps: cluster(4) (16 centroids) and
+cluster(2) (32), at the shipped register cap and without one, and reports registers, stack
+(spills), shared memory and the SASS instructions of its two loops: the farthest-point seeding
+(one iteration per centroid) and the Lloyd steps (one per step). Set-up of Triton 3.6 (the
+device's) as in bench/decode_sass.py. The compiler's view, not timings: those come from
+`bench/kernels.py` on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret (before triton is imported)
+
+import triton
+from decode_sass import _tool
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from proxima.compression import blocks, triton_ops
+
+T, D = 64, 128
+POINTERS = {
+    "k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "imp_ptr": "*fp32", "prot_ptr": "*fp32",
+    "ko_ptr": "*bf16", "vo_ptr": "*bf16", "lc_ptr": "*fp32",
+}  # fmt: skip
+
+
+def loops(sass: str) -> list[int]:
+    """Instruction counts of every backward-branch range (a loop body) in a cuobjdump listing, in
+    address order: for this kernel the seeding loop, then the Lloyd loop."""
+    ins = [int(m.group(1), 16) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    txt = [m.group(2) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    out = []
+    for addr, t in zip(ins, txt, strict=True):
+        b = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
+        if b and int(b.group(1), 16) < addr:
+            out.append(sum(1 for a in ins if int(b.group(1), 16) <= a <= addr))
+    return out
+
+
+def profile(centroids: int, maxnreg: int | None) -> dict:
+    kern = triton_ops._cluster_kernel
+    consts = {
+        "ITERS": blocks.DEFAULT_CLUSTER_ITERS, "HAS_PROT": False, "D": D, "BLOCK_T": T, "BLOCK_D": D,
+        "BLOCK_C": max(16, centroids), "EXACT16": True, "BF16": triton_ops.CLUSTER_BF16, "PRECISION": "tf32",
+        "HW_CVT": True,
+    }  # fmt: skip
+    sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "i32") for n in kern.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if n in POINTERS}
+    src = ASTSource(
+        fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs
+    )
+    opts = {"num_warps": triton_ops.CLUSTER_WARPS} | ({"maxnreg": maxnreg} if maxnreg else {})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    body = loops(sass)
+    seed, lloyd = [*body, 0, 0][:2]
+    iters = blocks.DEFAULT_CLUSTER_ITERS
+    return {
+        "centroids": centroids, "maxnreg": maxnreg, "warps": triton_ops.CLUSTER_WARPS,
+        "regs": int(m.group(1)) if m else None, "stack": int(m.group(2)) if m else None,
+        "smem": int(ck.metadata.shared),
+        "seed_loop_instrs": seed, "lloyd_loop_instrs": lloyd, "lloyd_steps": iters,
+        "seed_share": seed * centroids / max(1, seed * centroids + lloyd * iters),
+    }  # fmt: skip
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    out = [
+        "# k-means kernel, static profile for sm_90 (compiled on a CPU machine)", "",
+        f"Triton {meta['triton']}, {meta['date']}. Command: `{meta['command']}`", "",
+        f"bf16 blocks of {T} tokens x {D} channels, {triton_ops.CLUSTER_WARPS} warps. Loop bodies per warp; "
+        "`seeding share` = seeding instructions x centroids over that plus Lloyd instructions x steps. "
+        "The compiler's view, not timings.", "",
+        "| centroids | maxnreg | regs | stack | smem | seeding loop | Lloyd loop | Lloyd steps | seeding share |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        out.append(
+            f"| {r['centroids']} | {r['maxnreg']} | {r['regs']} | {r['stack']} | {r['smem']} | {r['seed_loop_instrs']} "
+            f"| {r['lloyd_loop_instrs']} | {r['lloyd_steps']} | {100 * r['seed_share']:.0f}% |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write cluster-sass.{json,md} here")
+    args = ap.parse_args()
+    rows = []
+    for c in (T // 4, T // 2):
+        for cap in dict.fromkeys((triton_ops.CLUSTER_MAX_REGISTERS, None, 128)):
+            r = profile(c, cap)
+            rows.append(r)
+            print(
+                f"C={c} maxnreg={cap}: regs {r['regs']} stack {r['stack']} smem {r['smem']} seeding loop "
+                f"{r['seed_loop_instrs']} x {c}, Lloyd loop {r['lloyd_loop_instrs']} x {r['lloyd_steps']}",
+                flush=True,
+            )
+    meta = {
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "PYTHONPATH=/tmp/triton-3.6:. python bench/cluster_sass.py " + " ".join(sys.argv[1:]),
+        "python": sys.version.split()[0],
+    }
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "cluster-sass.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "cluster-sass.md"), "w") as f:
+            f.write(markdown(meta, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

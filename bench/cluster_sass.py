@@ -14,22 +14,16 @@ device's) as in bench/decode_sass.py. The compiler's view, not timings: those co
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret (before triton is imported)
 
-import triton
-from decode_sass import _tool
-from triton.backends.compiler import GPUTarget
+from decode_sass import compile_sm90, write_results
 from triton.compiler import ASTSource
 
 from proxima.compression import blocks, triton_ops
@@ -67,20 +61,13 @@ def profile(centroids: int, maxnreg: int | None) -> dict:
         fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs
     )
     opts = {"num_warps": triton_ops.CLUSTER_WARPS} | ({"maxnreg": maxnreg} if maxnreg else {})
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True)
-        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    res, sass = compile_sm90(src, opts)
     body = loops(sass)
     seed, lloyd = [*body, 0, 0][:2]
     iters = blocks.DEFAULT_CLUSTER_ITERS
     return {
         "centroids": centroids, "maxnreg": maxnreg, "warps": triton_ops.CLUSTER_WARPS,
-        "regs": int(m.group(1)) if m else None, "stack": int(m.group(2)) if m else None,
-        "smem": int(ck.metadata.shared),
+        **res,
         "seed_loop_instrs": seed, "lloyd_loop_instrs": lloyd, "lloyd_steps": iters,
         "seed_share": seed * centroids / max(1, seed * centroids + lloyd * iters),
     }  # fmt: skip
@@ -118,18 +105,8 @@ def main() -> int:
                 f"{r['seed_loop_instrs']} x {c}, Lloyd loop {r['lloyd_loop_instrs']} x {r['lloyd_steps']}",
                 flush=True,
             )
-    meta = {
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "PYTHONPATH=/tmp/triton-3.6:. python bench/cluster_sass.py " + " ".join(sys.argv[1:]),
-        "python": sys.version.split()[0],
-    }
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "cluster-sass.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(os.path.join(args.out, "cluster-sass.md"), "w") as f:
-            f.write(markdown(meta, rows))
+    command = "PYTHONPATH=/tmp/triton-3.6:. python bench/cluster_sass.py " + " ".join(sys.argv[1:])
+    write_results(args.out, "cluster-sass", command, rows, markdown)
     return 0
 
 

@@ -108,28 +108,45 @@ def opcode(instr: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instr).split()[0].split(".")[0]
 
 
-def profile(fmt: str, cfg: ta.DecodeConfig) -> dict:
-    sig, consts, attrs = _signature(fmt, cfg)
-    src = ASTSource(fn=ta._decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    ck = triton.compile(
-        src,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        | ({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
-    )
+def compile_sm90(src: ASTSource, options: dict) -> tuple[dict, str]:
+    """Compile for the H200 (sm_90) on this machine: ({"regs", "stack", "smem"}, the SASS listing)."""
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
         usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True)
         sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    res = {"regs": int(m.group(1)) if m else None, "stack": int(m.group(2)) if m else None}
+    return res | {"smem": int(ck.metadata.shared)}, sass
+
+
+def write_results(out_dir: str | None, stem: str, command: str, rows: list[dict], render) -> None:
+    """With out_dir, write STEM.json (meta + rows) and STEM.md (`render(meta, rows)`)."""
+    meta = {
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": command,
+        "python": sys.version.split()[0],
+    }
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+            f.write(render(meta, rows))
+
+
+def profile(fmt: str, cfg: ta.DecodeConfig) -> dict:
+    sig, consts, attrs = _signature(fmt, cfg)
+    src = ASTSource(fn=ta._decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    res, sass = compile_sm90(src, opts | ({"maxnreg": cfg.max_registers} if cfg.max_registers else {}))
     body = loop_body(sass)
     ops = collections.Counter(opcode(x) for x in body)
     return {
         "format": fmt, "tokens": cfg.tokens, "warps": cfg.num_warps, "stages": cfg.num_stages,
-        "variant": cfg.variant,
-        "regs": int(m.group(1)) if m else None, "stack": int(m.group(2)) if m else None,
-        "smem": int(ck.metadata.shared), "loop_instrs": len(body),
+        "variant": cfg.variant, **res, "loop_instrs": len(body),
         "warp_instrs_per_token": len(body) * cfg.num_warps / cfg.tokens, "opcodes": dict(ops.most_common()),
     }  # fmt: skip
 
@@ -173,18 +190,8 @@ def main() -> int:
         rows.append(r)
         print(f"{fmt:5s} {cfg}: regs {r['regs']} stack {r['stack']} loop {r['loop_instrs']} instrs "
               f"({r['warp_instrs_per_token']:.1f} warp instr / token)", flush=True)  # fmt: skip
-    meta = {
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "PYTHONPATH=/tmp/triton-3.6:. python bench/decode_sass.py " + " ".join(args.specs),
-        "python": sys.version.split()[0],
-    }  # fmt: skip
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "decode-sass.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(os.path.join(args.out, "decode-sass.md"), "w") as f:
-            f.write(markdown(meta, rows))
+    command = "PYTHONPATH=/tmp/triton-3.6:. python bench/decode_sass.py " + " ".join(args.specs)
+    write_results(args.out, "decode-sass", command, rows, markdown)
     return 0
 
 

@@ -14,8 +14,8 @@ device's) as in bench/decode_sass.py. The compiler's view, not timings: those co
 from __future__ import annotations
 
 import argparse
+import collections
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret (before triton is imported)
 
-from decode_sass import compile_sm90, write_results
+from decode_sass import compile_sm90, loop_bodies, opcode, write_results
 from triton.compiler import ASTSource
 
 from proxima.compression import blocks, triton_ops
@@ -35,17 +35,9 @@ POINTERS = {
 }  # fmt: skip
 
 
-def loops(sass: str) -> list[int]:
-    """Instruction counts of every backward-branch range (a loop body) in a cuobjdump listing, in
-    address order: for this kernel the seeding loop, then the Lloyd loop."""
-    ins = [int(m.group(1), 16) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    txt = [m.group(2) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    out = []
-    for addr, t in zip(ins, txt, strict=True):
-        b = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
-        if b and int(b.group(1), 16) < addr:
-            out.append(sum(1 for a in ins if int(b.group(1), 16) <= a <= addr))
-    return out
+SYNC_OPS = ("BAR", "SHFL", "LDS", "STS")
+"""Opcodes counted per loop: barriers, warp shuffles and shared-memory loads / stores (the
+cross-thread reductions and layout conversions)."""
 
 
 def profile(centroids: int, maxnreg: int | None) -> dict:
@@ -56,19 +48,25 @@ def profile(centroids: int, maxnreg: int | None) -> dict:
         "HW_CVT": True,
     }  # fmt: skip
     sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "i32") for n in kern.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if n in POINTERS}
+    # the launch specializes pointers and integer arguments that are multiples of 16 (T, C here)
+    div16 = set(POINTERS) | {n for n, val in (("T", T), ("C", centroids)) if val % 16 == 0}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if n in div16}
     src = ASTSource(
         fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs
     )
     opts = {"num_warps": triton_ops.CLUSTER_WARPS} | ({"maxnreg": maxnreg} if maxnreg else {})
     res, sass = compile_sm90(src, opts)
-    body = loops(sass)
-    seed, lloyd = [*body, 0, 0][:2]
+    bodies = loop_bodies(sass)
+    # the kernel has exactly two loops, seeding then Lloyd; another one would shift the columns
+    assert len(bodies) == 2, f"expected the seeding and the Lloyd loop, found {len(bodies)} loops"
+    seed, lloyd = (len(b) for b in bodies)
+    ops = [collections.Counter(opcode(x) for x in b) for b in bodies]
     iters = blocks.DEFAULT_CLUSTER_ITERS
     return {
         "centroids": centroids, "maxnreg": maxnreg, "warps": triton_ops.CLUSTER_WARPS,
         **res,
         "seed_loop_instrs": seed, "lloyd_loop_instrs": lloyd, "lloyd_steps": iters,
+        "seed_sync": {k: ops[0][k] for k in SYNC_OPS}, "lloyd_sync": {k: ops[1][k] for k in SYNC_OPS},
         "seed_share": seed * centroids / max(1, seed * centroids + lloyd * iters),
     }  # fmt: skip
 
@@ -80,13 +78,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"bf16 blocks of {T} tokens x {D} channels, {triton_ops.CLUSTER_WARPS} warps. Loop bodies per warp; "
         "`seeding share` = seeding instructions x centroids over that plus Lloyd instructions x steps. "
         "The compiler's view, not timings.", "",
-        "| centroids | maxnreg | regs | stack | smem | seeding loop | Lloyd loop | Lloyd steps | seeding share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Static counts: a loop's instructions include both sides of its branches. `BAR / SHFL / LDS / STS`: "
+        "barriers, shuffles, shared-memory loads and stores in one iteration.", "",
+        "| centroids | maxnreg | regs | stack | smem | seeding loop | its BAR / SHFL / LDS / STS | Lloyd loop "
+        "| its BAR / SHFL / LDS / STS | Lloyd steps | seeding share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
         out.append(
             f"| {r['centroids']} | {r['maxnreg']} | {r['regs']} | {r['stack']} | {r['smem']} | {r['seed_loop_instrs']} "
-            f"| {r['lloyd_loop_instrs']} | {r['lloyd_steps']} | {100 * r['seed_share']:.0f}% |"
+            f"| {' / '.join(str(v) for v in r['seed_sync'].values())} | {r['lloyd_loop_instrs']} "
+            f"| {' / '.join(str(v) for v in r['lloyd_sync'].values())} | {r['lloyd_steps']} "
+            f"| {100 * r['seed_share']:.0f}% |"
         )
     return "\n".join(out) + "\n"
 

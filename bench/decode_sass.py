@@ -92,16 +92,21 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def loop_body(sass: str) -> list[str]:
-    """The instructions of the largest loop (a backward branch's range) in a cuobjdump listing."""
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The instructions of every loop (a backward branch's range) in a cuobjdump listing, in the
+    order of their branches."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    best: list[str] = []
+    out = []
     for addr, txt in ins:
         t = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", txt)
         if t and int(t.group(1), 16) < addr:
-            body = [x for a, x in ins if int(t.group(1), 16) <= a <= addr]
-            best = body if len(body) > len(best) else best
-    return best
+            out.append([x for a, x in ins if int(t.group(1), 16) <= a <= addr])
+    return out
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the largest loop in a cuobjdump listing."""
+    return max(loop_bodies(sass), key=len, default=[])
 
 
 def opcode(instr: str) -> str:

@@ -79,9 +79,9 @@ def sm_clock_mhz() -> int | None:
 
 def warm_clocks(seconds: float = 3.0) -> int | None:
     """Keep the SMs busy until the clocks have left the idle state; returns the SM clock then.
-    An idle H200 sits at 345 MHz and the compress rows, the first timed, ran up to 1.5x slow
-    while it ramped (fp8 163 vs 108 us, int8 204 vs 122 us, the same kernels twice in one call,
-    2026-12-02); the copy roofline, memory-bound, did not move (4,248 GB/s both times)."""
+    An idle H200 sits at 345 MHz and the compress rows, the first timed, ran up to 1.7x slow
+    while it ramped (fp8 166.6 vs 107.9 us, int8 204.2 vs 121.9 us, the same kernels a minute
+    apart in one call, 2026-12-02); the copy roofline, memory-bound, did not move (4,248 GB/s both times)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     end = time.time() + seconds
     while time.time() < end:
@@ -411,7 +411,7 @@ def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
         f"copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write).",
         "",
     ]
-    if clk := meta.get("sm_clock_mhz"):
+    if (clk := meta.get("sm_clock_mhz")) and clk.get("after_warmup") is not None:  # None: no NVML
         lines += [f"SM clock {clk['before_warmup']} MHz before the warm-up, {clk['after_warmup']} MHz after.", ""]
     lines += ["## Targets", "", "| target | value | met |", "|---|---|---|"]
     lines += [f"| {x['target']} | {_fmt_value(x['value'])} | {'yes' if x['met'] else 'no'} |" for x in tg]
@@ -818,6 +818,7 @@ def main() -> int:
     if args.sweep:
         os.makedirs(args.out, exist_ok=True)
         print("fp8 diag", fp8_diag(), flush=True)
+        print(f"SM clock {sm_clock_mhz()} MHz, after the warm-up {warm_clocks()} MHz", flush=True)
         sweep(args.out, shapes_only=args.shapes_only, specs=args.configs)
         return 0
     t0 = time.time()

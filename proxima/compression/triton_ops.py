@@ -244,9 +244,9 @@ def _quant_keys_kernel(
     thread 16 channels of a chunk (one 16-byte store of int8 codes), and quantize() launches one
     warp per 512 channels, so warps split the channels, never the tokens: the reductions stay in a
     thread or a warp (a shuffle), with no shared memory or barriers for int8. (int4 / int2 pack PER
-neighbouring channels of a thread's row into a byte; Triton moves them through shared memory with
-a barrier, once per chunk.) The chunk loops are not
-    unrolled: unrolled, ptxas hoisted every chunk's loads and spilled. (The one-pass kernel this
+    neighbouring channels of a thread's row into a byte; Triton moves them through shared memory
+    with a barrier, once per chunk.) The chunk loops are not unrolled: unrolled, ptxas hoisted
+    every chunk's loads and spilled. (The one-pass kernel this
     replaced reduced across warps and ran at a third of the copy bandwidth on the H200.)"""
     n = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)

@@ -449,6 +449,7 @@ class ProximaCache(Cache):
         self._obs: dict[int, torch.Tensor] = {}
         self._pending_bias: int | None = None
         self.chosen: list[Format] = []
+        self._stacked = False  # set by `stacked()`: its hot blocks are views of the working copies
         """Per logical block, the format the engine (or a caller) chose; layers may store a substitute."""
 
     def fork(self) -> ProximaCache:
@@ -460,7 +461,9 @@ class ProximaCache(Cache):
         A deepcopy of a 4k-token SmolLM2 cache is about 27k tensor operations (kernel launches
         on a GPU); a fork is two or three clones per layer. Relies on hot blocks not aliasing the
         working copy, which holds for every cache but a `stacked()` one (its hot blocks are views
-        of its working copy, so a fork's would still view the original's): never fork those."""
+        of its working copy, so a fork's would still view the original's): those refuse."""
+        if self._stacked:
+            raise ValueError("a stacked() cache cannot be forked: its hot blocks are views of its working copies")
         out = copy.copy(self)
         out.layers = [layer.fork() for layer in self.proxima_layers]
         out.engine_state = copy.copy(self.engine_state)
@@ -885,6 +888,7 @@ class ProximaCache(Cache):
             if c.proxima_layers and c.proxima_layers[0].tail_k is not None and c.proxima_layers[0].tail_k.shape[0] != 1:
                 raise ValueError("stacked() takes caches of batch 1")
         out = cls(block_size=first.block_size, kv_dtype=first.kv_dtype, observation_window=first.window)
+        out._stacked = True
         for li in range(n_layers):
             src = [c.proxima_layers[li] for c in caches]
             layer = ProximaLayer(first.block_size, keep_working_copy=True)

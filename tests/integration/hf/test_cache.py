@@ -311,6 +311,8 @@ def test_stacked_caches_decode_as_each_alone(model, ids):
             assert torch.allclose(together[i], a[0], atol=1e-5), i
     with pytest.raises(ValueError, match="must match"):
         ProximaCache.stacked([caches[0], base])
+    with pytest.raises(ValueError, match="cannot be forked"):
+        stacked.fork()
 
 
 @torch.no_grad()

@@ -125,6 +125,26 @@ class Format:
         return self.reduction == "cluster"
 
 
+def recompressible(src: Format, dst: Format) -> bool:
+    """Whether a block stored as `src` can be compressed further into `dst` from what it holds
+    (the engine, both integrations and the kernels ask this one function).
+
+    Always towards a higher pack ratio. A quantized-only block: into anything (from its
+    dequantised data; its loss is kept). A token-reduced block keeps a reduction of at least its
+    ratio: cluster(R) -> cluster(R' >= R) merges centroids (counts add, so a centroid still stands
+    for the original tokens it holds), sparse(R) -> sparse(R' >= R) drops more of the kept tokens,
+    sparse(R) -> cluster(R' >= R) merges them. A centroid can be neither sparsified (its count
+    would be lost) nor stored without a reduction.
+    """
+    if dst.pack_ratio <= src.pack_ratio:
+        return False
+    if src.reduction is None:
+        return True
+    if dst.reduction is None or dst.reduction_ratio < src.reduction_ratio:
+        return False
+    return not (src.reduction == "cluster" and dst.reduction == "sparse")
+
+
 HOT = Format()
 
 DEFAULT_GROUP_SIZE = 32

@@ -15,7 +15,7 @@ import torch
 
 from proxima.compression import reference as ref
 from proxima.compression.spec import DEFAULT_GROUP_SIZE
-from proxima.formats import Format
+from proxima.formats import Format, recompressible  # noqa: F401  (the rule lives with the formats; imported from here too)
 
 Backend = Literal["auto", "triton", "torch"]
 DEFAULT_CLUSTER_ITERS = 4
@@ -117,26 +117,6 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
 def kept_count(fmt: Format, tokens: int) -> int:
     """Tokens (or centroids) kept from a block of `tokens` (partial blocks round up)."""
     return -(-tokens // fmt.reduction_ratio) if fmt.reduction else tokens
-
-
-def recompressible(src: Format, dst: Format) -> bool:
-    """Whether a block stored as `src` can be compressed further into `dst` from what it holds
-    (both integrations ask this one function).
-
-    Always towards a higher pack ratio. A quantized-only block: into anything (from its
-    dequantised data; its loss is kept). A token-reduced block keeps a reduction of at least its
-    ratio: cluster(R) -> cluster(R' >= R) merges centroids (counts add, so a centroid still stands
-    for the original tokens it holds), sparse(R) -> sparse(R' >= R) drops more of the kept tokens,
-    sparse(R) -> cluster(R' >= R) merges them. A centroid can be neither sparsified (its count
-    would be lost) nor stored without a reduction.
-    """
-    if dst.pack_ratio <= src.pack_ratio:
-        return False
-    if src.reduction is None:
-        return True
-    if dst.reduction is None or dst.reduction_ratio < src.reduction_ratio:
-        return False
-    return not (src.reduction == "cluster" and dst.reduction == "sparse")
 
 
 def _check_inputs(

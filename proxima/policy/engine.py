@@ -204,7 +204,12 @@ def _choose(
     inv_l = np.array([1.0 / f.pack_ratio for f in ladder])  # [L]
     dmg_l = np.array([dmg.of(f) for f in ladder])  # [L]
     s_tab = inv_f[:, None] - inv_l[None, :]  # [F, L] physical blocks freed by the move
-    valid = s_tab > 1e-12
+    # A move exists only if the block's stored data can become the target (a merged block merges
+    # further, it cannot be sparsified or un-merged): `Policy.can_recompress`, the rule the
+    # integrations' stores and kernels enforce, so that no integration has to substitute.
+    reach = np.array([[policy.can_recompress(f, t) for t in ladder] for f in snap.formats], dtype=bool).reshape(
+        len(snap.formats), len(ladder))
+    valid = (s_tab > 1e-12) & reach
     d_tab = np.where(valid, np.maximum(dmg_l[None, :] - dmg_f[:, None], 0.0), np.inf)  # [F, L] extra damage
     with np.errstate(divide="ignore", invalid="ignore"):
         eff_tab = np.where(valid, d_tab / np.where(valid, s_tab, 1.0), np.inf)

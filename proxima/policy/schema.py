@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from proxima.formats import DEFAULT_GROUP_SIZE, HOT, Format, FormatError
+from proxima.formats import DEFAULT_GROUP_SIZE, HOT, Format, FormatError, recompressible
 
 SCHEMA_VERSION = 1
 
@@ -416,12 +416,14 @@ class Policy(_Model):
                 return ov.substitute[fmt.name]
         return fmt
 
-    def recompressible(self, fmt: Format) -> bool:
-        """A block stored as `fmt` can be recompressed (e.g. int8 -> int4) only if no layer
-        dropped or merged its tokens (a sparse or cluster format, here or in a layer override)."""
-        if fmt.reduction is not None:
-            return False
-        return all(ov.substitute.get(fmt.name, fmt).reduction is None for ov in self.layer_overrides)
+    def can_recompress(self, src: Format, dst: Format) -> bool:
+        """A block the engine put in `src` can move to `dst` in every layer (`proxima.formats.
+        recompressible`, on each layer override's substitutes too): towards a higher pack ratio,
+        and a merged or sparsified block only into a reduction at least as strong. From hot:
+        into any compressed format."""
+        pairs = [(src, dst)] + [(ov.substitute.get(src.name, src), ov.substitute.get(dst.name, dst))
+                                for ov in self.layer_overrides]
+        return all(recompressible(a, b) for a, b in pairs)
 
     def all_formats(self) -> list[Format]:
         seen: dict[Format, None] = {}

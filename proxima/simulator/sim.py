@@ -331,7 +331,7 @@ class Simulator:
             r = by_id[action.request_id]
             i, fmt = action.block_index, action.to_format
             prev = self.formats[int(r.fmt_ids[i])]
-            if not prev.is_hot and (prev.pack_ratio >= fmt.pack_ratio or not self.policy.recompressible(prev)):
+            if not prev.is_hot and not self.policy.can_recompress(prev, fmt):
                 continue  # the vLLM manager skips these too
             got = self.packer.reserve(action.request_id, fmt)
             if got is None:

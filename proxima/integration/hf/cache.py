@@ -29,7 +29,6 @@ recorded by the attention function.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,14 +42,12 @@ from proxima.compression.blocks import Backend, CompressedBlocks, compress_block
 from proxima.compression.spec import bytes_ratio, check_group_size, kv16_bytes
 from proxima.formats import HOT, Format
 from proxima.integration.hf import attention
+from proxima.policy import target
 from proxima.policy.engine import Action, EngineState, decide
 from proxima.policy.schema import OFF, Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
 
 NEG_INF = float("-inf")
-BYTE_PASSES = 3
-"""`apply_policy(target_ratio=)`: engine passes from the same state, each asking for more by the
-byte shortfall of the last (pack ratios overstate bytes by the metadata)."""
 
 
 @dataclass
@@ -936,34 +933,15 @@ class ProximaCache(Cache):
             tokens.append(tail)
             importance.append(max(importance, default=1.0))
         shared = [i in self.ineligible for i in range(len(formats))]
-        used = self.used_blocks()
-        free = max(0, min(total_blocks, math.floor(total_blocks - used + 1e-9)))
-        return Snapshot.build(
-            total_blocks=total_blocks,
-            free_blocks=free,
-            block_size=self.block_size,
-            requests=[RequestBlocks("seq", importance, formats, tokens, shared=shared)],
-        )
+        return target.virtual_snapshot(RequestBlocks("seq", importance, formats, tokens, shared=shared),
+                                       total_blocks, self.block_size)
 
     def used_blocks(self) -> float:
-        """Physical blocks used, amortised over packing (sum of 1 / pack ratio)."""
+        """Physical blocks used, amortised over packing (`target.used_blocks`; the tail: one block)."""
         layer0 = self.proxima_layers[0]
         self._extend_chosen()
-        used = sum(1.0 / f.pack_ratio for f in self.chosen)
-        if layer0.tail_k is not None and layer0.tail_k.shape[-2]:
-            used += 1.0
-        return used
-
-    def _pool_for_ratio(self, ratio: float) -> int:
-        """A pool size whose top band's `target_free` means 'store the sequence `ratio` times smaller'."""
-        layer0 = self.proxima_layers[0]
-        logical = layer0.n_blocks + (1 if layer0.tail_k is not None and layer0.tail_k.shape[-2] else 0)
-        tf = self.policy.bands[-1].target_free
-        budget = logical / ratio
-        total = max(1, math.ceil(budget / (1 - tf)) + 2)
-        while total > 1 and total - math.ceil(tf * total) > budget + 1e-9:
-            total -= 1
-        return total
+        tail = [HOT] if layer0.tail_k is not None and layer0.tail_k.shape[-2] else []
+        return target.used_blocks([*self.chosen, *tail])
 
     def apply_policy(self, *, target_ratio: float | None = None, max_steps: int = 32) -> CompressionReport:
         """Run the engine until it has nothing left to do (or `max_steps`). With `target_ratio`,
@@ -971,7 +949,7 @@ class ProximaCache(Cache):
         store *in bytes* (`achieved_ratio`, metadata and hot blocks included). The engine counts
         blocks at their pack ratios, which overstate bytes by the metadata (int4: 4x packed, 3.2x
         in bytes), so a pass that ends short is redone from the same starting state with the ask
-        raised by the shortfall, at most `BYTE_PASSES` passes; the first pass that reaches the
+        raised by the shortfall, at most `target.BYTE_PASSES` passes; the first pass that reaches the
         target (else the last) is kept. Each pass is the policy as written on a fresh pool: a
         second engine round on the compressed state would start below the top band's `enter`
         and, in a policy whose lower band cannot upgrade, change nothing."""
@@ -984,20 +962,18 @@ class ProximaCache(Cache):
             self.refresh_importance()
             self._run_engine(self.capacity_blocks, max_steps, report)
             return report
-        ask = target_ratio
-        for i in range(BYTE_PASSES):
-            last = i == BYTE_PASSES - 1
-            trial = self if last else self.fork()
-            report = CompressionReport()
-            trial.refresh_importance()
-            trial._run_engine(trial._pool_for_ratio(ask), max_steps, report)
-            achieved = trial.achieved_ratio()
-            if last:
-                break
-            if achieved >= target_ratio * (1 - 1e-3) or report.actions == 0:
-                self.__dict__.update(trial.__dict__)  # keep this pass's state
-                break
-            ask *= target_ratio / achieved
+        layer0 = self.proxima_layers[0]
+        logical = layer0.n_blocks + (1 if layer0.tail_k is not None and layer0.tail_k.shape[-2] else 0)
+
+        def trial(ask: float) -> tuple[ProximaCache, CompressionReport]:
+            fork, rep = self.fork(), CompressionReport()
+            fork.refresh_importance()
+            fork._run_engine(target.pool_for_ratio(logical, self.policy, ask), max_steps, rep)
+            return fork, rep
+
+        kept, report = target.reach_ratio(target_ratio, trial, achieved=lambda t: t[0].achieved_ratio(),
+                                          acted=lambda t: t[1].actions > 0)
+        self.__dict__.update(kept.__dict__)  # the kept trial's state becomes this cache's
         return report
 
     def _run_engine(self, total: int, max_steps: int, report: CompressionReport) -> None:

@@ -45,6 +45,13 @@ class RequestEntry:
     caps: dict[int, Format] = field(default_factory=dict)
     """Logical block index -> the harshest format the compression-time probe accepted for it
     (`bf16`: none, the block stays hot); the manager plans no harsher one."""
+    target: float | None = None
+    """The bytes ratio this request asked its prompt to be stored at (`targets.py`), while it is
+    still to be planned; None: no target, or done."""
+    target_rounds: int = 0
+    """Planning rounds spent on the target (a round after the first replans refused blocks)."""
+    target_blocks: int = 0
+    """The prompt's logical blocks when the target was first planned (what its ratio is over)."""
 
     def live_slots(self) -> Iterator[tuple[BlockId, SlotIndex]]:
         """Slots this request holds in its destinations: committed, and reserved by in-flight actions."""

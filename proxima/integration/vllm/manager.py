@@ -33,7 +33,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from proxima.formats import HOT, Format
-from proxima.integration.vllm import _patches, admission, canary, drift, pool_usage
+from proxima.integration.vllm import _patches, admission, canary, drift, pool_usage, targets
 from proxima.integration.vllm.ledger import CompressedSlot, RequestEntry
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.ranks import expected_remap
@@ -41,7 +41,8 @@ from proxima.integration.vllm.snapshot import build_snapshot, check_protected, f
 from proxima.integration.vllm.state import ProximaState
 from proxima.integration.vllm.stats import summary
 from proxima.placement import DEST_RESERVE_BLOCKS, BlockId, SlotIndex
-from proxima.policy.engine import decide
+from proxima.policy.backoff import Quota
+from proxima.policy.engine import Action, decide
 from proxima.policy.schema import Policy
 
 logger = logging.getLogger("proxima.vllm")
@@ -113,7 +114,11 @@ class ProximaKVCacheManager(KVCacheManager):
             return None
         if out is not None:
             if rid not in px.ledger:
-                px.ledger[rid] = RequestEntry(request)
+                entry = px.ledger[rid] = RequestEntry(request)
+                if not canary.is_special(rid) and not holdout:
+                    entry.target = targets.requested_ratio(request)
+                    if entry.target is not None:
+                        px.targets.add(rid)
                 px.canaries += canary.is_special(rid)
                 if canary.is_canary(rid):
                     px.canary_prompt_tokens = request.num_prompt_tokens
@@ -171,8 +176,10 @@ class ProximaKVCacheManager(KVCacheManager):
     def has_pending(self) -> bool:
         return bool(self.px.pending)
 
-    def _plan(self, pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset()) -> int:
-        """Run the policy engine and reserve destinations for its actions; returns actions planned."""
+    def _plan(self, pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset(),
+              quota: Quota | None = None) -> int:
+        """Run the policy engine and reserve destinations for its actions; returns actions planned.
+        `quota`: this step's allowance per format (shared by everything a step plans)."""
         px = self.px
         if px.policy.is_off or px.disabled:
             return 0
@@ -188,9 +195,14 @@ class ProximaKVCacheManager(KVCacheManager):
         if special:
             actions += canary.forced_actions(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
                                              restricted, px.engine, finishing)
+        return self._reserve(actions, quota or px.backoff.quota(px.stats.steps))
+
+    def _reserve(self, actions: Iterable[Action], quota: Quota) -> int:
+        """Reserve destinations for the engine's `actions` (in order; a block the probe capped
+        takes its cap) and put them in flight; returns actions planned."""
+        px = self.px
         planned = 0
         blocks_of = self._stm.req_to_blocks
-        quota = px.backoff.quota(px.stats.steps)  # after failures: small probe batches
         for act in actions:
             fmt = act.to_format
             if fmt not in px.formats or not quota.take(fmt.name):
@@ -208,7 +220,7 @@ class ProximaKVCacheManager(KVCacheManager):
             prev = entry.compressed.get(act.block_index)
             if prev is None and (src.is_null or src.ref_cnt != 1):
                 continue
-            if prev is not None and (prev.fmt.pack_ratio >= fmt.pack_ratio or not px.policy.recompressible(prev.fmt)):
+            if prev is not None and not px.policy.can_recompress(prev.fmt, fmt):
                 continue
             if px.check:
                 protect = px.policy.protect  # (a live canary's prefill is not protected: `canary.forced_actions`)
@@ -234,6 +246,43 @@ class ProximaKVCacheManager(KVCacheManager):
         px.stats.planned += planned
         return planned
 
+    def _plan_targets(self, finishing: AbstractSet[str], quota: Quota) -> None:
+        """Plan the requests whose target is due (`targets.py`): every step, pending or not, so
+        that a prompt is stored at its ratio before its first decode step's forward."""
+        px = self.px
+        if px.policy.is_off or px.disabled or not px.targets:
+            return
+        restricted = None
+        blocks_of = self._stm.req_to_blocks
+        for rid in list(px.targets):
+            entry = px.ledger.get(rid)
+            if entry is None or entry.target is None:
+                px.targets.discard(rid)
+                continue
+            if rid in finishing or not targets.due(entry):
+                continue
+            restricted = restricted or px.backoff.restrict(px.effective, px.stats.steps)
+            actions = targets.plan(entry, blocks_of[rid], self.block_size, restricted, px.engine,
+                                   px.probe_status, self.held_block_bytes) \
+                if entry.target_rounds < targets.MAX_ROUNDS else []
+            entry.target_rounds += 1
+            if not actions or not self._reserve(actions, quota):
+                self._target_done(entry)
+
+    def _target_done(self, entry: RequestEntry) -> None:
+        px = self.px
+        if entry.target_blocks:
+            px.stats.record_target(entry.request.request_id, entry.target or 0.0,
+                                   targets.reached(entry, self.block_size, self.held_block_bytes))
+        entry.target = None
+        px.targets.discard(entry.request.request_id)
+
+    def held_block_bytes(self, fmt: Format) -> float:
+        """What one logical block held in `fmt` costs, all layers and ranks: its slot's data (a
+        physical block over the pack ratio) plus its side-table metadata; a hot block: a block."""
+        meta = self.px.meta
+        return meta.block_bytes if fmt.is_hot else meta.block_bytes / fmt.pack_ratio + meta.per_slot(fmt)
+
     def build_plan(self, scheduled_req_ids: Iterable[str]) -> ProximaPlan:
         """Called at the end of each `schedule()`: this step's actions for the worker."""
         px = self.px
@@ -243,9 +292,12 @@ class ProximaKVCacheManager(KVCacheManager):
         if px.check:
             self.check_accounting()
         scheduled_req_ids = list(scheduled_req_ids)
+        finishing = finishing_requests(px.ledger, scheduled_req_ids)
+        quota = px.backoff.quota(px.stats.steps)
         if not px.pending:
             self._plan(pending_blocks=min(px.waiting_need, pool_usage.total_blocks(self.block_pool)),
-                       finishing=finishing_requests(px.ledger, scheduled_req_ids))
+                       finishing=finishing, quota=quota)
+        self._plan_targets(finishing, quota)
         px.waiting_need = 0
         plan = ProximaPlan(
             actions=[a for a in px.pending.values() if a.action_id not in px.sent],

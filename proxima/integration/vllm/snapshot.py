@@ -8,10 +8,11 @@ manager's planning reads: snapshot, decide, reserve. Moved out of the KV manager
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from proxima.formats import HOT
 from proxima.integration.vllm.ledger import RequestEntry, RequestLedger
@@ -25,29 +26,33 @@ def build_snapshot(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool
                    probe_status: ProbeStatus = "ok") -> Snapshot:
     """The pool and every resident request's blocks for the policy engine; requests in
     `finishing` are left out (none of their blocks is eligible)."""
-    b = block_size
     reqs: list[RequestBlocks] = []
     for rid, entry in ledger.items():
         blocks = blocks_of.get(rid)
         if not blocks or rid in finishing:
             continue
-        r = entry.request
-        computed = r.num_computed_tokens
-        n = len(blocks)
-        tokens = [max(0, min(b, computed - i * b)) for i in range(n)]
-        formats = [entry.compressed[i].fmt if i in entry.compressed else HOT for i in range(n)]
-        # In flight, or a prefix-cache block another request also reads: not the engine's to pick.
-        shared = [(i in entry.in_flight) or (i not in entry.compressed and blocks[i].ref_cnt > 1) for i in range(n)]
-        reqs.append(RequestBlocks(request_id=rid, importance=entry.importance_of(n), formats=formats,
-                                  tokens=tokens, shared=shared, in_prefill=computed < r.num_prompt_tokens))
+        reqs.append(request_blocks(entry, blocks, block_size))
     return Snapshot.build(
         total_blocks=total_blocks(pool),
         free_blocks=pool.get_num_free_blocks(),
-        block_size=b,
+        block_size=block_size,
         requests=reqs,
         pending_blocks=pending_blocks,
         probe_status=probe_status,
     )
+
+
+def request_blocks(entry: RequestEntry, blocks: Sequence[KVCacheBlock], block_size: int) -> RequestBlocks:
+    """One resident request's logical blocks for the engine: tokens computed per block, formats
+    from the ledger, and the blocks the engine must not pick (in flight, or a prefix-cache block
+    another request also reads)."""
+    b, r, n = block_size, entry.request, len(blocks)
+    computed = r.num_computed_tokens
+    tokens = [max(0, min(b, computed - i * b)) for i in range(n)]
+    formats = [entry.compressed[i].fmt if i in entry.compressed else HOT for i in range(n)]
+    shared = [(i in entry.in_flight) or (i not in entry.compressed and blocks[i].ref_cnt > 1) for i in range(n)]
+    return RequestBlocks(request_id=r.request_id, importance=entry.importance_of(n), formats=formats,
+                         tokens=tokens, shared=shared, in_prefill=computed < r.num_prompt_tokens)
 
 
 def finishing_requests(ledger: RequestLedger, scheduled_req_ids: Iterable[str]) -> set[str]:

@@ -94,6 +94,8 @@ class ProximaState:
     probe_status: ProbeStatus = "ok"
     """What the quality probes say, for the policy engine (`Snapshot.probe_status`; set each step
     by `live.LiveControl` from the controller)."""
+    targets: set[str] = field(default_factory=set)
+    """Resident requests with a compression target still to plan (`targets.py`)."""
     disabled: str | None = None
     """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
 
@@ -132,6 +134,7 @@ class ProximaState:
             return []
         self.canaries -= is_special(req_id)
         self.holdout.discard(req_id)
+        self.targets.discard(req_id)
         for ca in entry.in_flight.values():
             self.pending.pop(ca.action_id, None)
         self.dropped.append(req_id)

@@ -18,6 +18,9 @@ from proxima.integration.vllm.side_tables import SideTableCharge
 from proxima.placement import SlotPacker
 from proxima.policy.schema import Storage
 
+TARGETS_KEPT = 4096
+"""Requests whose reached target ratio the stats keep (the oldest go first)."""
+
 
 @dataclass
 class ProximaStats:
@@ -48,6 +51,15 @@ class ProximaStats:
     """Seconds summed over the run, by part of a step (`timing.py`): the scheduler's planning
     (`plan_s`) and commit (`commit_s`), and what the worker reports (forward, compression,
     attention: with `PROXIMA_TIME_SPLIT=1`)."""
+
+    targets: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Request -> (asked, reached) bytes ratio of its prompt, for requests that set a target
+    (`targets.py`; the last `TARGETS_KEPT`)."""
+
+    def record_target(self, req_id: str, asked: float, reached: float) -> None:
+        self.targets[req_id] = (asked, reached)
+        while len(self.targets) > TARGETS_KEPT:
+            self.targets.pop(next(iter(self.targets)))
 
     def add_time(self, name: str, seconds: float) -> None:
         self.time_s[name] = self.time_s.get(name, 0.0) + seconds
@@ -127,4 +139,5 @@ def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool
         "side_tables_in_pool": bool(charge and charge.enabled),
         "side_table_held_peak_blocks": charge.peak_blocks if charge else 0,
         "side_table_shortfall_peak_bytes": charge.shortfall_peak_bytes if charge else 0,
+        "targets": {rid: {"asked": a, "reached": round(r, 4)} for rid, (a, r) in s.targets.items()},
     }

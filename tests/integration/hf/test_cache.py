@@ -342,14 +342,14 @@ def test_target_ratio_is_reached_in_bytes(model, ids, monkeypatch):
     """`apply_policy(target_ratio=r)` means r times fewer bytes held (metadata and hot blocks
     included), not r at the formats' pack ratios: one engine pass stops short by the metadata,
     the next asks for more by the shortfall."""
-    from proxima.integration.hf import cache as cache_mod
+    from proxima.policy import target
 
     enable(model)
     policy = _without_compression_probe("configs/aggressive.yaml")
     base = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=base)
     one_round = copy.deepcopy(base)
-    monkeypatch.setattr(cache_mod, "BYTE_PASSES", 1)
+    monkeypatch.setattr(target, "BYTE_PASSES", 1)
     one_round.apply_policy(target_ratio=3.5)
     monkeypatch.undo()
     assert one_round.achieved_ratio() < 3.5 * 0.98 < one_round.nominal_ratio()

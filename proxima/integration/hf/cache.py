@@ -23,7 +23,8 @@ stored r times smaller) or automatically at the start of each forward when `capa
 set (a virtual pool of that many physical blocks; pressure = used / capacity). Both build a
 `Snapshot` of the cache's blocks and call the real engine `proxima.policy.engine.decide`.
 Block and token importance come from the observation window: the last W queries of each layer,
-recorded by the attention function.
+recorded by the attention function, scored in one layer (`proxima.observation.observed_layer`, the
+middle one, as the vLLM worker observes it) for every layer's blocks and tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from proxima.compression.blocks import Backend, CompressedBlocks, compress_block
 from proxima.compression.spec import bytes_ratio, check_group_size, kv16_bytes
 from proxima.formats import HOT, Format
 from proxima.integration.hf import attention
+from proxima.observation import observed_layer
 from proxima.policy import target
 from proxima.policy.engine import Action, EngineState, decide
 from proxima.policy.schema import OFF, Policy
@@ -616,19 +618,14 @@ class ProximaCache(Cache):
         return imp[..., : layer.n_blocks * layer.block_size]
 
     def refresh_importance(self) -> torch.Tensor:
-        """Per logical block: attention mass aggregated over batch, heads and layers (policy's
+        """Per logical block: attention mass in the observed layer (`proxima.observation`, the one
+        the vLLM worker observes), aggregated over batch and heads (policy's
         `importance.aggregate`), folded into an EMA. Returns `[n_blocks]` (float64)."""
         n = self.proxima_layers[0].n_blocks
-        per_layer = []
-        for li in range(len(self.layers)):
-            imp = self.token_importance(li)
-            if imp is None:
-                continue
+        imp = self.token_importance(observed_layer(len(self.layers)))
+        if imp is not None:
             blk = imp.view(*imp.shape[:2], n, self.block_size).sum(-1)  # [B, H, n]
-            per_layer.append(blk.amax(dim=(0, 1)) if self.policy.importance.aggregate == "max" else blk.mean((0, 1)))
-        if per_layer:
-            stack = torch.stack(per_layer)
-            cur = stack.amax(0) if self.policy.importance.aggregate == "max" else stack.mean(0)
+            cur = blk.amax(dim=(0, 1)) if self.policy.importance.aggregate == "max" else blk.mean((0, 1))
         else:
             cur = torch.ones(n)
         cur = cur.double().cpu()
@@ -656,10 +653,10 @@ class ProximaCache(Cache):
         dequantised data, token-reduced ones from their stored rows and counts (centroids merge
         further, counts add: `proxima.compression.blocks.recompressible` says which moves exist;
         a reduced block asked for a move it cannot make takes the mildest `ladder` format it can
-        reach at that ratio or more). With `probe`, a block whose attention-output error, averaged
-        over layers (one block id spans all layers), exceeds the policy's bound for the format is
-        retried with the next milder reachable `ladder` format, else left as it is and marked
-        ineligible."""
+        reach at that ratio or more). With `probe`, a block whose attention-output error in the
+        observed layer (`proxima.observation`: the one layer the vLLM worker's probe measures)
+        exceeds the policy's bound for the format is retried with the next milder reachable
+        `ladder` format, else left as it is and marked ineligible."""
         report = CompressionReport()
         self._extend_chosen()
         groups: dict[tuple[tuple[Format, ...], Format], list[int]] = {}
@@ -682,7 +679,7 @@ class ProximaCache(Cache):
                 if not todo:
                     break
                 encs, errs = self._encode_all_layers(todo, cand, measure=probe)
-                err = torch.stack(errs).mean(0)  # [len(todo)]
+                err = errs[observed_layer(len(errs))]  # [len(todo)]: the layer vLLM's worker probes
                 bound = self.policy.probes.compression.bound(cand) if probe else float("inf")
                 ok = (err <= bound).tolist()
                 accepted = [b for b, o in zip(todo, ok, strict=True) if o]
@@ -726,8 +723,9 @@ class ProximaCache(Cache):
         self, blocks: list[int], fmt: Format, *, measure: bool = True
     ) -> tuple[list[tuple[Format, CompressedBlocks]], list[torch.Tensor]]:
         """Compress `blocks` (each layer's stored format the same for all of them) into `fmt`.
-        The probe error is measured when `measure` or probes are recorded, else reported as 0
-        (nobody reads it: a third of an unprobed compression's time went to it)."""
+        The probe error is measured in the observed layer when `measure`, in every layer when probes
+        are recorded, else reported as 0 (nobody reads it: a third of an unprobed compression's
+        time went to it)."""
         encs, errs = [], []
         for li, layer in enumerate(self.proxima_layers):
             lf = self._layer_format(fmt, li)
@@ -742,7 +740,7 @@ class ProximaCache(Cache):
                 lf, kk, vv, token_importance=timp, group_size=group, log_count=lc,
                 source_tokens=layer.block_size, backend=self.backend,
             )
-            measured = measure or self.record_probes
+            measured = (measure and li == observed_layer(len(self.proxima_layers))) or self.record_probes
             err = self._probe(li, kk, vv, cb, b, lc) if measured else torch.zeros(len(blocks))  # [n]
             if self.record_probes:
                 self._record(li, blocks, lf, kk, timp, err, b)
@@ -783,7 +781,8 @@ class ProximaCache(Cache):
                 ls.append(lh[slot.rows])
             kk, vv, lc = torch.cat(ks), torch.cat(vs), torch.cat(ls)
             h = kk.shape[2]
-        imp = self.token_importance(layer_idx)
+        # Every layer's tokens are ranked by the observed layer's attention, as in the vLLM worker.
+        imp = self.token_importance(observed_layer(len(self.layers)))
         timp = None
         if imp is not None:
             t = torch.stack([imp[..., i * bsz : i * bsz + c] for i in blocks])  # [n, B, H, C]

@@ -32,6 +32,7 @@ from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, P
 from proxima.integration.vllm.ranks import check_remap
 from proxima.integration.vllm.timing import StepTimes
 from proxima.integration.vllm.worker_probe import RecentQueries, check_batch
+from proxima.observation import observed_layer
 from proxima.policy.schema import Policy, Storage
 
 logger = logging.getLogger("proxima.vllm")
@@ -166,7 +167,7 @@ class WorkerStore:
     def register(self, kv_caches: dict[str, torch.Tensor], policy: Policy | None = None) -> None:
         self.kv_caches = dict(kv_caches)
         names = list(kv_caches)
-        self.observe_layer = names[len(names) // 2] if names else None
+        self.observe_layer = names[observed_layer(len(names))] if names else None
         policy = policy if policy is not None else _startup_policy()
         if policy is not None:
             self.storage = policy.storage

@@ -15,7 +15,7 @@ import torch
 
 from proxima.compression import reference as ref
 from proxima.compression.spec import DEFAULT_GROUP_SIZE
-from proxima.formats import Format, recompressible  # noqa: F401  (the rule lives with the formats; imported from here too)
+from proxima.formats import Format
 
 Backend = Literal["auto", "triton", "torch"]
 DEFAULT_CLUSTER_ITERS = 4

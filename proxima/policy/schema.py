@@ -418,11 +418,11 @@ class Policy(_Model):
 
     def can_recompress(self, src: Format, dst: Format) -> bool:
         """A block the engine put in `src` can move to `dst` in every layer (`proxima.formats.
-        recompressible`, on each layer override's substitutes too): towards a higher pack ratio,
-        and a merged or sparsified block only into a reduction at least as strong. From hot:
-        into any compressed format."""
-        pairs = [(src, dst)] + [(ov.substitute.get(src.name, src), ov.substitute.get(dst.name, dst))
-                                for ov in self.layer_overrides]
+        recompressible` on each layer's stored formats, `layer_format`): towards a higher pack
+        ratio, and a merged or sparsified block only into a reduction at least as strong. From
+        hot: into any compressed format. Layers no override names store `src` and `dst` as they are."""
+        layers = {layer for ov in self.layer_overrides for layer in ov.layers}
+        pairs = [(src, dst)] + [(self.layer_format(src, layer), self.layer_format(dst, layer)) for layer in layers]
         return all(recompressible(a, b) for a, b in pairs)
 
     def all_formats(self) -> list[Format]:

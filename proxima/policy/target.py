@@ -22,7 +22,7 @@ then plans the kept trial's formats at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from proxima.formats import HOT, Format
@@ -47,8 +47,9 @@ def used_blocks(formats: Sequence[Format]) -> float:
 
 
 def pool_for_ratio(logical_blocks: int, policy: Policy, ratio: float) -> int:
-    """The smallest pool whose top band's target (`target_free` of it left free) holds a sequence
-    of `logical_blocks` blocks at most `ratio` times smaller (in blocks at pack ratios)."""
+    """A pool whose top band's target (`target_free` of it left free) leaves room for
+    `logical_blocks / ratio` blocks (at pack ratios) and no more: the largest such pool at or
+    below an estimate two blocks over the exact size."""
     if not ratio >= 1.0 or not math.isfinite(ratio):
         raise ValueError(f"a target ratio must be a finite number >= 1, got {ratio!r}")
     tf = policy.bands[-1].target_free
@@ -69,23 +70,31 @@ def virtual_snapshot(seq: RequestBlocks, total_blocks: int, block_size: int,
 
 
 def simulate(seq: RequestBlocks, policy: Policy, total_blocks: int, block_size: int,
-             state: EngineState | None = None, probe_status: ProbeStatus = "ok") -> list[Format]:
+             state: EngineState | None = None, probe_status: ProbeStatus = "ok",
+             caps: Mapping[int, Format] | None = None) -> list[Format]:
     """The formats the engine leaves `seq`'s blocks in on a virtual pool of `total_blocks`, if
-    every action it plans is written as planned (no probe refusals; the engine offers only the
-    moves a block's stored data allows, `Policy.can_recompress`)."""
+    every action it plans is written as planned (the engine offers only the moves a block's
+    stored data allows, `Policy.can_recompress`). `caps`: block -> the harshest format the
+    compression-time probe accepted for it; a move past its cap lands on the cap (as the vLLM
+    manager plans it), and the block is not offered again."""
     formats = list(seq.formats)
     shared = list(seq.shared) if seq.shared is not None else [False] * len(formats)
+    caps = caps or {}
     st = state or EngineState()
     for _ in range(MAX_ENGINE_STEPS):
         cur = RequestBlocks(seq.request_id, seq.importance, formats, seq.tokens, seq.age, shared, seq.in_prefill)
         dec = decide(virtual_snapshot(cur, total_blocks, block_size, probe_status), policy, st)
         st = dec.state
-        moved = False
+        changed = False  # a move, or a capped block taken out of the offer: the next call differs
         for a in dec.actions:
-            if a.to_format.pack_ratio > formats[a.block_index].pack_ratio:
-                formats[a.block_index] = a.to_format
-                moved = True
-        if not moved:
+            i, to = a.block_index, a.to_format
+            cap = caps.get(i)
+            if cap is not None and cap.pack_ratio < to.pack_ratio and not shared[i]:
+                to, shared[i], changed = cap, True, True
+            if to.pack_ratio > formats[i].pack_ratio and (formats[i].is_hot or policy.can_recompress(formats[i], to)):
+                formats[i] = to
+                changed = True
+        if not changed:
             break
     return formats
 

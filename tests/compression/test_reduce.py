@@ -146,7 +146,7 @@ def test_reduction_formats_end_to_end_triton_vs_torch(fmt, device):
 
 
 def test_recompressible_rules():
-    from proxima.compression.blocks import recompressible
+    from proxima.formats import recompressible
 
     def r(a: str, b: str) -> bool:
         return recompressible(Format.parse(a), Format.parse(b))

@@ -30,13 +30,17 @@ def _seq(n: int, tail: int = 10) -> RequestBlocks:
 
 @pytest.mark.parametrize("ratio", [1.5, 2.0, 4.0, 8.0])
 def test_the_virtual_pool_makes_the_top_bands_target_the_ratio(ratio: float) -> None:
-    """At the pool's size, a sequence `ratio` times smaller (in blocks) leaves the top band's
-    `target_free` free; one block less and it would not."""
+    """At the pool's size, the top band's target leaves room for the sequence `ratio` times
+    smaller (in blocks) and no more than a block over; one block more would leave more room."""
     n = 65
     total = target.pool_for_ratio(n, AGGRESSIVE, ratio)
     tf = AGGRESSIVE.bands[-1].target_free
-    assert total - math.ceil(tf * total) <= n / ratio + 1e-9
-    assert (total + 1) - math.ceil(tf * (total + 1)) > n / ratio - 1  # the smallest such, give or take a block
+
+    def room(t: int) -> int:
+        return t - math.ceil(tf * t)
+
+    assert n / ratio - 1 < room(total) <= n / ratio + 1e-9
+    assert room(total + 1) >= room(total)
 
 
 @pytest.mark.parametrize("bad", [0.5, -1.0, math.nan, math.inf])
@@ -100,3 +104,23 @@ def test_the_bytes_trials_reach_a_target_the_pack_ratios_alone_miss() -> None:
     assert once < 3.0 * target.REACHED
     kept = ratio(target.reach_ratio(3.0, trial, achieved=ratio, acted=lambda f: True))
     assert 3.0 * target.REACHED <= kept < ratio(trial(8.0))
+
+
+def test_a_capped_block_lands_on_its_cap_and_the_trials_ask_for_more_elsewhere() -> None:
+    """The probe's caps (vLLM's `RequestEntry.caps`): a block capped at int4 is never predicted
+    harsher, so the bytes trials raise the ask until the other blocks make up the difference."""
+    seq = _seq(60)
+    n, int4 = len(seq.formats), Format.parse("int4")
+    free = target.simulate(seq, AGGRESSIVE, target.pool_for_ratio(n, AGGRESSIVE, 3.0), B)
+    merged = [i for i, f in enumerate(free) if f.reduction is not None]
+    caps = {i: int4 for i in merged[:10]}
+
+    def trial(ask: float) -> list[Format]:
+        return target.simulate(seq, AGGRESSIVE, target.pool_for_ratio(n, AGGRESSIVE, ask), B, caps=caps)
+
+    def ratio(formats: list[Format]) -> float:
+        return target.held_ratio(formats, seq.tokens, B, _held)
+
+    kept = target.reach_ratio(3.0, trial, achieved=ratio, acted=lambda f: True)
+    assert all(kept[i] in (HOT, int4) for i in caps)
+    assert ratio(kept) >= 3.0 * target.REACHED

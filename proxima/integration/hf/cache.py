@@ -39,9 +39,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from proxima.compression.attention import attention_errors
-from proxima.compression.blocks import Backend, CompressedBlocks, compress_blocks, decompress_blocks, recompressible
+from proxima.compression.blocks import Backend, CompressedBlocks, compress_blocks, decompress_blocks
 from proxima.compression.spec import bytes_ratio, check_group_size, kv16_bytes
-from proxima.formats import HOT, Format
+from proxima.formats import HOT, Format, recompressible
 from proxima.integration.hf import attention
 from proxima.observation import observed_layer
 from proxima.policy import target
@@ -651,7 +651,7 @@ class ProximaCache(Cache):
         """Compress `blocks` (logical indices) into `fmt` in every layer (with the policy's layer
         overrides), from what each block holds now: hot blocks exactly, quantized ones from their
         dequantised data, token-reduced ones from their stored rows and counts (centroids merge
-        further, counts add: `proxima.compression.blocks.recompressible` says which moves exist;
+        further, counts add: `proxima.formats.recompressible` says which moves exist;
         a reduced block asked for a move it cannot make takes the mildest `ladder` format it can
         reach at that ratio or more). With `probe`, a block whose attention-output error in the
         observed layer (`proxima.observation`: the one layer the vLLM worker's probe measures)

@@ -49,7 +49,9 @@ class RequestEntry:
     """The bytes ratio this request asked its prompt to be stored at (`targets.py`), while it is
     still to be planned; None: no target, or done."""
     target_rounds: int = 0
-    """Planning rounds spent on the target (a round after the first replans refused blocks)."""
+    """Planning rounds that planned something (a round after the first replans refused blocks)."""
+    target_tries: int = 0
+    """Steps the target was tried in (`targets.MAX_TRIES`)."""
     target_blocks: int = 0
     """The prompt's logical blocks when the target was first planned (what its ratio is over)."""
 

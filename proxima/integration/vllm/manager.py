@@ -145,12 +145,14 @@ class ProximaKVCacheManager(KVCacheManager):
     def free(self, request: Request) -> None:
         if request.request_id in self.px.ledger and not request.is_finished():
             self.px.stats.preemptions += 1
+        self._drop_target(request.request_id)
         self.px.release(request.request_id)
         super().free(request)
         if self.px.on_change is not None:
             self.px.on_change()
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        self._drop_target(request.request_id)
         dests = self.px.release(request.request_id, free_now=False)
         return super().pop_blocks_for_free(request) + self.px.blocks.blocks(dests)
 
@@ -247,8 +249,10 @@ class ProximaKVCacheManager(KVCacheManager):
         return planned
 
     def _plan_targets(self, finishing: AbstractSet[str], quota: Quota) -> None:
-        """Plan the requests whose target is due (`targets.py`): every step, pending or not, so
-        that a prompt is stored at its ratio before its first decode step's forward."""
+        """Plan the requests whose target is due (`targets.py`): every step, pending or not, and
+        before the pressure's planning, so that a prompt is stored at its ratio before its first
+        decode step's forward. A target ends when a round finds nothing more to do, after
+        `MAX_ROUNDS` rounds that planned something, or after `MAX_TRIES` steps."""
         px = self.px
         if px.policy.is_off or px.disabled or not px.targets:
             return
@@ -261,15 +265,27 @@ class ProximaKVCacheManager(KVCacheManager):
                 continue
             if rid in finishing or not targets.due(entry):
                 continue
+            if entry.target_rounds >= targets.MAX_ROUNDS or entry.target_tries >= targets.MAX_TRIES:
+                self._target_done(entry)
+                continue
+            entry.target_tries += 1
             restricted = restricted or px.backoff.restrict(px.effective, px.stats.steps)
             actions = targets.plan(entry, blocks_of[rid], self.block_size, restricted, px.engine,
-                                   px.probe_status, self.held_block_bytes) \
-                if entry.target_rounds < targets.MAX_ROUNDS else []
-            entry.target_rounds += 1
-            if not actions or not self._reserve(actions, quota):
+                                   px.probe_status, self.held_block_bytes)
+            if not actions:
                 self._target_done(entry)
+            elif self._reserve(actions, quota):
+                entry.target_rounds += 1
+            # (nothing reserved: no destination or no quota this step; tried again next step)
+
+    def _drop_target(self, req_id: str) -> None:
+        """A request leaving with its target still open: record what it reached so far."""
+        entry = self.px.ledger.get(req_id)
+        if entry is not None and entry.target is not None:
+            self._target_done(entry)
 
     def _target_done(self, entry: RequestEntry) -> None:
+        """Record what the target reached and stop planning it."""
         px = self.px
         if entry.target_blocks:
             px.stats.record_target(entry.request.request_id, entry.target or 0.0,
@@ -294,10 +310,11 @@ class ProximaKVCacheManager(KVCacheManager):
         scheduled_req_ids = list(scheduled_req_ids)
         finishing = finishing_requests(px.ledger, scheduled_req_ids)
         quota = px.backoff.quota(px.stats.steps)
-        if not px.pending:
+        idle = not px.pending  # (the pressure plans only when nothing is in flight: decided before targets)
+        self._plan_targets(finishing, quota)
+        if idle:
             self._plan(pending_blocks=min(px.waiting_need, pool_usage.total_blocks(self.block_pool)),
                        finishing=finishing, quota=quota)
-        self._plan_targets(finishing, quota)
         px.waiting_need = 0
         plan = ProximaPlan(
             actions=[a for a in px.pending.values() if a.action_id not in px.sent],

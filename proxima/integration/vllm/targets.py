@@ -12,9 +12,10 @@ compressed under pressure only).
 The scheduler cannot compress and undo, so its byte trials are predictions (the engine's formats,
 bytes from the slot specs), and it plans the kept trial at once. Blocks the compression-time
 probe refuses stay as they were with their cap, and the next round (one step later, at most
-`MAX_ROUNDS` in all) plans the shortfall again, the manager substituting each refused block's
-cap, as the HF cache's engine loop does. What a request reached is recorded in the stats
-(`targets` of the summary): the bytes ratio of its prompt's blocks as committed.
+`MAX_ROUNDS` in all) plans the shortfall again: its trials know the caps (a refused block lands
+on its cap and is not offered again), so the ask rises as the HF cache's does after a refusal.
+What a request reached is recorded in the stats (`targets` of the summary): the bytes ratio of
+its prompt's blocks as committed, also for a request that leaves before its target was done.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ logger = logging.getLogger("proxima.vllm")
 TARGET_ARG = "proxima_target_ratio"
 """The key of `SamplingParams.extra_args` (flat, so that the OpenAI server's `vllm_xargs` can set it)."""
 MAX_ROUNDS = 3
-"""Planning rounds per target: the first, then up to two for blocks the probe refused."""
+"""Planning rounds that plan something, per target: the first, then up to two for blocks the
+probe refused (their caps known, the shortfall is planned again)."""
+MAX_TRIES = 16
+"""Steps a target may be tried in at all (a round whose reservations all failed, for want of a
+destination or of the backoff's quota, is tried again a step later)."""
 
 
 def requested_ratio(request: Request) -> float | None:
@@ -85,14 +90,13 @@ def plan(entry: RequestEntry, blocks: Sequence[KVCacheBlock], block_size: int, p
 
     def trial(ask: float) -> list[Format]:
         total = target.pool_for_ratio(n, policy, ask)
-        return target.simulate(seq, policy, total, block_size, state, probe_status)
+        return target.simulate(seq, policy, total, block_size, state, probe_status, caps=entry.caps)
 
     final = target.reach_ratio(entry.target, trial,
                                achieved=lambda fmts: target.held_ratio(fmts, seq.tokens, block_size, held_bytes),
                                acted=lambda fmts: fmts != list(seq.formats))
-    dmg = policy.damage
-    return [Action(seq.request_id, i, old, new, 1.0 / old.pack_ratio - 1.0 / new.pack_ratio,
-                   seq.importance[i] * max(0.0, dmg.of(new) - dmg.of(old)))
+    # (predicted_damage: not read by the reservation; the engine's own figure is per decide call)
+    return [Action(seq.request_id, i, old, new, 1.0 / old.pack_ratio - 1.0 / new.pack_ratio, 0.0)
             for i, (old, new) in enumerate(zip(seq.formats, final, strict=True)) if new != old]
 
 

@@ -21,9 +21,9 @@ from typing import Literal
 
 import torch
 
-from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks, recompressible
+from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
 from proxima.compression.spec import SlotSpec, check_group_size
-from proxima.formats import HOT, Format
+from proxima.formats import HOT, Format, recompressible
 from proxima.integration.vllm.cpu_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.debug import SplitErrors
 from proxima.integration.vllm.faults import FaultInjector
@@ -404,7 +404,7 @@ class WorkerStore:
             fmt_l = self.layer_format(layer, now)
             if not from_fmt.is_hot and not recompressible(self.layer_format(layer, from_fmt), fmt_l):
                 raise ValueError(f"cannot recompress {self.layer_format(layer, from_fmt)} into {fmt_l} "
-                                 "(proxima.compression.blocks.recompressible)")
+                                 "(proxima.formats.recompressible)")
             k, v, counts = self.read_current(layer, from_fmt, acts)  # [N, T, H, D]
             imp = None
             if fmt_l.reduction is not None:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from proxima.compression.attention import attention_errors
-from proxima.compression.blocks import compress_blocks, recompressible
-from proxima.formats import Format
+from proxima.compression.blocks import compress_blocks
+from proxima.formats import Format, recompressible
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.policy.probes import choose_within_bound
 from proxima.policy.schema import CompressionProbe, Policy

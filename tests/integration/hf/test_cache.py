@@ -386,3 +386,25 @@ def test_group_size_comes_from_the_policy_unless_given() -> None:
     with pytest.raises(ValueError, match=r"storage\.group_size=128 does not divide the model's head_dim 64: int4"):
         bad.compress_blocks([0], Format.parse("int4"))
     assert bad.proxima_layers[0].slots[0] is None
+
+
+@torch.no_grad()
+def test_importance_and_the_probe_read_the_observed_layer_only(model, ids) -> None:
+    """As in the vLLM worker (`proxima.observation`): block importance comes from the middle
+    layer's observation window alone, and the compression-time probe measures that layer alone."""
+    from proxima.observation import observed_layer
+
+    enable(model)
+    base = ProximaCache(_without_compression_probe("configs/aggressive.yaml"), block_size=16)
+    model(ids, past_key_values=base)
+    seen, other = observed_layer(len(base.layers)), 0
+    assert seen != other
+    ref = base.fork().refresh_importance()
+    noisy = base.fork()
+    noisy._obs = {**noisy._obs, other: torch.randn_like(noisy._obs[other])}
+    assert torch.equal(noisy.refresh_importance(), ref)
+    moved = base.fork()
+    moved._obs = {**moved._obs, seen: torch.randn_like(moved._obs[seen])}
+    assert not torch.equal(moved.refresh_importance(), ref)
+    _, errs = base.fork()._encode_all_layers([2, 3], Format.parse("cluster(4)+int4"), measure=True)
+    assert torch.all(errs[other] == 0) and torch.all(errs[seen] > 0)

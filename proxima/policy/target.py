@@ -112,15 +112,22 @@ def held_ratio(formats: Sequence[Format], tokens: Sequence[int], block_size: int
 
 def reach_ratio(target: float, trial: Callable[[float], T], achieved: Callable[[T], float],
                 acted: Callable[[T], bool]) -> T:
-    """Run `trial(ask)` from the same start with ask = target, then raised by each shortfall, at
-    most `BYTE_PASSES` times; return the first trial that reaches `target` (or did nothing: a
-    higher ask would not do more), else the last."""
+    """Run `trial(ask)` from the same start with ask = target, then raised by each shortfall (by
+    its square when a raise changed nothing), at most `BYTE_PASSES` times; return the first trial
+    that reaches `target` (or did nothing: a higher ask would not do more), else the last."""
     ask = target
     out = trial(ask)
+    last = 0.0
     for _ in range(BYTE_PASSES - 1):
         got = achieved(out)
         if got >= target * REACHED or not acted(out) or got <= 0:
             break
-        ask *= target / got
+        raise_by = target / got
+        if got <= last * (1 + 1e-9):
+            # The last raise landed on the same step (the engine frees whole blocks): raising by
+            # the same shortfall again would waste the trial; square it instead.
+            raise_by *= raise_by
+        last = got
+        ask *= raise_by
         out = trial(ask)
     return out

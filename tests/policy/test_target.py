@@ -84,8 +84,18 @@ def test_reach_ratio_raises_the_ask_by_the_shortfall_and_keeps_the_first_that_re
     assert asks == [4.0]  # a trial that did nothing is kept: asking for more would not help
     asks.clear()
     target.reach_ratio(4.0, lambda a: (asks.append(a), 2.0)[1], achieved=lambda r: r, acted=lambda r: True)
-    assert asks == pytest.approx([4.0, 8.0, 16.0])  # never reached: BYTE_PASSES trials, then the last
+    # never reached: BYTE_PASSES trials, then the last; the second raise changed nothing, so the
+    # third squares the shortfall (4 -> 8 -> 8 x 2^2)
+    assert asks == pytest.approx([4.0, 8.0, 32.0])
     assert len(asks) == target.BYTE_PASSES
+    asks.clear()
+
+    def stepped(a: float) -> float:  # a step function: asks of 4 and 5.33 land on the same block step
+        asks.append(a)
+        return 3.0 if a < 6 else 4.2
+
+    assert target.reach_ratio(4.0, stepped, achieved=lambda r: r, acted=lambda r: True) == 4.2
+    assert asks == pytest.approx([4.0, 16 / 3, 16 / 3 * (4 / 3) ** 2])
 
 
 def test_the_bytes_trials_reach_a_target_the_pack_ratios_alone_miss() -> None:

@@ -54,7 +54,6 @@ FORCED_ARG = "proxima_forced"
 """`SamplingParams.extra_args` key: token ids the request must sample first (teacher forcing)."""
 ANSWER_TOKENS = 6
 """Greedy tokens after a passkey question (the 5 digits appear in 6 tokens; as `harness.py`)."""
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _forced(sampling_params: Any) -> list[int] | None:

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from proxima.integration.vllm.targets import TARGET_ARG
 from proxima.quality.datasets import NeedleSample, TextSample
@@ -94,22 +95,12 @@ class ForcedTokens(LogitsProcessor):
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for i in batch_update.removed:
-            self.rows.pop(i, None)
-        for i, params, _prompt, output in batch_update.added:
+        # vLLM's own bookkeeping of sparse per-row state (as the drift observer's)
+        def new_state(params: Any, _prompt: list[int] | None, output: list[int]) -> tuple[list[int], list[int]] | None:
             forced = _forced(params)
-            if forced:
-                self.rows[i] = (list(forced), output)
-            else:
-                self.rows.pop(i, None)
-        for a, b, how in batch_update.moved:
-            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-            if ra is not None:
-                self.rows[b] = ra
-            if how == MoveDirectionality.SWAP and rb is not None:
-                self.rows[a] = rb
+            return (list(forced), output) if forced else None
+
+        process_dict_updates(self.rows, batch_update, new_state)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for i, (forced, output) in self.rows.items():

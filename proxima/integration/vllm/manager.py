@@ -271,7 +271,7 @@ class ProximaKVCacheManager(KVCacheManager):
             entry.target_tries += 1
             restricted = restricted or px.backoff.restrict(px.effective, px.stats.steps)
             actions = targets.plan(entry, blocks_of[rid], self.block_size, restricted, px.engine,
-                                   px.probe_status, self.held_block_bytes)
+                                   px.probe_status, self.px.meta.held_block_bytes)
             if not actions:
                 self._target_done(entry)
             elif self._reserve(actions, quota):
@@ -289,15 +289,9 @@ class ProximaKVCacheManager(KVCacheManager):
         px = self.px
         if entry.target_blocks:
             px.stats.record_target(entry.request.request_id, entry.target or 0.0,
-                                   targets.reached(entry, self.block_size, self.held_block_bytes))
+                                   targets.reached(entry, self.block_size, self.px.meta.held_block_bytes))
         entry.target = None
         px.targets.discard(entry.request.request_id)
-
-    def held_block_bytes(self, fmt: Format) -> float:
-        """What one logical block held in `fmt` costs, all layers and ranks: its slot's data (a
-        physical block over the pack ratio) plus its side-table metadata; a hot block: a block."""
-        meta = self.px.meta
-        return meta.block_bytes if fmt.is_hot else meta.block_bytes / fmt.pack_ratio + meta.per_slot(fmt)
 
     def build_plan(self, scheduled_req_ids: Iterable[str]) -> ProximaPlan:
         """Called at the end of each `schedule()`: this step's actions for the worker."""

@@ -111,6 +111,11 @@ class MetaSizes:
             cached = self._cache[fmt] = ss.meta_bytes_per_slot * self.layers * self.ranks
         return cached
 
+    def held_block_bytes(self, fmt: Format) -> float:
+        """What one logical block held in `fmt` costs, all layers and ranks: its slot's data (a
+        physical block over the pack ratio) plus its side-table metadata; a hot block: a block."""
+        return self.block_bytes if fmt.is_hot else self.block_bytes / fmt.pack_ratio + self.per_slot(fmt)
+
     def side_table_bytes(self, ledger: RequestLedger) -> int:
         """Metadata bytes of the live compressed slots."""
         return sum(self.per_slot(c.fmt) for c in ledger.compressed_slots())

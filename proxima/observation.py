@@ -11,9 +11,27 @@ layer, kept 24-60% (docs/quality.md). So both read the same layer.
 
 from __future__ import annotations
 
+import torch
+
 
 def observed_layer(num_layers: int) -> int:
     """Index of the layer whose attention both integrations observe (the middle one)."""
     if num_layers <= 0:
         raise ValueError(f"a model has at least one attention layer, got {num_layers}")
     return num_layers // 2
+
+
+def fold_heads(mass: torch.Tensor, aggregate: str, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """Combine attention mass over heads (`importance.aggregate`: "max" or "mean").
+
+    The one definition both integrations use, at both places heads are combined: a KV head's
+    query heads (a token's importance per KV head) and a block's KV heads (the block's one number
+    for the scheduler). They once differed (the harness summed query heads and followed
+    `aggregate` over KV heads, vLLM took the max of both), and the harness then ranked tokens
+    differently from what vLLM serves (docs/quality.md, "Looking for the perplexity gap").
+    """
+    if aggregate == "max":
+        return mass.amax(dim)
+    if aggregate == "mean":
+        return mass.mean(dim)
+    raise ValueError(f"importance.aggregate is 'max' or 'mean', got {aggregate!r}")

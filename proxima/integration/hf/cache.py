@@ -43,7 +43,7 @@ from proxima.compression.blocks import Backend, CompressedBlocks, compress_block
 from proxima.compression.spec import bytes_ratio, check_group_size, kv16_bytes
 from proxima.formats import HOT, Format, recompressible
 from proxima.integration.hf import attention
-from proxima.observation import observed_layer
+from proxima.observation import fold_heads, observed_layer
 from proxima.policy import target
 from proxima.policy.engine import Action, EngineState, decide
 from proxima.policy.schema import OFF, Policy
@@ -593,7 +593,8 @@ class ProximaCache(Cache):
 
     def token_importance(self, layer_idx: int) -> torch.Tensor | None:
         """Attention mass each cached token gets from the observation window, `[B, H_kv, T_full]`
-        over the full blocks (mean over window queries, summed over each KV head's query heads)."""
+        over the full blocks (mean over window queries, each KV head's query heads folded by
+        `observation.fold_heads`, as the vLLM worker does)."""
         q = self._obs.get(layer_idx)
         layer = self.proxima_layers[layer_idx]
         if q is None or layer.n_blocks == 0:
@@ -614,7 +615,7 @@ class ProximaCache(Cache):
         causal = torch.arange(t, device=keys.device)[None, :] <= qpos[:, None]  # [W, T]
         logits = logits.masked_fill(~causal, NEG_INF)
         p = torch.softmax(logits, dim=-1)
-        imp = p.mean(3).sum(2)  # [B, Hkv, T]
+        imp = fold_heads(p.mean(3), self.policy.importance.aggregate, 2)  # [B, Hkv, T]
         return imp[..., : layer.n_blocks * layer.block_size]
 
     def refresh_importance(self) -> torch.Tensor:
@@ -625,7 +626,7 @@ class ProximaCache(Cache):
         imp = self.token_importance(observed_layer(len(self.layers)))
         if imp is not None:
             blk = imp.view(*imp.shape[:2], n, self.block_size).sum(-1)  # [B, H, n]
-            cur = blk.amax(dim=(0, 1)) if self.policy.importance.aggregate == "max" else blk.mean((0, 1))
+            cur = fold_heads(blk, self.policy.importance.aggregate, (0, 1))
         else:
             cur = torch.ones(n)
         cur = cur.double().cpu()

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from proxima.observation import fold_heads
+
 if TYPE_CHECKING:
     from proxima.integration.vllm.worker import WorkerStore
 
@@ -83,7 +85,7 @@ def observe(store: WorkerStore, layer_kv: torch.Tensor, query: torch.Tensor, obs
     g = query.shape[1] // h
 
     def fold(p: torch.Tensor) -> torch.Tensor:  # [..., G, T] probabilities -> [..., T] per KV head
-        return p.amax(-2) if store.aggregate == "max" else p.mean(-2)
+        return fold_heads(p, store.aggregate, -2)
 
     if obs.decode_rids:
         rd, w = obs.decode_table.shape

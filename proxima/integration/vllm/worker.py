@@ -32,7 +32,7 @@ from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, P
 from proxima.integration.vllm.ranks import check_remap
 from proxima.integration.vllm.timing import StepTimes
 from proxima.integration.vllm.worker_probe import RecentQueries, check_batch
-from proxima.observation import observed_layer
+from proxima.observation import fold_heads, observed_layer
 from proxima.policy.schema import Policy, Storage
 
 logger = logging.getLogger("proxima.vllm")
@@ -462,13 +462,14 @@ class WorkerStore:
             upd[m:] = mass[m:]
             new = torch.where(seen, upd, new)
         self.token_importance[req_id] = new
-        # One number per block for the scheduler: the block's mass (summed over its tokens), the
-        # hottest head; blocks with no visible token this step are NaN (the scheduler keeps theirs).
+        # One number per block for the scheduler: the block's mass (summed over its tokens), folded
+        # over heads as the policy says (`observation.fold_heads`); blocks with no visible token
+        # this step are NaN (the scheduler keeps theirs).
         b = next(iter(self.kv_caches.values())).shape[2]
         nb = -(-n // b)
         pad = torch.zeros(nb * b, new.shape[1])
         pad[:n] = new
-        per_block = pad.view(nb, b, -1).sum(1).amax(1)
+        per_block = fold_heads(pad.view(nb, b, -1).sum(1), self.aggregate, 1)
         vis = torch.zeros(nb * b, dtype=torch.bool)
         vis[:n] = seen.any(1)
         per_block[~vis.view(nb, b).any(1)] = float("nan")

@@ -254,3 +254,40 @@ def test_prefill_observation_scores_each_visible_token() -> None:
     want = p.mean(0).amax(1).transpose(0, 1)  # [L, H]
     torch.testing.assert_close(got[B:], want[B:], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got[:B], before[:B])  # the compressed chunk keeps its last importance
+
+
+@pytest.mark.parametrize("aggregate", ["max", "mean"])
+def test_hf_cache_and_vllm_worker_score_tokens_alike(aggregate: str) -> None:
+    """One definition of importance (`proxima.observation.fold_heads`): the transformers cache
+    and the vLLM worker, given the same keys and the same window of queries, give every token the
+    same mass per KV head, and fold a block's heads the same way."""
+    from proxima.integration.hf import ProximaCache
+    from proxima.integration.vllm import importance
+    from proxima.policy.schema import Policy
+
+    torch.manual_seed(5)
+    seq_len, window = 3 * B + 7, 6
+    kv = torch.randn(NB, H, B, 2 * D).to(torch.bfloat16)
+    st = WorkerStore()
+    st.register({LAYER: kv})
+    st.aggregate = aggregate
+    bt = torch.tensor([[4, 9, 2, 7]])
+    obs = importance.plan_observation(["r"], [{}], [0, seq_len], [seq_len], bt, B, window)
+    assert obs is not None
+    query = torch.randn(seq_len, HQ, D).to(torch.bfloat16)
+    importance.observe(st, kv, query, obs, D**-0.5)
+    vllm_mass = st.token_importance["r"]  # [T, H]
+
+    assert st.layout is not None
+    k, v = st.layout.read_blocks(kv, bt[0])  # [4, B, H, D]
+    k, v = (x.reshape(-1, H, D)[:seq_len].transpose(0, 1)[None].float() for x in (k, v))  # [1, H, T, D]
+    policy = Policy.model_validate({"enabled": False, "importance": {"aggregate": aggregate}})
+    hf = ProximaCache(policy=policy, block_size=B, observation_window=window)
+    hf.update(k, v, 0)
+    hf._obs[0] = query[-window:].float().transpose(0, 1)[None]  # [1, HQ, W, D]: what the attention records
+    hf_mass = hf.token_importance(0)  # [1, H, 3B]: full blocks only
+    assert hf_mass is not None
+    full = 3 * B
+    torch.testing.assert_close(hf_mass[0].transpose(0, 1), vllm_mass[:full], atol=1e-5, rtol=1e-4)
+    vllm_blocks = torch.tensor(st.report.importance["r"][:3])
+    torch.testing.assert_close(hf.refresh_importance().float(), vllm_blocks, atol=1e-5, rtol=1e-4)

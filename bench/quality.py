@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage-text", type=Path, default=None, metavar="DIR", help="copy the text files to DIR, exit")
     ap.add_argument("--shard", default=None, metavar="I/N",
                     help="run only samples j with j %% N == I (one shard per GPU; join them with --merge)")
+    ap.add_argument("--samples", default=None, metavar="NAMES",
+                    help="run only these samples (comma-separated names as the log prints them, e.g. "
+                         "'passkey:4096@0.5#2'): the ones a budget left unstarted, as one more shard for --merge")
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                     help="join shards' results JSONs into --out, exit")
     args = ap.parse_args(argv)
@@ -251,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         text, needles = suite.samples(tok, cfg)
         greedy = int(cfg["greedy"])
     text, needles = text[shard::shards], needles[shard::shards]
+    if args.samples:
+        wanted = [n for n in args.samples.split(",") if n]
+        unknown = sorted(set(wanted) - {s.name for s in [*text, *needles]})
+        if unknown:
+            raise SystemExit(f"--samples: not in this suite (or shard): {', '.join(unknown)}")
+        text, needles = [s for s in text if s.name in wanted], [s for s in needles if s.name in wanted]
     settings = tuple(x for x in args.settings.split(",") if x)
     method_batch = args.method_batch or (len(chosen) if device.type == "cuda" else 4)
     print(
@@ -279,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "method_batch": method_batch,
         "budget_s": args.budget_s,
         "shard": args.shard,
+        "only_samples": args.samples,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The full quality suite on a machine with several GPUs, in one call (docs/quality.md, "The full
-# suite on the H200"): the transformers harness split into one shard per GPU but the last, and
-# the vLLM harness on the last GPU, all at once (vLLM's numbers do not depend on the harness's;
-# `bench/quality_vllm.py --compare` joins them afterwards, on the CPU side).
+# The full quality suite in one call (docs/quality.md, "The full suite on the H200"): the
+# transformers harness split into SHARDS shards and the vLLM harness, all at once; vLLM's numbers
+# do not depend on the harness's, so `bench/quality_vllm.py --compare` joins them afterwards, on
+# the CPU side. With several GPUs, one shard per GPU but the last and vLLM on the last; on one
+# GPU all share it (both harnesses are host-bound: their small kernels leave the GPU mostly idle).
 #
 #   source /tmp/gpu-kit/env.sh && export PROXIMA_TEXT_DIR=$PWD/.quality-text && bash bench/quality_gpus.sh $OUT
 #
@@ -11,24 +12,21 @@
 # and is killed at 540 s, so the call ends within the tool's 10 minutes.
 set -u
 out=${1:?usage: bench/quality_gpus.sh OUT_DIR}
-: "${PX_MODEL:?source the GPU kit's env.sh first}"
+: "${PX_MODEL:?source the GPU kit env.sh first}"
 budget=${BUDGET_S:-465}
 n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-if [ "$n" -lt 2 ]; then
-    echo "quality_gpus.sh needs at least 2 GPUs (found $n); on one GPU follow docs/quality.md's two calls" >&2
-    exit 2
-fi
-shards=$((n - 1))
+[ "$n" -ge 1 ] || { echo "quality_gpus.sh: no GPU visible" >&2; exit 2; }
+shards=${SHARDS:-$((n > 1 ? n - 1 : 3))}
 work=/tmp/quality-gpus
 rm -rf "$work" && mkdir -p "$work"
 pids=()
 for ((i = 0; i < shards; i++)); do
-    CUDA_VISIBLE_DEVICES=$i timeout 540 python3 bench/quality.py --full --device cuda --model "$PX_MODEL" \
+    CUDA_VISIBLE_DEVICES=$((i % n)) timeout 540 python3 bench/quality.py --full --device cuda --model "$PX_MODEL" \
         --no-calibrate --no-probe-fit --budget-s "$budget" --shard "$i/$shards" --out "$work/s$i" \
         > "$work/shard$i.log" 2>&1 &
     pids+=($!)
 done
-CUDA_VISIBLE_DEVICES=$shards timeout 540 python3 bench/quality_vllm.py --full --model "$PX_MODEL" \
+CUDA_VISIBLE_DEVICES=$((n - 1)) timeout 540 python3 bench/quality_vllm.py --full --model "$PX_MODEL" \
     --engine-args '{"gpu_memory_utilization": 0.4}' --hf /nonexistent --out "$work/vllm" \
     > "$work/vllm.log" 2>&1 &
 pids+=($!)

@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", default="{}", help="JSON forced onto every engine (e.g. on CPU a KV pool size)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per engine")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--engine-logs", type=Path, default=None, metavar="DIR",
+                    help="keep each engine's whole log as DIR/<policy>.log (default: only a failure's tail)")
     ap.add_argument("--compare", type=Path, default=None, metavar="JSON",
                     help="redo only the comparison: this run's quality-vllm JSON against --hf, rewritten in --out "
                          "(vLLM's numbers do not depend on the harness's, so both can run at once)")
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for policy, ms in by_policy.items():
         job = vllm_harness.job_for(str(policy_path(policy)), ms, text, needles, settings, model, engine_args)
-        out = vllm_harness.run_engine(job, args.timeout_s, log=lambda m: print(m, flush=True))
+        out = vllm_harness.run_engine(job, args.timeout_s, log=lambda m: print(m, flush=True),
+                                      keep_log=args.engine_logs / f"{policy}.log" if args.engine_logs else None)
         got = vllm_harness.rows(out, ms, settings)
         rows += [r for r in got if r["method"] != "baseline" or not rows]  # the first engine's baseline row
         st = out["stats"]
@@ -175,10 +178,20 @@ def main(argv: list[str] | None = None) -> int:
                            "emergencies": st.get("emergencies"), "preemptions": st.get("preemptions"),
                            "planned_in_prefill": st.get("planned_in_prefill"),
                            "committed_by_format": st.get("committed_by_format"),
+                           # Why an engine may have compressed less than asked (a request is
+                           # never failed by compression: these are the only trace of it).
+                           **{k: st.get(k) for k in ("planned", "committed", "failed", "rejected_by_probe",
+                                                     "disabled", "errors")},
                            "baseline_rows": [r for r in got if r["method"] == "baseline"]}
         write(partial=True)
     print(write(partial=False))
     ok = all(r["forced_ok"] for r in rows) and all(e["emergencies"] == 0 for e in engines.values())
+    for policy, e in engines.items():
+        if e["disabled"] or e["errors"] or not e["committed"]:  # every engine here was asked for a ratio
+            print(f"[quality-vllm] {policy}: did not compress as asked: committed {e['committed']} of "
+                  f"{e['planned']} planned, {e['failed']} failed, disabled: {e['disabled']}, errors: {e['errors']}",
+                  flush=True)
+            ok = False
     return 0 if ok else 1
 
 

@@ -215,8 +215,10 @@ def run_child(job: Job) -> dict[str, Any]:
     return {"results": results, "stats": stats, "wall_s": wall, "requests": len(reqs)}
 
 
-def run_engine(job: Job, timeout_s: float = 900.0, log=print) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    """`run_child(job)` in a fresh process (one vLLM engine per policy); its log goes to `log`."""
+def run_engine(job: Job, timeout_s: float = 900.0, log=print,  # type: ignore[no-untyped-def]
+               keep_log: Path | None = None) -> dict[str, Any]:
+    """`run_child(job)` in a fresh process (one vLLM engine per policy); a one-line summary goes
+    to `log`, the engine's whole output to `keep_log` if given (else only a failure's tail is shown)."""
     tmp = Path(tempfile.mkdtemp(prefix="proxima-qv-"))
     (tmp / "job.json").write_text(json.dumps(asdict(job)))
     env = dict(os.environ)
@@ -229,6 +231,9 @@ def run_engine(job: Job, timeout_s: float = 900.0, log=print) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "proxima.quality.vllm_harness", str(tmp / "job.json"), str(tmp / "out.json")]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if keep_log is not None:
+        keep_log.parent.mkdir(parents=True, exist_ok=True)
+        keep_log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not (tmp / "out.json").exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise RuntimeError(f"vLLM engine for {job.policy} failed (rc {proc.returncode}):\n{tail}")

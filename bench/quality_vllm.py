@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                            # Why an engine may have compressed less than asked (a request is
                            # never failed by compression: these are the only trace of it).
                            **{k: st.get(k) for k in ("planned", "committed", "failed", "rejected_by_probe",
-                                                     "disabled", "errors")},
+                                                     "disabled", "errors", "backoff")},
                            "baseline_rows": [r for r in got if r["method"] == "baseline"]}
         write(partial=True)
     print(write(partial=False))

@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         "continuation_tokens": len(text[0].continuation_ids) if text else 0,
         "greedy_tokens": greedy,
         "passkey_samples": len(needles),
+        # In the order they run: a budget stops at the first that does not fit, so the first
+        # `passkey_samples_run` of them ran (`report.merge_shards` counts distinct samples by it).
+        "passkey_names": [s.name for s in needles],
         "passkey_lengths": sorted({len(s.context_ids) for s in needles}),
         "passkey_depths": sorted({s.depth for s in needles}),
         "settings": list(settings),

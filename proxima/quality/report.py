@@ -410,6 +410,19 @@ def merge_shards(
     for key in ("text_context_tokens", "passkey_lengths", "passkey_depths"):
         if all(key in m for m in shard_meta):
             meta[key] = sorted({x for m in shard_meta for x in m[key]})
+    if all("passkey_names" in m for m in shard_meta):
+        # A shard of the samples another one left unstarted (`--samples`) re-plans them: count
+        # distinct samples, and refuse one that ran twice (it would weigh double).
+        ran = [n for m, rows in zip(shard_meta, shard_rows, strict=True)
+               for n in m["passkey_names"][: rows[0]["needle_n"]]]
+        twice = sorted({n for n in ran if ran.count(n) > 1})
+        if twice:
+            raise ValueError(f"passkey samples ran in more than one shard: {', '.join(twice)}")
+        meta["passkey_names"] = sorted({n for m in shard_meta for n in m["passkey_names"]})
+        meta["passkey_samples"] = len(meta["passkey_names"])
+        every_passkey_ran = set(ran) == set(meta["passkey_names"])
+    else:
+        every_passkey_ran = all(m.get("complete", False) for m in shard_meta)
     planned = (meta.get("passkey_samples"), len(meta["text_samples"]) if "text_samples" in meta else None)
     meta.update(
         shards=[m.get("shard") for m in shard_meta],
@@ -420,9 +433,10 @@ def merge_shards(
         seconds=max(m.get("seconds", 0) for m in shard_meta),
         passkey_samples_run=out[0]["needle_n"],
         text_samples_run=out[0]["text_n"],
-        # Every shard finished (a shard killed by its time limit left `partial` results without
-        # `complete`) and every planned sample ran.
-        complete=all(m.get("complete", False) and not m.get("partial", False) for m in shard_meta)
+        # No shard was killed (that left `partial` results) and every planned sample ran: in
+        # some shard, when the shards name their passkeys (a budget-cut shard's samples may have
+        # run in a later `--samples` shard), else in shards that all completed.
+        complete=not any(m.get("partial", False) for m in shard_meta) and every_passkey_ran
         and planned[0] in (None, out[0]["needle_n"])
         and planned[1] in (None, out[0]["text_n"]),
         merged_from=list(names),

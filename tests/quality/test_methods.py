@@ -288,6 +288,26 @@ def test_merged_meta_counts_every_shard_and_is_complete_only_when_all_ran():
     assert report.merge_shards([[row], [row]], [metas[0], killed], ["a", "b"])[1]["complete"] is False
 
 
+def test_a_shard_of_the_unstarted_samples_completes_the_merge():
+    """`bench/quality.py --samples` runs what a budget left unstarted; the merge counts distinct
+    passkeys by name (the first `needle_n` of a shard's `passkey_names` ran) and refuses a sample
+    that ran twice."""
+    row = {
+        "method": "baseline", "family": "baseline", "setting": "after", "ratio": 1.0, "achieved_ratio": 1.0,
+        "nominal_ratio": 1.0, "needle_acc": 1.0, "needle_n": 1, "text_n": 1, "ppl": 10.0, "tf_top1": 1.0,
+        "kl": 0.0, "agreement": None, "formats": {}, "seconds": 1.0,
+    }
+    cut = {"shard": "0/1", "passkey_samples": 2, "passkey_names": ["p0", "p1"], "text_samples": ["t0"],
+           "complete": False}
+    rest = {"shard": None, "passkey_samples": 1, "passkey_names": ["p1"], "text_samples": [], "complete": True}
+    _, meta = report.merge_shards([[row], [{**row, "text_n": 0}]], [cut, rest], ["a", "b"])
+    assert meta["complete"] is True and meta["passkey_samples"] == 2 and meta["passkey_samples_run"] == 2
+    alone = report.merge_shards([[row]], [cut], ["a"])[1]
+    assert alone["complete"] is False and alone["passkey_samples"] == 2
+    with pytest.raises(ValueError, match="ran in more than one shard: p0"):
+        report.merge_shards([[row], [row]], [cut, {**rest, "passkey_names": ["p0"]}], ["a", "b"])
+
+
 def _row(method, family, setting, ratio, needle, ppl, top1):
     return {"method": method, "family": family, "setting": setting, "achieved_ratio": ratio, "needle_acc": needle,
             "ppl": ppl, "tf_top1": top1}

@@ -235,17 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     model.to(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
     print(f"[quality] model on {device} ({where})", flush=True)
-    from proxima.quality import damage
-
-    if not damage.DEFAULT_PATH.exists() or not (args.quick or args.no_calibrate):
-        fitted = damage.calibrate(
-            model, tok, contexts=1, context_len=512 if args.quick else 1024, log=lambda m: print(m, flush=True)
-        )
-        damage.DEFAULT_PATH.parent.mkdir(parents=True, exist_ok=True)
-        damage.DEFAULT_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
-        print(f"[quality] damage model: {fitted['rows']} probe records, R^2 {fitted['r2']:.2f}", flush=True)
-    names = args.methods if args.methods else (list(FULL_METHODS) if args.full else None)
-    chosen = methods.select(names)
     if args.quick:
         text = datasets.text_samples(tok, 512, 1)
         needles = datasets.needle_samples(tok, 512, [0.5])
@@ -260,6 +249,18 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"--samples: not in this suite (or shard): {', '.join(unknown)}")
         text, needles = [s for s in text if s.name in wanted], [s for s in needles if s.name in wanted]
+    # After the samples are checked: a bad --samples must not cost (or write) a calibration.
+    from proxima.quality import damage
+
+    if not damage.DEFAULT_PATH.exists() or not (args.quick or args.no_calibrate):
+        fitted = damage.calibrate(
+            model, tok, contexts=1, context_len=512 if args.quick else 1024, log=lambda m: print(m, flush=True)
+        )
+        damage.DEFAULT_PATH.parent.mkdir(parents=True, exist_ok=True)
+        damage.DEFAULT_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
+        print(f"[quality] damage model: {fitted['rows']} probe records, R^2 {fitted['r2']:.2f}", flush=True)
+    names = args.methods if args.methods else (list(FULL_METHODS) if args.full else None)
+    chosen = methods.select(names)
     settings = tuple(x for x in args.settings.split(",") if x)
     method_batch = args.method_batch or (len(chosen) if device.type == "cuda" else 4)
     print(

@@ -22,10 +22,12 @@ n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 shards=${SHARDS:-$((n > 1 ? n - 1 : 3))}
 with_vllm=${WITH_VLLM:-$((n > 1 ? 1 : 0))}
 work=/tmp/quality-gpus
-rm -rf "$work" && mkdir -p "$work"
+rm -rf "$work" && mkdir -p "$work" "$out"
+# GPUs the shards use: all of them, but the last when vLLM has it.
+shard_gpus=$((with_vllm == 1 && n > 1 ? n - 1 : n))
 pids=()
 for ((i = 0; i < shards; i++)); do
-    CUDA_VISIBLE_DEVICES=$((i % n)) timeout 540 python3 bench/quality.py --full --device cuda --model "$PX_MODEL" \
+    CUDA_VISIBLE_DEVICES=$((i % shard_gpus)) timeout 540 python3 bench/quality.py --full --device cuda --model "$PX_MODEL" \
         --no-calibrate --no-probe-fit --budget-s "$budget" --shard "$i/$shards" --out "$work/s$i" \
         > "$work/shard$i.log" 2>&1 &
     pids+=($!)

@@ -29,6 +29,9 @@ def fold_heads(mass: torch.Tensor, aggregate: str, dim: int | tuple[int, ...]) -
     for the scheduler). They once differed (the harness summed query heads and followed
     `aggregate` over KV heads, vLLM took the max of both), and the harness then ranked tokens
     differently from what vLLM serves (docs/quality.md, "Looking for the perplexity gap").
+    One difference stays: the worker's EMA over decode steps runs per token and head before the
+    block fold, the harness's per block after it; they agree on a single observation (the
+    harness's case: one observation window before compression).
     """
     if aggregate == "max":
         return mass.amax(dim)

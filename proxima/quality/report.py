@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -400,7 +401,7 @@ def merge_shards(
             seconds=round(sum(r["seconds"] for r in parts), 1),
         )
         out.append(row)
-    per_shard = ("shard", "partial", "command", "date", "budget_s")
+    per_shard = ("shard", "only_samples", "partial", "command", "date", "budget_s")
     meta = {k: v for k, v in shard_meta[0].items() if k not in per_shard}
     # What the shards planned to run, joined (each shard's meta lists only its own samples).
     if all("passkey_samples" in m for m in shard_meta):
@@ -415,7 +416,7 @@ def merge_shards(
         # distinct samples, and refuse one that ran twice (it would weigh double).
         ran = [n for m, rows in zip(shard_meta, shard_rows, strict=True)
                for n in m["passkey_names"][: rows[0]["needle_n"]]]
-        twice = sorted({n for n in ran if ran.count(n) > 1})
+        twice = sorted(n for n, k in Counter(ran).items() if k > 1)
         if twice:
             raise ValueError(f"passkey samples ran in more than one shard: {', '.join(twice)}")
         meta["passkey_names"] = sorted({n for m in shard_meta for n in m["passkey_names"]})

@@ -84,7 +84,15 @@ class ProximaReport(KVConnectorWorkerMetadata):
     ranks, i.e. the compute all ranks spent (the wall time a step waits for is `timings`')."""
     importance: dict[str, list[float]] = field(default_factory=dict)
     """Request -> attention mass of each of its logical blocks (observed this step; blocks the
-    worker could not observe, e.g. compressed ones, are NaN)."""
+    worker could not observe, e.g. compressed ones, are NaN), folded over the rank's KV heads
+    with `importance_fold`."""
+    importance_fold: str = "max"
+    """How `importance` folds KV heads (`observation.fold_heads`): the worker's
+    `importance.aggregate`, "max" (the hottest head) or "mean". `merge_reports` merges by it."""
+    importance_ranks: dict[str, list[int]] = field(default_factory=dict)
+    """Fold "mean", in a merged report: request -> how many ranks observed each of its blocks (the
+    weight of the block's mean in the next merge; 0 where `importance` is NaN). A request without
+    an entry (a rank's own report): every block that is not NaN was observed by all `ranks`."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds of this worker's step parts completed since the last report (`timing.py`; empty
     unless `PROXIMA_TIME_SPLIT=1`). Merged: the slowest rank's, per part (the ranks run a step's
@@ -135,7 +143,9 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
     """One report for the ranks behind `a` and `b` (vLLM calls it pairwise, in rank order).
 
     What it decides does not depend on the fold's grouping or the rank order (only the order of
-    the error lists does): every rule is a union, an intersection, a sum, a max or a min.
+    the error lists does): every rule is a union, an intersection, a sum, a max or a min, or (the
+    "mean" importance fold) a mean weighted by per-block rank counts, which is associative and
+    commutative too, up to float rounding (`_merge_importance`).
 
     * An action is written only if every rank wrote it.
     * A block the compression-time probe refused on any rank stays as it was everywhere
@@ -149,27 +159,91 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
       (`timings`) is the slowest rank's per part.
     * Drift samples are the first rank's that has any: they come from the sampled tokens' logits,
       which are the engine's, not a rank's (every rank that sees logits sees the same ones).
+    * Importance is merged by the reports' `importance_fold` (`_merge_importance`): fold "max"
+      keeps the larger value per block, fold "mean" the mean weighted by the ranks that observed
+      the block; either way the engine's number over all KV heads. Ranks of one engine share one
+      policy, so reports with importance folded differently raise a `ValueError` (a report
+      without importance takes the other side's fold: it says nothing about heads).
     """
     rejected_any = set(a.rejected) | set(b.rejected)
     failed = set(a.failed) | set(b.failed) | ((set(a.ok) ^ set(b.ok)) - rejected_any)
     rejected = {aid: _mildest(a.rejected.get(aid), b.rejected.get(aid)) for aid in rejected_any - failed}
     ok = (set(a.ok) & set(b.ok)) - failed - set(rejected)
-    importance = dict(a.importance)
-    for rid, imp in b.importance.items():
-        mine = importance.get(rid)
-        importance[rid] = imp if mine is None else _nanmax_lists(mine, imp)
+    fold, importance, importance_ranks = _merge_importance(a, b)
     errors = a.errors + [e for e in b.errors if e not in a.errors]
     # The ranks run a step's parts in parallel: the slowest bounds the step.
     timings = {k: max(a.timings.get(k, 0.0), b.timings.get(k, 0.0)) for k in a.timings.keys() | b.timings.keys()}
     return ProximaReport(ok=sorted(ok), failed=sorted(failed), errors=errors,
                          kernel_seconds=a.kernel_seconds + b.kernel_seconds, importance=importance,
-                         timings=timings, ranks=a.ranks + b.ranks, rejected=rejected,
+                         importance_fold=fold, importance_ranks=importance_ranks, timings=timings,
+                         ranks=a.ranks + b.ranks, rejected=rejected,
                          probe_errors=a.probe_errors + b.probe_errors,
                          probe_measured_ids=sorted(set(a.probe_measured_ids) | set(b.probe_measured_ids)),
                          probe_refused_ids=sorted(set(a.probe_refused_ids) | set(b.probe_refused_ids)),
                          probe_seconds=a.probe_seconds + b.probe_seconds, drift=a.drift or b.drift,
                          drift_seconds=a.drift_seconds + b.drift_seconds,
                          revoke_mismatches=a.revoke_mismatches + b.revoke_mismatches)
+
+
+def _merge_importance(a: ProximaReport, b: ProximaReport) -> tuple[str, dict[str, list[float]], dict[str, list[int]]]:
+    """(fold, importance, importance_ranks) of the merge of `a` and `b` (`merge_reports`).
+
+    NaN (not observed) loses to any number, and the longer list's tail is kept (the other side did
+    not observe those blocks).
+
+    * "max": per block the larger value, i.e. the hottest KV head of all ranks.
+    * "mean": per block the mean of the two sides' means, each weighted by the number of ranks
+      that observed the block (a side's NaN weighs 0). Every rank of a vLLM engine holds the same
+      number of KV heads (num_kv_heads / N, or with N > num_kv_heads one replicated head, every
+      head replicated N / num_kv_heads times), so this is the mean over all the engine's KV heads:
+      the number a single-rank engine computes. It is associative and commutative: a block's
+      (weight, weight * mean) pairs add, so ((a + b) + c) and (a + (b + c)) give the same mean up
+      to float rounding (a few ulp; exactly the same when the sums are exact). The weights must be
+      per block: weighting a side by its `ranks` alone would count a rank that did not observe the
+      block in later merges, and the result would depend on the grouping. They travel in
+      `importance_ranks` (derived from `ranks` for a rank's own report).
+    """
+    if a.importance and b.importance and a.importance_fold != b.importance_fold:
+        raise ValueError(f"proxima: cannot merge importance folded with {a.importance_fold!r} and with "
+                         f"{b.importance_fold!r}: the ranks of one engine run one policy (importance.aggregate)")
+    fold = a.importance_fold if a.importance or not b.importance else b.importance_fold
+    if fold == "max":
+        importance = dict(a.importance)
+        for rid, imp in b.importance.items():
+            mine = importance.get(rid)
+            importance[rid] = imp if mine is None else _nanmax_lists(mine, imp)
+        return fold, importance, {}
+    if fold != "mean":
+        raise ValueError(f"proxima: importance_fold is 'max' or 'mean', got {fold!r}")
+    importance, weights = {}, {}
+    for rid in [*a.importance, *(rid for rid in b.importance if rid not in a.importance)]:
+        importance[rid], weights[rid] = _nanmean_lists(_observed(a, rid), _observed(b, rid))
+    return fold, importance, weights
+
+
+def _observed(rep: ProximaReport, rid: str) -> tuple[list[float], list[int]]:
+    """A request's block importance in `rep` and the ranks that observed each block (fold "mean")."""
+    imp = rep.importance.get(rid, [])
+    weights = rep.importance_ranks.get(rid)
+    if weights is None:
+        weights = [rep.ranks] * len(imp)
+    return imp, [0 if math.isnan(x) else w for x, w in zip(imp, weights, strict=True)]
+
+
+def _nanmean_lists(a: tuple[list[float], list[int]], b: tuple[list[float], list[int]]) -> tuple[list[float], list[int]]:
+    """Per block, the weighted mean of two (values, weights) lists and the summed weights; a block
+    of weight 0 (NaN: not observed) on one side is the other side's, on both sides NaN."""
+    (xs, wx), (ys, wy) = a, b
+    out, weights = [], []
+    for i in range(max(len(xs), len(ys))):
+        x, n = (xs[i], wx[i]) if i < len(xs) else (math.nan, 0)
+        y, m = (ys[i], wy[i]) if i < len(ys) else (math.nan, 0)
+        if m == 0 or n == 0:
+            out.append(x if m == 0 else y)  # (both 0: NaN, or a side's NaN as it was)
+        else:
+            out.append((x * n + y * m) / (n + m))
+        weights.append(n + m)
+    return out, weights
 
 
 def _mildest(a: str | None, b: str | None) -> str:

@@ -474,6 +474,7 @@ class WorkerStore:
         vis[:n] = seen.any(1)
         per_block[~vis.view(nb, b).any(1)] = float("nan")
         self.report.importance[req_id] = per_block.tolist()
+        self.report.importance_fold = self.aggregate  # how the ranks' reports merge (`merge_reports`)
 
     def importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor:
         """[N, B, H] token importance of the actions' blocks (1 where never observed)."""

@@ -7,6 +7,7 @@ a write that succeeded on one rank and failed on another."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,93 @@ def test_vllms_aggregator_merges_reports_all_or_nothing() -> None:
     assert rep.importance["a"] == [1.0, 0.7, 0.2, 0.1] and rep.importance["b"] == [0.5]
     with pytest.raises(TypeError, match="cannot merge a ProximaReport with a"):
         r0.aggregate(object())  # type: ignore[arg-type]
+
+
+MEAN_FOLD = """
+schema_version: 1
+name: mean-fold
+bands:
+  - {name: always, enter: 0.02, exit: 0.01, target_free: 0.99, ladder: [int8]}
+importance: {aggregate: AGGREGATE}
+"""
+
+
+@pytest.mark.parametrize("aggregate", ["max", "mean"])
+def test_merged_importance_is_the_fold_over_every_ranks_heads(aggregate: str) -> None:
+    """The ranks' reports, each folded over its own KV heads by the worker, merge into the number
+    a single rank holding every head reports, for either `importance.aggregate`, in vLLM's fold
+    ((r0 + r1) + r2) and in the other grouping (r0 + (r1 + r2))."""
+    heads, tokens = 6, 5 * B // 2  # 2.5 blocks; block 1 not seen (compressed)
+    policy = parse_policy(MEAN_FOLD.replace("AGGREGATE", aggregate))
+    torch.manual_seed(0)
+    mass = torch.rand(tokens, heads)
+    mass[B:2 * B] = float("nan")
+
+    def reports(ranks: int) -> list[ProximaReport]:
+        h, out = heads // ranks, []
+        for r in range(ranks):
+            st = WorkerStore(rank=r)
+            st.register({"model.layers.0.self_attn.attn": torch.zeros(NB, h, B, 2 * D).bfloat16()}, policy)
+            st.observe("a", mass[:, r * h:(r + 1) * h].contiguous(), reset=True)
+            rep = st.take_report()
+            assert rep is not None and rep.importance_fold == aggregate
+            out.append(rep)
+        return out
+
+    (one,) = reports(1)
+    want = one.importance["a"]
+    assert len(want) == 3 and math.isnan(want[1])
+    for ranks in (2, 3):
+        reps = reports(ranks)
+        merged = [_merged(list(reps))]
+        if ranks == 3:
+            merged.append(merge_reports(reps[0], merge_reports(reps[1], reps[2])))
+        for rep in merged:
+            assert rep is not None and rep.ranks == ranks and rep.importance_fold == aggregate
+            assert rep.importance["a"] == pytest.approx(want, rel=1e-6, nan_ok=True)
+            assert settle(rep, ranks).importance_fold == aggregate  # (what the scheduler commits)
+    # The two folds differ here (the hottest head is not the mean head): the merge followed the fold.
+    if aggregate == "mean":
+        assert want[0] < max(r.importance["a"][0] for r in reports(3))
+
+
+def test_mean_importance_weighs_the_ranks_that_observed_a_block() -> None:
+    """Fold "mean": a block's merged importance is the mean over the ranks that observed it (a NaN
+    side weighs nothing, the longer list's tail is kept), whatever the grouping and rank order."""
+    nan = float("nan")
+    r0 = ProximaReport(importance={"a": [0.25, nan, 0.5], "b": [1.0]}, importance_fold="mean")
+    r1 = ProximaReport(importance={"a": [0.5, 0.25]}, importance_fold="mean")
+    r2 = ProximaReport(importance={"a": [0.75, 0.5, nan, 0.125]}, importance_fold="mean")
+    groupings = [merge_reports(merge_reports(r0, r1), r2), merge_reports(r0, merge_reports(r1, r2)),
+                 merge_reports(merge_reports(r2, r0), r1), merge_reports(r1, merge_reports(r2, r0))]
+    for rep in [*groupings, _merged([r0, r1, r2])]:
+        assert rep is not None and rep.ranks == 3 and rep.importance_fold == "mean"
+        assert rep.importance == {"a": [0.5, 0.375, 0.5, 0.125], "b": [1.0]}
+        assert rep.importance_ranks == {"a": [3, 2, 1, 1], "b": [1]}
+    assert math.isnan(merge_reports(ProximaReport(importance={"a": [nan]}, importance_fold="mean"),
+                                    ProximaReport(importance={"a": [nan]}, importance_fold="mean")).importance["a"][0])
+    # Any values, four ranks, every grouping of vLLM's pairwise merge: the mean of the observed values.
+    torch.manual_seed(0)
+    vals = torch.rand(4, 16).double()
+    vals[torch.rand(4, 16) < 0.3] = nan
+    reps = [ProximaReport(importance={"a": v.tolist()}, importance_fold="mean") for v in vals]
+    want = vals.nanmean(0).tolist()
+    m = merge_reports
+    for rep in (m(m(m(reps[0], reps[1]), reps[2]), reps[3]), m(m(reps[0], reps[1]), m(reps[2], reps[3])),
+                m(reps[0], m(reps[1], m(reps[2], reps[3]))), m(m(reps[3], reps[1]), m(reps[0], reps[2]))):
+        assert rep.importance["a"] == pytest.approx(want, rel=1e-12, nan_ok=True)
+        assert rep.importance_ranks["a"] == (~vals.isnan()).sum(0).tolist()
+
+
+def test_importance_of_different_folds_does_not_merge() -> None:
+    """The ranks of one engine run one policy: a "max" and a "mean" report cannot be one number. A
+    report without importance says nothing about heads and takes the other side's fold."""
+    mean = ProximaReport(importance={"a": [1.0]}, importance_fold="mean")
+    with pytest.raises(ValueError, match="cannot merge importance folded with 'mean' and with 'max'"):
+        merge_reports(mean, ProximaReport(importance={"a": [0.5]}))
+    silent = ProximaReport(kernel_seconds=0.5)
+    for rep in (merge_reports(mean, silent), merge_reports(silent, mean)):
+        assert rep.importance_fold == "mean" and rep.importance == {"a": [1.0]}
 
 
 def test_drift_samples_survive_the_merge_once() -> None:

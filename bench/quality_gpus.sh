@@ -13,33 +13,61 @@
 # Writes into OUT: s<i>.json per harness shard, vllm.json, and logs.tar.gz (every log); at most 8
 # files, the run tool's limit. Each harness shard stops starting samples after BUDGET_S (465 s)
 # and is killed at 540 s, so the call ends within the tool's 10 minutes.
+#
+# With several GPUs there is one process per GPU at most: SHARDS (default: every GPU vLLM does not
+# take) is lowered to the GPUs left for the shards, and to what the 8 files allow (7 shards, 6
+# beside vLLM). DRY_RUN=1 prints what would run and starts nothing; GPUS=N stands in for the
+# GPUs torch sees (for a dry run on a machine without them).
 set -u
 out=${1:?usage: bench/quality_gpus.sh OUT_DIR}
 : "${PX_MODEL:?source the GPU kit env.sh first}"
 budget=${BUDGET_S:-465}
-n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+dry=${DRY_RUN:-0}
+n=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+case $n in '' | *[!0-9]*) echo "quality_gpus.sh: GPU count '$n' is not a number" >&2; exit 2 ;; esac
 [ "$n" -ge 1 ] || { echo "quality_gpus.sh: no GPU visible" >&2; exit 2; }
-shards=${SHARDS:-$((n > 1 ? n - 1 : 3))}
 with_vllm=${WITH_VLLM:-$((n > 1 ? 1 : 0))}
-work=/tmp/quality-gpus
-rm -rf "$work" && mkdir -p "$work" "$out"
+case $with_vllm in 0 | 1) ;; *) echo "quality_gpus.sh: WITH_VLLM '$with_vllm': 0 or 1" >&2; exit 2 ;; esac
 # GPUs the shards use: all of them, but the last when vLLM has it.
 shard_gpus=$((with_vllm == 1 && n > 1 ? n - 1 : n))
+most=$((7 - with_vllm))  # s<i>.json each, vllm.json, logs.tar.gz: 8 files
+# On one GPU the shards share it on purpose (host-bound, see above); with several, one per GPU.
+if [ "$n" -gt 1 ] && [ "$shard_gpus" -lt "$most" ]; then most=$shard_gpus; fi
+shards=${SHARDS:-$((n > 1 ? most : 3))}
+case $shards in '' | *[!0-9]*) echo "quality_gpus.sh: SHARDS '$shards' is not a number" >&2; exit 2 ;; esac
+if [ "$shards" -gt "$most" ]; then
+    echo "quality_gpus.sh: $shards shards lowered to $most ($n GPUs, vLLM: $with_vllm, at most 8 files back)" >&2
+    shards=$most
+fi
+[ "$shards" -ge 1 ] || [ "$with_vllm" = 1 ] || { echo "quality_gpus.sh: nothing to run (SHARDS=0, no vLLM)" >&2; exit 2; }
+work=/tmp/quality-gpus
 pids=()
-for ((i = 0; i < shards; i++)); do
-    CUDA_VISIBLE_DEVICES=$((i % shard_gpus)) timeout 540 python3 bench/quality.py --full --device cuda --model "$PX_MODEL" \
-        --no-calibrate --no-probe-fit --budget-s "$budget" --shard "$i/$shards" --out "$work/s$i" \
-        > "$work/shard$i.log" 2>&1 &
+launch() {  # launch GPU LOG COMMAND...: COMMAND on that GPU in the background, its output in LOG
+    local gpu=$1 log=$2
+    shift 2
+    if [ "$dry" = 1 ]; then
+        echo "launch: CUDA_VISIBLE_DEVICES=$gpu $(printf '%q ' "$@")> $log"
+        return 0
+    fi
+    CUDA_VISIBLE_DEVICES=$gpu "$@" > "$log" 2>&1 &
     pids+=($!)
+}
+[ "$dry" = 1 ] || { rm -rf "$work" && mkdir -p "$work" "$out"; } || exit 2
+for ((i = 0; i < shards; i++)); do
+    launch $((i % shard_gpus)) "$work/shard$i.log" timeout 540 python3 bench/quality.py --full --device cuda \
+        --model "$PX_MODEL" --no-calibrate --no-probe-fit --budget-s "$budget" --shard "$i/$shards" --out "$work/s$i"
 done
 if [ "$with_vllm" = 1 ]; then
-    CUDA_VISIBLE_DEVICES=$((n - 1)) timeout 540 python3 bench/quality_vllm.py --full --model "$PX_MODEL" \
-        --engine-args '{"gpu_memory_utilization": 0.4}' --hf /nonexistent --engine-logs "$work/engines" \
-        --out "$work/vllm" > "$work/vllm.log" 2>&1 &
-    pids+=($!)
+    launch $((n - 1)) "$work/vllm.log" timeout 540 python3 bench/quality_vllm.py --full --model "$PX_MODEL" \
+        --engine-args '{"gpu_memory_utilization": 0.4}' --hf '' --engine-logs "$work/engines" --out "$work/vllm"
 fi
 rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+# (`${pids[@]+...}`: an empty array is an unbound variable under `set -u` before bash 4.4)
+for p in ${pids[@]+"${pids[@]}"}; do wait "$p" || rc=$?; done
+if [ "$dry" = 1 ]; then
+    echo "dry run: $shards shards + $with_vllm vLLM on $n GPUs, $((shards + with_vllm + 1)) files into $out"
+    exit 0
+fi
 for ((i = 0; i < shards; i++)); do
     cp "$work/s$i/quality-smollm2.json" "$out/s$i.json" 2>/dev/null || echo "shard $i wrote no results" >&2
     echo "== shard $i/$shards"; grep -E '^\[(quality|budget|[0-9]+/[0-9]+)\]' "$work/shard$i.log" | tail -4

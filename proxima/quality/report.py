@@ -403,44 +403,65 @@ def merge_shards(
         out.append(row)
     per_shard = ("shard", "only_samples", "partial", "command", "date", "budget_s")
     meta = {k: v for k, v in shard_meta[0].items() if k not in per_shard}
-    # What the shards planned to run, joined (each shard's meta lists only its own samples).
-    if all("passkey_samples" in m for m in shard_meta):
+    # What the shards planned to run, joined (each shard's meta lists only its own samples). A
+    # key some shards lack is left out rather than taken from the first shard alone.
+    joined = ("passkey_samples", "text_samples", "text_context_tokens", "passkey_lengths", "passkey_depths",
+              "passkey_names")
+    for key in joined:
+        if not all(key in m for m in shard_meta):
+            meta.pop(key, None)
+    if "passkey_samples" in meta:
         meta["passkey_samples"] = sum(int(m["passkey_samples"]) for m in shard_meta)
-    if all("text_samples" in m for m in shard_meta):
-        meta["text_samples"] = [name for m in shard_meta for name in m["text_samples"]]
     for key in ("text_context_tokens", "passkey_lengths", "passkey_depths"):
-        if all(key in m for m in shard_meta):
+        if key in meta:
             meta[key] = sorted({x for m in shard_meta for x in m[key]})
-    if all("passkey_names" in m for m in shard_meta):
-        # A shard of the samples another one left unstarted (`--samples`) re-plans them: count
-        # distinct samples, and refuse one that ran twice (it would weigh double).
-        ran = [n for m, rows in zip(shard_meta, shard_rows, strict=True)
-               for n in m["passkey_names"][: rows[0]["needle_n"]]]
+    # Samples by name, in the order they ran: a budget stops a shard at the first sample that does
+    # not fit, so the first `needle_n` of its `passkey_names` (`text_n` of its `text_samples`) ran.
+    # A shard of the samples another one left unstarted (`--samples`) re-plans them: count
+    # distinct samples, and refuse one that ran twice (it would weigh double). The merged lists
+    # keep that reading (the ran ones first, in shard order, then those that never ran), so a
+    # merged result can be merged again with another shard.
+    by_name_ok = True
+    named = (("passkey_names", "needle_n", "passkey samples"), ("text_samples", "text_n", "text windows"))
+    for key, count, what in named:
+        if key not in meta:
+            continue
+        ran = [n for m, rows in zip(shard_meta, shard_rows, strict=True) for n in m[key][: int(rows[0][count])]]
         twice = sorted(n for n, k in Counter(ran).items() if k > 1)
         if twice:
-            raise ValueError(f"passkey samples ran in more than one shard: {', '.join(twice)}")
-        meta["passkey_names"] = sorted({n for m in shard_meta for n in m["passkey_names"]})
+            raise ValueError(f"{what} ran in more than one shard: {', '.join(twice)}")
+        done = set(ran)
+        planned = list(dict.fromkeys(n for m in shard_meta for n in m[key]))
+        meta[key] = ran + [n for n in planned if n not in done]
+        by_name_ok = by_name_ok and done == set(planned)
+    if "passkey_names" in meta:
         meta["passkey_samples"] = len(meta["passkey_names"])
-        every_passkey_ran = set(ran) == set(meta["passkey_names"])
-    else:
-        every_passkey_ran = all(m.get("complete", False) for m in shard_meta)
-    planned = (meta.get("passkey_samples"), len(meta["text_samples"]) if "text_samples" in meta else None)
+    # Without names, only shards that all completed ran everything they planned.
+    by_name = "passkey_names" in meta and "text_samples" in meta
+    every_sample_ran = by_name_ok and (by_name or all(m.get("complete", False) for m in shard_meta))
+    planned_n = (meta.get("passkey_samples"), len(meta["text_samples"]) if "text_samples" in meta else None)
+
+    def flat(list_key: str, key: str) -> list:
+        """Per shard, an already merged result's own shards included (a merge of merges stays flat)."""
+        return [x for m in shard_meta for x in (m[list_key] if "merged_from" in m else [m.get(key)])]
+
     meta.update(
-        shards=[m.get("shard") for m in shard_meta],
-        commands=[m.get("command") for m in shard_meta],
-        dates=[m.get("date") for m in shard_meta],
-        budgets_s=[m.get("budget_s") for m in shard_meta],
-        shard_seconds=[m.get("seconds") for m in shard_meta],
+        shards=flat("shards", "shard"),
+        commands=flat("commands", "command"),
+        dates=flat("dates", "date"),
+        budgets_s=flat("budgets_s", "budget_s"),
+        shard_seconds=flat("shard_seconds", "seconds"),
         seconds=max(m.get("seconds", 0) for m in shard_meta),
         passkey_samples_run=out[0]["needle_n"],
         text_samples_run=out[0]["text_n"],
         # No shard was killed (that left `partial` results) and every planned sample ran: in
-        # some shard, when the shards name their passkeys (a budget-cut shard's samples may have
+        # some shard, when the shards name their samples (a budget-cut shard's samples may have
         # run in a later `--samples` shard), else in shards that all completed.
-        complete=not any(m.get("partial", False) for m in shard_meta) and every_passkey_ran
-        and planned[0] in (None, out[0]["needle_n"])
-        and planned[1] in (None, out[0]["text_n"]),
-        merged_from=list(names),
+        complete=not any(m.get("partial", False) for m in shard_meta) and every_sample_ran
+        and planned_n[0] in (None, out[0]["needle_n"])
+        and planned_n[1] in (None, out[0]["text_n"]),
+        merged_from=[x for m, name in zip(shard_meta, names, strict=True)
+                     for x in m.get("merged_from", [name])],
     )
     return out, meta
 

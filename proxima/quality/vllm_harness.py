@@ -32,9 +32,11 @@ in its own engine, in a child process (`run_child`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -215,10 +217,34 @@ def run_child(job: Job) -> dict[str, Any]:
     return {"results": results, "stats": stats, "wall_s": wall, "requests": len(reqs)}
 
 
+def run_logged(cmd: Sequence[str], env: dict[str, str], timeout_s: float, log_path: Path) -> int:
+    """Run `cmd` with its stdout and stderr going to `log_path` as it runs (Python children
+    unbuffered), so a child that is killed or runs past `timeout_s` still leaves what it printed.
+    The child leads a process group of its own: on a timeout (or an interrupt here) the whole
+    group is killed, the engine's own processes included, and the exception is raised again.
+    Returns the child's exit status."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as fh:
+        proc = subprocess.Popen(list(cmd), env={**env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):  # (the group is gone already)
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
 def run_engine(job: Job, timeout_s: float = 900.0, log=print,  # type: ignore[no-untyped-def]
                keep_log: Path | None = None) -> dict[str, Any]:
     """`run_child(job)` in a fresh process (one vLLM engine per policy); a one-line summary goes
-    to `log`, the engine's whole output to `keep_log` if given (else only a failure's tail is shown)."""
+    to `log`, the engine's whole output to `keep_log` if given, written while it runs (so a
+    timed-out or killed engine leaves its log too); without it only a failure's tail is shown."""
     tmp = Path(tempfile.mkdtemp(prefix="proxima-qv-"))
     (tmp / "job.json").write_text(json.dumps(asdict(job)))
     env = dict(os.environ)
@@ -229,14 +255,15 @@ def run_engine(job: Job, timeout_s: float = 900.0, log=print,  # type: ignore[no
     # harness's and Proxima's drift observer (`drift_observer.DriftObserver`) are both V1.
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     cmd = [sys.executable, "-m", "proxima.quality.vllm_harness", str(tmp / "job.json"), str(tmp / "out.json")]
+    log_path = keep_log if keep_log is not None else tmp / "engine.log"
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if keep_log is not None:
-        keep_log.parent.mkdir(parents=True, exist_ok=True)
-        keep_log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not (tmp / "out.json").exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise RuntimeError(f"vLLM engine for {job.policy} failed (rc {proc.returncode}):\n{tail}")
+    try:
+        rc = run_logged(cmd, env, timeout_s, log_path)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"vLLM engine for {job.policy} ran past {timeout_s:.0f}s and was killed "
+                           f"(log: {log_path}):\n{_tail(log_path)}") from None
+    if rc != 0 or not (tmp / "out.json").exists():
+        raise RuntimeError(f"vLLM engine for {job.policy} failed (rc {rc}; log: {log_path}):\n{_tail(log_path)}")
     out = json.loads((tmp / "out.json").read_text())
     log(f"[quality-vllm] {Path(job.policy).stem}: {out['requests']} requests in {out['wall_s']:.1f}s "
         f"(engine {time.monotonic() - t0:.0f}s)")

@@ -308,6 +308,74 @@ def test_a_shard_of_the_unstarted_samples_completes_the_merge():
         report.merge_shards([[row], [row]], [cut, {**rest, "passkey_names": ["p0"]}], ["a", "b"])
 
 
+def _shard(needle_n: int, text_n: int, needle: float = 1.0, seconds: float = 1.0) -> list[dict]:
+    return [{
+        "method": "baseline", "family": "baseline", "setting": "after", "ratio": 1.0, "achieved_ratio": 1.0,
+        "nominal_ratio": 1.0, "needle_acc": needle if needle_n else None, "needle_n": needle_n, "text_n": text_n,
+        "ppl": 10.0 if text_n else None, "tf_top1": 1.0 if text_n else None, "kl": 0.0 if text_n else None,
+        "agreement": None, "formats": {}, "seconds": seconds,
+    }]
+
+
+def _meta(shard: str | None, passkeys: list[str], texts: list[str], complete: bool) -> dict:
+    return {"shard": shard, "passkey_samples": len(passkeys), "passkey_names": passkeys, "text_samples": texts,
+            "command": f"run {shard}", "date": "d", "budget_s": 100.0, "seconds": 10, "complete": complete}
+
+
+def test_a_merged_result_merges_again_with_a_later_shard():
+    """The merged `passkey_names` / `text_samples` keep the order samples ran in (the first
+    `needle_n` / `text_n` of them ran), so a merge of cut shards takes the shard that ran the rest
+    and neither misreads which ran nor refuses a sample as run twice; its per-shard lists stay flat."""
+    # A budget cut each shard after its first passkey: p2 and p3 ran, p1 and p0 did not.
+    a = (_shard(1, 1), _meta("0/2", ["p2", "p1"], ["t0"], False))
+    b = (_shard(1, 1), _meta("1/2", ["p3", "p0"], ["t1"], False))
+    rows, first = report.merge_shards([a[0], b[0]], [a[1], b[1]], ["a.json", "b.json"])
+    assert first["passkey_names"] == ["p2", "p3", "p1", "p0"]  # ran first, in shard order
+    assert first["passkey_samples"] == 4 and first["passkey_samples_run"] == 2 and first["complete"] is False
+    # `--samples p1,p0` in a later call, merged with the merged result (p0 fails its passkey)
+    later = (_shard(2, 0, needle=0.5), _meta(None, ["p1", "p0"], [], True))
+    rows, meta = report.merge_shards([rows, later[0]], [first, later[1]], ["ab.json", "c.json"])
+    assert meta["complete"] is True and meta["passkey_samples"] == 4 and meta["passkey_samples_run"] == 4
+    assert meta["passkey_names"] == ["p2", "p3", "p1", "p0"] and meta["text_samples"] == ["t0", "t1"]
+    assert rows[0]["needle_acc"] == pytest.approx(0.75) and rows[0]["needle_n"] == 4 and rows[0]["text_n"] == 2
+    assert meta["shards"] == ["0/2", "1/2", None] and meta["commands"] == ["run 0/2", "run 1/2", "run None"]
+    assert meta["merged_from"] == ["a.json", "b.json", "c.json"] and meta["shard_seconds"] == [10, 10, 10]
+    assert "Not the whole suite" not in report.markdown(rows, meta)
+    # ... and a sample that really ran twice is still refused through a merged result
+    again = (_shard(1, 0), _meta(None, ["p3"], [], True))
+    with pytest.raises(ValueError, match="passkey samples ran in more than one shard: p3"):
+        report.merge_shards([rows, again[0]], [meta, again[1]], ["abc.json", "d.json"])
+
+
+def test_a_text_window_that_ran_in_two_shards_is_refused():
+    """Text windows are counted by name as passkeys are: one that ran twice would weigh double."""
+    a = (_shard(1, 1), _meta("0/1", ["p0"], ["t0", "t1"], False))  # t1 not started
+    twice = (_shard(0, 1), _meta(None, [], ["t0"], True))
+    with pytest.raises(ValueError, match="text windows ran in more than one shard: t0"):
+        report.merge_shards([a[0], twice[0]], [a[1], twice[1]], ["a", "b"])
+    rest = (_shard(0, 1), _meta(None, [], ["t1"], True))
+    _, meta = report.merge_shards([a[0], rest[0]], [a[1], rest[1]], ["a", "b"])
+    assert meta["text_samples"] == ["t0", "t1"] and meta["text_samples_run"] == 2 and meta["complete"] is True
+    # a window planned but not run in one shard and not run anywhere else: not complete
+    _, meta = report.merge_shards([a[0]], [a[1]], ["a"])
+    assert meta["text_samples"] == ["t0", "t1"] and meta["complete"] is False
+
+
+def test_shards_without_passkey_names_leave_no_partial_list():
+    """A shard from before `passkey_names` was recorded: the merged meta has no list naming some
+    shards' samples only (and counts completeness by the shards' own `complete`)."""
+    named = (_shard(1, 1), _meta("0/2", ["p0"], ["t0"], True))
+    old = {k: v for k, v in _meta("1/2", ["p1"], ["t1"], True).items() if k != "passkey_names"}
+    rows, meta = report.merge_shards([named[0], _shard(1, 1)], [named[1], old], ["a", "b"])
+    assert "passkey_names" not in meta and "passkey_names" not in report.markdown(rows, meta)
+    assert meta["passkey_samples"] == 2 and meta["complete"] is True
+    _, meta = report.merge_shards([_shard(1, 1), named[0]], [old, named[1]], ["b", "a"])
+    assert "passkey_names" not in meta and meta["complete"] is True
+    no_texts = {k: v for k, v in old.items() if k != "text_samples"}
+    _, meta = report.merge_shards([named[0], _shard(1, 1)], [named[1], no_texts], ["a", "b"])
+    assert "text_samples" not in meta and "passkey_names" not in meta
+
+
 def _row(method, family, setting, ratio, needle, ppl, top1):
     return {"method": method, "family": family, "setting": setting, "achieved_ratio": ratio, "needle_acc": needle,
             "ppl": ppl, "tf_top1": top1}

@@ -106,3 +106,56 @@ def test_a_real_engine_scores_compressed_prompts_from_the_first_decode_step(tmp_
     assert [r["method"] for r in rows] == ["baseline", "baseline", method.name, method.name]
     assert rows[0]["needle_acc"] == 1.0 and rows[0]["tf_top1"] == 1.0 and not math.isnan(rows[2]["ppl"])
 
+
+
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    """No such process, or only its zombie left (a container's init may not reap it)."""
+    import time
+
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_child_past_its_timeout_leaves_its_output_in_the_log(tmp_path: Path) -> None:
+    """`run_logged` streams the child's stdout and stderr to the log while it runs (unbuffered,
+    no flush in the child): killed at its timeout, it leaves what it printed; the child's own
+    children (an engine's processes) are killed with it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import subprocess, sys, time\n"
+            "g = subprocess.Popen(['sleep', '60'])\n"
+            "print('engine starting, helper', g.pid)\n"
+            "sys.stderr.write('a warning on stderr\\n')\n"
+            "time.sleep(60)\n")
+    log = tmp_path / "logs" / "engine.log"
+    with pytest.raises(subprocess.TimeoutExpired):
+        vllm_harness.run_logged([sys.executable, "-c", code], dict(os.environ), 3.0, log)
+    text = log.read_text()
+    assert "engine starting, helper" in text and "a warning on stderr" in text
+    helper = int(text.split("helper", 1)[1].split()[0])
+    assert _gone(helper)
+    # a child that ends: its exit status, its whole output in the log
+    assert vllm_harness.run_logged([sys.executable, "-c", "print('done'); raise SystemExit(3)"],
+                                   dict(os.environ), 30.0, log) == 3
+    assert log.read_text() == "done\n"
+
+
+def test_an_engine_past_its_timeout_keeps_its_log(tmp_path: Path) -> None:
+    """`run_engine(keep_log=...)`: a real child (`python -m proxima.quality.vllm_harness`), killed
+    at its timeout while it is still importing vLLM, is reported as such and leaves its log."""
+    job = vllm_harness.Job(model=str(tmp_path / "no-model"), policy=str(ROOT / "configs" / "off.yaml"), methods=[],
+                           text=[], needles=[], settings=["after"])
+    log = tmp_path / "engines" / "off.log"
+    with pytest.raises(RuntimeError, match=r"ran past 2s and was killed \(log: .*off\.log\)"):
+        vllm_harness.run_engine(job, timeout_s=2.0, log=lambda m: None, keep_log=log)
+    assert log.exists()

@@ -464,16 +464,17 @@ def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
 
 
 SWEEP_SPECS = [
-    "bf16", "bf16:stages=3", "bf16:maxnreg=128",
-    "fp8", "fp8:maxnreg=0", "fp8:scale_values=0",
-    "int8", "int8:unpack_asm=0", "int8:unpack_asm=2",
-    "int4", "int4:maxnreg=0", "int4:planes=0:unpack_asm=0:maxnreg=0",
-    "int2", "int2:maxnreg=168", "int2:planes=0:unpack_asm=0:maxnreg=0:stages=3",
+    "bf16", "bf16:warps=2", "bf16:stages=3",
+    "fp8", "fp8:warps=4:maxnreg=128", "fp8:scale_values=0",
+    "int8", "int8:unpack_asm=1", "int8:warps=4:unpack_asm=1",
+    "int4", "int4:stages=2", "int4:warps=4:stages=2:maxnreg=128",
+    "int2", "int2:stages=3", "int2:warps=4:maxnreg=128",
 ]  # fmt: skip
 """What a plain --sweep times (`parse_decode_spec` specs; maxnreg=0: no register cap): each shipped
-config and its closest alternatives. Tried before and slower at 32k x 8: 8 warps everywhere, 128
-tokens but for fp8 / int8 / int2 (2026-12-01), int4 words unpacked by PTX into a join (removed),
-the value planes joined into one dot, maxnreg 96 for int4 (2026-12-02)."""
+config, its closest alternatives and the previous shipped one (4 warps). Tried before and slower at
+32k x 8: 8 warps everywhere, 128 tokens but for fp8 / int8 / int2 (2026-12-01), int4 words unpacked
+by PTX into a join (removed), the value planes joined into one dot, maxnreg 96 for int4
+(2026-12-02); 1 warp, and 2 warps under a register cap (spills; 2026-12-04)."""
 SWEEP_FORMATS = ["bf16", "fp8", "int8", "int4", "int2"]
 
 

@@ -542,18 +542,20 @@ class DecodeConfig:
 
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "bf16": DecodeConfig(64, 4, 2),
-    "fp8": DecodeConfig(64, 4, 2, scale_values=True, max_registers=128),
-    "int8": DecodeConfig(64, 4, 2, unpack_asm=1),
-    "int4": DecodeConfig(64, 4, 2, planes=True, unpack_asm=2, max_registers=128),
-    "int2": DecodeConfig(64, 4, 2, planes=True, unpack_asm=2, max_registers=128),
+    "fp8": DecodeConfig(64, 2, 2, scale_values=True),
+    "int8": DecodeConfig(64, 2, 2, unpack_asm=2),
+    "int4": DecodeConfig(64, 2, 3, planes=True, unpack_asm=2),
+    "int2": DecodeConfig(64, 2, 2, planes=True, unpack_asm=2),
 }
-"""Per quantization, from `bench/kernels.py --sweep` on the H200 at 32k x 8 (2026-12-02, us,
-each against the previous shipped config in the same run): bf16 251.8; fp8 276.5 (281.7 without
-the register cap); int8 313.2 (318.5 without PTX unpacking); int4 269.2 (344.4 before planes;
-274.0 planes without the cap; 314.9 with the value planes joined into one dot); int2 295.3
-(364.1 before planes). int2 ships with the 128-register cap and 2 stages although 168 registers
-time 278.3 at block 64: at vLLM's block 16 (`bench/paged_decode.py`, half the blocks int2) the
-168 cap takes 459-478 us against 393 with 128."""
+"""Per quantization, from `bench/kernels.py --sweep` on the H200 at 32k x 8 (us, each against the
+previous shipped config in the same run). 2026-12-04: the compressed formats moved to 2 warps
+with no register cap: int4 269.9 -> 232.1 (2 warps at 2 stages 235.6; 2 warps capped at 168 / 128
+registers 299.3 / 540.4, spills; 1 warp 499.4), int2 296.3 -> 241.4, int8 314.3 -> 260.0 (PTX
+unpacking of the values too; keys only 295.5), fp8 276.9 -> 264.5; bf16 247.1 at 4 warps, 246.7 at
+2. Two warps of 255 registers fit 4 programs (8 warps) per SM, as 4 warps at 128 did, but each
+warp holds twice the tile in registers with no spills, and the softmax reductions cross 2 warps
+instead of 4. Earlier (2026-12-02, 4 warps): int4 344.4 before channel planes, 274.0 with them,
+269.2 with the 128 cap; int2 364.1 before planes; int8 318.5 without PTX unpacking."""
 
 _SPEC_KEYS = {"tokens": "tokens", "warps": "num_warps", "stages": "num_stages", "maxnreg": "max_registers"}
 

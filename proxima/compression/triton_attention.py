@@ -556,8 +556,8 @@ unpacking of the values too; keys only 295.5), fp8 276.9 -> 264.5; bf16 247.1 at
 warp holds twice the tile in registers with no spills, and the softmax reductions cross 2 warps
 instead of 4. Earlier (2026-12-02, 4 warps): int4 344.4 before channel planes, 274.0 with them,
 269.2 with the 128 cap; int2 364.1 before planes; int8 318.5 without PTX unpacking. At vLLM's
-block 16 (`bench/paged_decode.py`) the 2026-12-04 A/B did not decide (its timings moved by up to
-1.5x between repeats); in 2026-12-02's, int2 at a 168 cap took 459-478 us against 393 at 128."""
+block 16 (`bench/paged_decode.py`, half the blocks compressed, CUDA-graph medians, 2026-12-04) the
+new configs are faster as well: int4 313 vs 342 us, int8 300 vs 378, int2 318 vs 353, fp8 291 vs 314."""
 
 _SPEC_KEYS = {"tokens": "tokens", "warps": "num_warps", "stages": "num_stages", "maxnreg": "max_registers"}
 

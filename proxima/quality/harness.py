@@ -95,9 +95,11 @@ def _mean(x: list[float]) -> float:
 
 @torch.no_grad()
 def _prefill(
-    model, ids: list[int], block_size: int, record_probes: bool, backend: Backend
+    model, ids: list[int], block_size: int, record_probes: bool, backend: Backend, accumulate_attention: bool = False
 ) -> tuple[ProximaCache, torch.Tensor]:
-    cache = ProximaCache(block_size=block_size, record_probes=record_probes, backend=backend)
+    cache = ProximaCache(
+        block_size=block_size, record_probes=record_probes, backend=backend, accumulate_attention=accumulate_attention
+    )
     out = model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
     return cache, out.logits[0, -1]
 
@@ -165,6 +167,9 @@ def evaluate(
         raise ValueError(f"settings must be a non-empty subset of {SETTINGS}, got {settings}")
     enable(model)
     dev = model.device
+    # H2O's scores sum every prefill query's attention: a second attention pass in every layer,
+    # paid only when a selected method reads it.
+    accumulate = any(m.needs_accumulated_attention for m in methods)
     text_acc = {m.name: _TextAcc() for m in methods}
     accs = {(m.name, st): _Acc() for m in methods for st in settings}
     t_start = time.monotonic()
@@ -211,7 +216,9 @@ def evaluate(
         if out_of_time(len(s.context_ids), f"text window {si + 1}/{len(text)}", "text"):
             break
         t0 = time.monotonic()
-        base_cache, last_logits = _prefill(model, s.context_ids, block_size, probe_sink is not None, backend)
+        base_cache, last_logits = _prefill(
+            model, s.context_ids, block_size, probe_sink is not None, backend, accumulate
+        )
         first = int(last_logits.argmax())
         cont = torch.tensor([s.continuation_ids], device=dev)
         target = cont[0, 1:]
@@ -255,7 +262,7 @@ def evaluate(
         if out_of_time(len(ns.context_ids), f"passkey {ns.name}", "needle"):
             break
         t0 = time.monotonic()
-        base_cache, _ = _prefill(model, ns.context_ids, block_size, probe_sink is not None, backend)
+        base_cache, _ = _prefill(model, ns.context_ids, block_size, probe_sink is not None, backend, accumulate)
         q = ns.question_ids
         prompts: dict[str, tuple[ProximaCache, list[int]]] = {}
         if "after" in settings:

@@ -11,10 +11,12 @@ the question or continuation arrives (the protocol of ../shared/FACTS.md). Metho
 - `format:<fmt>`: one format on every block outside the protected windows (first and last
   block), so the format's own damage shows; achieved ratio slightly below the format's ratio.
 - Baselines written here (no code from other projects): `streaming_llm@<r>x` (4 sink tokens +
-  recent window, StreamingLLM-style), `snapkv@<r>x` (H2O/SnapKV-style: keep the tokens the last
-  32 context queries attend to most, pooled over 7 neighbours, per KV head, plus the window),
-  `kivi-int4` (uniform int4 on all context tokens, KIVI grouping) and `fp8` (uniform fp8, what
-  vLLM's `kv_cache_dtype="fp8"` stores).
+  recent window, StreamingLLM-style), `snapkv@<r>x` (SnapKV-style: keep the tokens the last 32
+  context queries attend to most, pooled over 7 neighbours, per KV head, plus the window),
+  `h2o@<r>x` (H2O-style heavy hitters: keep the tokens with the most attention accumulated over
+  *all* prefill queries, per KV head, no pooling, plus the same window; needs the cache's opt-in
+  `accumulate_attention`), `kivi-int4` (uniform int4 on all context tokens, KIVI grouping) and
+  `fp8` (uniform fp8, what vLLM's `kv_cache_dtype="fp8"` stores).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def policy_path(name: str) -> Path:
 SINKS = 4
 """StreamingLLM's attention sinks (tokens)."""
 SNAP_WINDOW = 32
-"""SnapKV observation window (queries) and always-kept recent tokens."""
+"""SnapKV observation window (queries) and always-kept recent tokens (H2O's recent window too)."""
 SNAP_POOL = 7
 PROBE_SLACK = 2.0
 """Calibrated probe bound = PROBE_SLACK x the format's median measured error."""
@@ -57,6 +59,10 @@ class Method:
     ratio: float
     """Nominal compression ratio of the context's KV."""
     apply: Callable[[ProximaCache], None]
+    needs_accumulated_attention: bool = False
+    """The method reads `ProximaCache.accumulated_attention` (H2O): the harness then prefills with
+    `accumulate_attention=True`, which costs a second attention pass over the prompt in every
+    layer, so only runs that select such a method pay for it."""
 
 
 def _none(cache: ProximaCache) -> None:
@@ -125,10 +131,29 @@ def _streaming(ratio: float, cache: ProximaCache) -> None:
     cache.evict_tokens(masks)
 
 
-def _snapkv(ratio: float, cache: ProximaCache) -> None:
+def _budget(cache: ProximaCache, ratio: float) -> tuple[int, int]:
+    """(full-block tokens to keep per KV head, of them the recent window always kept) for a
+    token-scoring baseline at `ratio`: the hot tail counts against the budget and against the
+    `SNAP_WINDOW` recent tokens; the window never exceeds the budget."""
     t, tail = _tokens(cache)
     budget = max(0, round((t + tail) / ratio) - tail)
-    window = max(0, SNAP_WINDOW - tail)
+    return budget, min(budget, max(0, SNAP_WINDOW - tail))
+
+
+def _keep_top(scores: torch.Tensor, budget: int, window: int) -> torch.Tensor:
+    """Keep mask `[B, H, T]`: the last `window` tokens and the `budget - window` others with the
+    highest `scores` `[B, H, T]`, per (batch row, head). `scores` is not modified."""
+    t = scores.shape[-1]
+    recent = torch.arange(t, device=scores.device) >= t - window
+    ranked = torch.where(recent, float("inf"), scores)  # the window always wins the top-k
+    keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    keep.scatter_(-1, ranked.topk(budget, dim=-1).indices, True)
+    return keep
+
+
+def _snapkv(ratio: float, cache: ProximaCache) -> None:
+    t, _ = _tokens(cache)
+    budget, window = _budget(cache, ratio)
     masks = []
     for li in range(len(cache.layers)):
         imp = cache.token_importance(li)
@@ -138,12 +163,22 @@ def _snapkv(ratio: float, cache: ProximaCache) -> None:
         pooled = torch.nn.functional.avg_pool1d(
             imp.reshape(b * h, 1, t), SNAP_POOL, stride=1, padding=SNAP_POOL // 2
         ).reshape(b, h, t)
-        if window:
-            pooled[..., t - window :] = float("inf")  # the window itself is always kept
-        top = pooled.topk(budget, dim=-1).indices
-        keep = torch.zeros(b, h, t, dtype=torch.bool, device=imp.device)
-        keep.scatter_(-1, top, True)
-        masks.append(keep)
+        masks.append(_keep_top(pooled, budget, window))
+    cache.evict_tokens(masks)
+
+
+def _h2o(ratio: float, cache: ProximaCache) -> None:
+    """H2O's heavy hitters: per layer and KV head, the tokens with the most attention summed over
+    every prefill query (`ProximaCache.accumulated_attention`), plus the recent window. SnapKV
+    differs in scoring by the last `SNAP_WINDOW` queries only and pooling the scores."""
+    budget, window = _budget(cache, ratio)
+    masks = []
+    for li in range(len(cache.layers)):
+        try:
+            scores = cache.accumulated_attention(li)
+        except RuntimeError as e:
+            raise RuntimeError(f"h2o@{ratio:g}x: {e}") from e
+        masks.append(_keep_top(scores, budget, window))
     cache.evict_tokens(masks)
 
 
@@ -181,6 +216,7 @@ def all_methods() -> list[Method]:
     for r in RATIOS:
         out += [Method(f"streaming_llm@{r}x", "reference", r, partial(_streaming, r))]
         out += [Method(f"snapkv@{r}x", "reference", r, partial(_snapkv, r))]
+        out += [Method(f"h2o@{r}x", "reference", r, partial(_h2o, r), needs_accumulated_attention=True)]
     out += [Method("kivi-int4", "reference", 4, partial(_uniform, "int4"))]
     out += [Method(f"kivi-int4:g{g}", "reference", 4, partial(_uniform, "int4", group_size=g)) for g in GROUP_VARIANTS]
     out += [Method("fp8", "reference", 2, partial(_uniform, "fp8"))]

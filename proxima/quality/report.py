@@ -10,7 +10,10 @@ from typing import Any
 
 METRICS = ("needle_acc", "ppl", "tf_top1", "kl", "agreement")
 TARGET_RATIO = 4
-REFERENCES_AT_4X = ("streaming_llm@4x", "snapkv@4x", "kivi-int4")
+REFERENCES_AT_4X = ("streaming_llm@4x", "snapkv@4x", "h2o@4x", "kivi-int4")
+EVICTION = ("snapkv", "streaming_llm", "h2o")
+"""Name prefixes of the token-eviction references (`methods.py`): a curve each over their ratios,
+never counted as uniform formats."""
 
 
 def _get(row: Any, key: str) -> Any:
@@ -86,7 +89,7 @@ TARGETS = (
     (4, 0.98, 0.03, 0.95),
     (6, 0.90, 0.06, 0.93),
 )
-REFERENCES_AT_8X = ("snapkv@8x", "streaming_llm@8x")
+REFERENCES_AT_8X = ("snapkv@8x", "streaming_llm@8x", "h2o@8x")
 
 
 def check_targets(rows: Sequence[Any]) -> list[str]:
@@ -155,7 +158,7 @@ ENVELOPE = "Proxima, best policy at >= each ratio"
 
 def family_curve(row: Any) -> str | None:
     """The plot's curve a row belongs to: one per Proxima policy (over the ratios it was asked
-    for), one per eviction reference (snapkv, streaming_llm, over their ratios), and one per kind
+    for), one per eviction reference (snapkv, streaming_llm, h2o, over their ratios), and one per kind
     of uniform format, over the formats' byte ratios: every token quantized (fp8, kivi-int4 at
     its groups), quantized outside the first and last block (`format:int8` ... `format:int2:g64`),
     token-reducing formats (`format:cluster(2)+int4`, `sparse(4)`, `cluster(4)`). None: baseline."""
@@ -176,7 +179,7 @@ def family_curve(row: Any) -> str | None:
 def _uniform(row: Any) -> bool:
     """A uniform format: one format on every block (`format:*`, kivi-int4, fp8), not token eviction."""
     family = _get(row, "family") if _has(row, "family") else ""
-    return family in ("format", "reference") and not str(_get(row, "method")).startswith(("snapkv", "streaming_llm"))
+    return family in ("format", "reference") and not str(_get(row, "method")).startswith(EVICTION)
 
 
 def _wins(a: Any, b: Any) -> list[str]:

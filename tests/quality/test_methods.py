@@ -30,7 +30,8 @@ def prefilled():
     model = enable(tiny_llama(head_dim=64))  # SmolLM2's head_dim: every method's group size fits it
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 256, (1, 512), generator=g)
-    cache = ProximaCache(block_size=32)
+    # Accumulated attention on, for h2o (the harness turns it on when a method needs it).
+    cache = ProximaCache(block_size=32, accumulate_attention=any(m.needs_accumulated_attention for m in ALL))
     with torch.no_grad():
         model(ids, past_key_values=cache)
     return model, cache
@@ -40,7 +41,7 @@ def _state(cache: ProximaCache, slot_ids: bool = True) -> list:
     """Everything a method could change in a cache: per layer the working copy, hot blocks,
     tail, formats, slots (the objects, or with `slot_ids=False` whether there is one) and masks;
     the engine's bookkeeping."""
-    out: list = [list(cache.chosen), sorted(cache.ineligible), len(cache.probe_log), dict(cache._obs)]
+    out: list = [list(cache.chosen), sorted(cache.ineligible), len(cache.probe_log), dict(cache._obs), dict(cache._acc)]
     for layer in cache.proxima_layers:
         out += [
             [t.clone() if t is not None else None for t in layer.materialize()],
@@ -102,7 +103,7 @@ def test_every_method_applies_and_keeps_its_budget(prefilled, method):
 
 FORK_METHODS = [
     "proxima:aggressive@4x", "proxima:quantized@8x", "proxima:balanced-cal@8x", "snapkv@4x", "streaming_llm@8x",
-    "kivi-int4", "format:cluster(2)+int4", "format:sparse(4)",
+    "h2o@8x", "kivi-int4", "format:cluster(2)+int4", "format:sparse(4)",
 ]
 
 
@@ -120,7 +121,7 @@ def test_a_fork_compresses_exactly_like_a_deepcopy(prefilled, name):
     method.apply(deep)
     assert forked.block_formats() == deep.block_formats() and forked.chosen == deep.chosen
     assert forked.held_nbytes() == deep.held_nbytes() and forked.ineligible == deep.ineligible
-    assert _same(_state(forked, slot_ids=False)[4:], _state(deep, slot_ids=False)[4:])
+    assert _same(_state(forked, slot_ids=False)[5:], _state(deep, slot_ids=False)[5:])
     nxt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(nxt, past_key_values=forked).logits, model(nxt, past_key_values=deep).logits)
@@ -139,7 +140,9 @@ def test_harness_metrics_and_report(tmp_path):
     g = torch.Generator().manual_seed(0)
     text = [TextSample("t", torch.randint(0, 256, (128,), generator=g).tolist(), list(range(10, 26)))]
     needles = [NeedleSample("n", torch.randint(0, 256, (128,), generator=g).tolist(), [1, 2], "7", 0.5)]
-    chosen = methods.select(["proxima:balanced@4x", "streaming_llm@4x", "snapkv@4x", "kivi-int4", "format:int8"])
+    chosen = methods.select(
+        ["proxima:balanced@4x", "streaming_llm@4x", "snapkv@4x", "h2o@4x", "kivi-int4", "format:int8"]
+    )
     rows = harness.evaluate(model, _Tok(), chosen, text, needles, block_size=32, greedy_tokens=8, log=lambda _m: None)
     assert [(r.method, r.setting) for r in rows[:2]] == [("baseline", "after"), ("baseline", "inside")]
     assert all(r.needle_n == 1 for r in rows)
@@ -395,11 +398,12 @@ def test_plot_curves_by_family_and_the_proxima_envelope(tmp_path):
             _row("format:cluster(2)+int4", "format", st, 4.9, 0.2, 11.0, 0.88),
             _row("snapkv@4x", "reference", st, 4.0, 0.1, 12.0, 0.85),
             _row("snapkv@8x", "reference", st, 8.0, 0.0, 40.0, 0.7),
+            _row("h2o@8x", "reference", st, 8.0, 0.0, 38.0, 0.72),
         ]
     series = report._series([r for r in rows if r["setting"] == "after"])
     assert sorted(series) == sorted([
         "proxima:quantized", "proxima:aggressive", report.UNIFORM_EVERY, report.UNIFORM_FORMAT,
-        report.REDUCING_FORMAT, "snapkv",
+        report.REDUCING_FORMAT, "snapkv", "h2o",
     ])
     assert [r["method"] for r in series[report.UNIFORM_EVERY]] == ["kivi-int4", "fp8"]
     assert len(series["proxima:quantized"]) == 2 and len(series["snapkv"]) == 2

@@ -25,6 +25,9 @@ set (a virtual pool of that many physical blocks; pressure = used / capacity). B
 Block and token importance come from the observation window: the last W queries of each layer,
 recorded by the attention function, scored in one layer (`proxima.observation.observed_layer`, the
 middle one, as the vLLM worker observes it) for every layer's blocks and tokens.
+With `accumulate_attention=True` each layer also sums the attention every query gives every key
+(`accumulated_attention`, the H2O baseline's score): off by default, it is a second attention
+pass over each forward's queries in every layer.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ from proxima.policy.schema import OFF, Policy
 from proxima.policy.snapshot import RequestBlocks, Snapshot
 
 NEG_INF = float("-inf")
+ACCUMULATE_CHUNK = 256
+"""Queries per step of the accumulated-attention pass: its float32 probabilities are
+`[B, Hq, 256, T]` at a time (SmolLM2, 9 query heads, a 4k prompt: 38 MB) where the whole prompt
+at once would be `[B, Hq, T, T]` (600 MB). Cost: one such layer at 4k tokens took 0.8 s on one
+CPU thread of this project's machine (SmolLM2's 30 layers: about 25 s per 4k prefill)."""
 
 
 @dataclass
@@ -410,6 +418,10 @@ class ProximaCache(Cache):
             Triton on CUDA tensors and the torch reference on CPU tensors, as the vLLM worker
             does; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1, to test the
             path a GPU run takes).
+        accumulate_attention: sum, per layer, the attention every query gives every cached key
+            (`accumulated_attention`; the H2O baseline ranks tokens by it). Off by default: it
+            recomputes each forward's attention probabilities in every layer. Set it before the
+            prefill; a cache that missed queries refuses to report the sums.
     """
 
     def __init__(
@@ -424,6 +436,7 @@ class ProximaCache(Cache):
         group_size: int | None = None,
         kv_dtype: torch.dtype | None = torch.bfloat16,
         backend: Backend = "auto",
+        accumulate_attention: bool = False,
     ) -> None:
         super().__init__(layers=[])
         if isinstance(policy, (str, Path)):
@@ -446,6 +459,11 @@ class ProximaCache(Cache):
         self.probe_log: list[ProbeRecord] = []
         self.ineligible: set[int] = set()  # blocks the probe refused for every ladder format
         self._obs: dict[int, torch.Tensor] = {}
+        self.accumulate_attention = accumulate_attention
+        self._acc: dict[int, tuple[torch.Tensor, int]] = {}
+        """Per layer: attention column sums `[B, H_kv, T]` (T: the tokens cached at the last
+        forward) and how many queries they sum. Replaced on every forward, never written in place
+        (forks share them)."""
         self._pending_bias: int | None = None
         self.chosen: list[Format] = []
         self._stacked = False  # set by `stacked()`: its hot blocks are views of the working copies
@@ -469,6 +487,7 @@ class ProximaCache(Cache):
         out.probe_log = list(self.probe_log)
         out.ineligible = set(self.ineligible)
         out._obs = dict(self._obs)
+        out._acc = dict(self._acc)
         out.chosen = list(self.chosen)
         return out
 
@@ -534,6 +553,49 @@ class ProximaCache(Cache):
         if prev is not None and prev.shape[:2] == q.shape[:2]:
             q = torch.cat([prev, q], dim=2)
         self._obs[layer_idx] = q[:, :, -self.window :].clone()
+        if self.accumulate_attention and 0 <= layer_idx < len(self.layers):
+            self._accumulate(layer_idx, query.detach())
+
+    def _accumulate(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Add this forward's attention probabilities, summed over its queries, to the layer's
+        column sums. Called after the layer's keys were cached, so its queries are the last Q of
+        the T cached tokens (causal, bottom-right aligned), as in `token_importance`; the keys
+        are what attention reads (working copy and tail, with the per-key bias).
+
+        A KV head's score is the sum over its query heads, not `fold_heads` with the policy's
+        aggregate: every query head sharing the KV head reads the same cached token, so the sum
+        is the total attention that evicting it takes away (H2O's score, a sum over queries,
+        extended over the group); it is linear, so chunks and forwards add up exactly with no
+        per-query-head state; and it does not depend on which policy the cache holds at prefill
+        (the baselines' caches run with policy off, and `proxima:` methods replace the policy
+        afterwards). Mean over the group would rank identically (a constant factor)."""
+        layer = self.proxima_layers[layer_idx]
+        assert layer.tail_k is not None
+        wk, _, wb = layer.materialize()
+        keys = torch.cat([wk, layer.tail_k], dim=-2).float()  # [B, Hkv, T, D]
+        b, hq, nq, d = query.shape
+        hkv, t = keys.shape[1], keys.shape[2]
+        g = hq // hkv
+        qf = query.float().reshape(b, hkv, g, nq, d)  # query head h reads KV head h // g
+        bias = None if wb is None else torch.cat([wb, wb.new_zeros(b, hkv, t - wb.shape[-1])], dim=-1)
+        cols = keys.new_zeros(b, hkv, t)
+        first = t - nq  # position of this forward's first query
+        for s in range(0, nq, ACCUMULATE_CHUNK):
+            qc = qf[:, :, :, s : s + ACCUMULATE_CHUNK]
+            hi = first + s + qc.shape[3]  # the chunk's last query sees keys [0, hi)
+            logits = torch.einsum("bhgqd,bhtd->bhgqt", qc, keys[:, :, :hi]) * d**-0.5
+            if bias is not None:
+                logits = logits + bias[:, :, None, None, :hi]
+            qpos = torch.arange(first + s, hi, device=keys.device)
+            future = torch.arange(hi, device=keys.device)[None, :] > qpos[:, None]  # [Qc, hi]
+            p = torch.softmax(logits.masked_fill(future, NEG_INF), dim=-1)
+            cols[..., :hi] += p.sum(dim=(2, 3))
+        prev = self._acc.get(layer_idx)
+        seen = nq
+        if prev is not None and prev[0].shape[:2] == cols.shape[:2] and prev[0].shape[-1] <= t:
+            cols[..., : prev[0].shape[-1]] += prev[0]  # tokens cached since then start at 0
+            seen += prev[1]
+        self._acc[layer_idx] = (cols, seen)
 
     # -- accounting ----------------------------------------------------------------------------
 
@@ -590,6 +652,28 @@ class ProximaCache(Cache):
         """The observation window's queries of a layer, `[B, Hq, W, D]` after RoPE (what the
         compression-time probe attends with); None before any was recorded."""
         return self._obs.get(layer_idx)
+
+    def accumulated_attention(self, layer_idx: int) -> torch.Tensor:
+        """Attention mass each cached token received from every query so far (every prefill
+        query, then every later one), `[B, H_kv, T_full]` over the full blocks: per KV head the
+        sum over its query heads and over queries of the causal softmax (`_accumulate`). Needs
+        `ProximaCache(accumulate_attention=True)` from the first forward on, and the model on
+        Proxima's attention (`proxima.integration.hf.enable`), which hands the queries over."""
+        if not self.accumulate_attention:
+            raise RuntimeError(
+                "accumulated attention was not recorded: build the cache with ProximaCache(accumulate_attention=True) "
+                "before the prefill (the quality harness does when a method has needs_accumulated_attention=True)"
+            )
+        layer = self.proxima_layers[layer_idx]
+        acc = self._acc.get(layer_idx)
+        if acc is None or acc[1] != layer.n_tokens:
+            got = 0 if acc is None else acc[1]
+            raise RuntimeError(
+                f"layer {layer_idx}: accumulated attention covers {got} of its {layer.n_tokens} queries: set "
+                "accumulate_attention=True before the first forward, and run the model on Proxima's attention "
+                f"(proxima.integration.hf.enable(model), attn_implementation={attention.ATTN_NAME!r})"
+            )
+        return acc[0][..., : layer.n_blocks * layer.block_size]
 
     def token_importance(self, layer_idx: int) -> torch.Tensor | None:
         """Attention mass each cached token gets from the observation window, `[B, H_kv, T_full]`

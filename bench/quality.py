@@ -68,6 +68,12 @@ FULL_METHODS = (
     "proxima:quantized-g64@3.5x",
     "proxima:quantized-g64@4x",
     "proxima:int8-int4-g64@3x",
+    # merges instead of 2 bits (int4, then cluster(2/4/8)+int4; no protected block): the best
+    # at 8x in the reduced GPU suite of 2026-12-04 (bench/results/experiments/merge-8x/)
+    "proxima:merge@4x",
+    "proxima:merge@8x",
+    "proxima:merge-g64@4x",
+    "proxima:merge-g64@8x",
     # uniform formats over every token, and outside the first and last block
     "fp8",
     "kivi-int4",
@@ -86,7 +92,7 @@ FULL_METHODS = (
     "streaming_llm@4x",
     "streaming_llm@8x",
 )
-"""The methods of a `--full` run unless `--methods` says otherwise (23 + baseline, which is always
+"""The methods of a `--full` run unless `--methods` says otherwise (27 + baseline, which is always
 added): the shipped policies as written, the best experimental ones, a curve of uniform formats
 from 1.8x to 5x bytes in both placements, and the token-eviction references at 4x and 8x (snapkv,
 h2o, streaming_llm: issue 18's 8x target names all three). h2o makes the harness prefill with

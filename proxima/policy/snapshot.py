@@ -45,7 +45,9 @@ class Snapshot:
     """The pool and every resident request's blocks, flattened into parallel arrays."""
 
     total_blocks: int
-    free_blocks: int
+    free_blocks: float
+    """Whole blocks in a real pool; a target's virtual pool counts them fractionally
+    (`target.VirtualPool`)."""
     block_size: int
     request_ids: tuple[str, ...]
     formats: tuple[Format, ...]
@@ -60,7 +62,7 @@ class Snapshot:
     request_tokens: np.ndarray  # int64 [R]: total tokens per request
     request_blocks: np.ndarray  # int32 [R]: logical blocks per request
     request_prefill: np.ndarray  # bool [R]
-    pending_blocks: int = 0
+    pending_blocks: float = 0
     """Blocks that allocations waiting this step need (a compression can make room for them)."""
     probe_status: ProbeStatus = "ok"
 
@@ -92,10 +94,10 @@ class Snapshot:
         cls,
         *,
         total_blocks: int,
-        free_blocks: int,
+        free_blocks: float,
         block_size: int,
         requests: Sequence[RequestBlocks],
-        pending_blocks: int = 0,
+        pending_blocks: float = 0,
         probe_status: ProbeStatus = "ok",
     ) -> Snapshot:
         fmt_index: dict[Format, int] = {HOT: 0}

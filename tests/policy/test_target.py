@@ -30,17 +30,49 @@ def _seq(n: int, tail: int = 10) -> RequestBlocks:
 
 @pytest.mark.parametrize("ratio", [1.5, 2.0, 4.0, 8.0])
 def test_the_virtual_pool_makes_the_top_bands_target_the_ratio(ratio: float) -> None:
-    """At the pool's size, the top band's target leaves room for the sequence `ratio` times
-    smaller (in blocks) and no more than a block over; one block more would leave more room."""
+    """The smallest pool whose top band's target leaves the sequence room for `ratio` times
+    smaller (in blocks); the rest of that room is asked for as pending blocks, so the engine's
+    need is exactly the blocks over the budget, whatever the pool's whole-block steps."""
     n = 65
-    total = target.pool_for_ratio(n, AGGRESSIVE, ratio)
+    pool = target.pool_for_ratio(n, AGGRESSIVE, ratio)
     tf = AGGRESSIVE.bands[-1].target_free
 
     def room(t: int) -> int:
         return t - math.ceil(tf * t)
 
-    assert n / ratio - 1 < room(total) <= n / ratio + 1e-9
-    assert room(total + 1) >= room(total)
+    assert room(pool.total_blocks) >= n / ratio - 1e-9 > room(pool.total_blocks - 1)
+    assert pool.budget == pytest.approx(n / ratio)
+    assert pool.pending_blocks == pytest.approx(room(pool.total_blocks) - n / ratio)
+    merged = Format.parse("cluster(2)+int4")  # n logical blocks, all but the tail merged: they fit the pool
+    seq = _seq(n - 1)
+    seq = RequestBlocks(seq.request_id, seq.importance, [merged] * (n - 1) + [HOT], seq.tokens)
+    used = target.used_blocks(seq.formats)
+    snap = target.virtual_snapshot(seq, pool, B)
+    assert used <= snap.total_blocks
+    need = math.ceil(tf * snap.total_blocks) - (snap.free_blocks - snap.pending_blocks)
+    assert need == pytest.approx(used - n / ratio)  # used - budget, to the fraction of a block
+    # a real pool (whole blocks) keeps its free blocks whole
+    assert target.virtual_snapshot(seq, pool.total_blocks, B).free_blocks == math.floor(pool.total_blocks - used)
+
+
+def test_asks_a_fraction_of_a_block_apart_compress_differently() -> None:
+    """With whole free blocks, every ask between two block steps gave the same formats (and a
+    raise past a step compressed the whole request harder); the exact budget moves with the ask."""
+    seq = _seq(7)  # a 512-token request at block 64: 8 logical blocks, the budget moves by 0.1-0.4 of one
+    n = len(seq.formats)
+    asks = (4.0, 4.3, 4.6, 5.0)
+    # aggressive without its sink block (kept hot, it alone holds 1/8 of this request)
+    pol = AGGRESSIVE.model_copy(update={"protect": AGGRESSIVE.protect.model_copy(update={"sink_tokens": 0})})
+
+    def used(pool: int | target.VirtualPool) -> float:
+        return target.used_blocks(target.simulate(seq, pol, pool, B))
+
+    exact = [used(target.pool_for_ratio(n, pol, a)) for a in asks]
+    assert all(u <= n / a + 1e-9 for u, a in zip(exact, asks, strict=True))
+    assert len(set(exact)) >= 3
+    # the same pools counted in whole free blocks: the last three asks land on one store
+    whole = [used(target.pool_for_ratio(n, pol, a).total_blocks) for a in asks]
+    assert len(set(whole)) < len(set(exact))
 
 
 @pytest.mark.parametrize("bad", [0.5, -1.0, math.nan, math.inf])
@@ -51,8 +83,8 @@ def test_a_ratio_below_one_or_not_finite_is_refused(bad: float) -> None:
 
 def test_simulate_compresses_without_pressure_and_spares_the_protected_blocks() -> None:
     seq = _seq(40)
-    total = target.pool_for_ratio(41, AGGRESSIVE, 3.0)
-    formats = target.simulate(seq, AGGRESSIVE, total, B)
+    pool = target.pool_for_ratio(41, AGGRESSIVE, 3.0)
+    formats = target.simulate(seq, AGGRESSIVE, pool, B)
     assert formats[-1] == HOT  # the tail
     sinks = -(-AGGRESSIVE.protect.sink_tokens // B)
     assert all(f == HOT for f in formats[:sinks])
@@ -95,7 +127,39 @@ def test_reach_ratio_raises_the_ask_by_the_shortfall_and_keeps_the_first_that_re
         return 3.0 if a < 6 else 4.2
 
     assert target.reach_ratio(4.0, stepped, achieved=lambda r: r, acted=lambda r: True) == 4.2
-    assert asks == pytest.approx([4.0, 16 / 3, 16 / 3 * (4 / 3) ** 2])
+    hi = 16 / 3 * (4 / 3) ** 2
+    assert asks[:3] == pytest.approx([4.0, 16 / 3, hi])
+    # 4.2 is more than CLOSE_ENOUGH over 4: REFINE_PASSES bisection trials between 16/3 and hi,
+    # none of which does better than 4.2 here (the third falls short)
+    assert len(asks) == 3 + target.REFINE_PASSES
+    assert asks[3] == pytest.approx((16 / 3 * hi) ** 0.5)
+    assert all(16 / 3 < a < hi for a in asks[3:])
+
+
+def test_an_overshooting_raise_is_refined_down_to_the_closest_reaching_trial() -> None:
+    """Formats differ in how far their pack ratio overstates their bytes, so a raised ask can
+    overshoot the target by a lot (the `merge` candidate asked for 8x held 9.4x); bisecting between
+    the last short ask and the reaching one keeps the reaching trial closest to the target."""
+    asks: list[float] = []
+
+    def steps(a: float) -> float:
+        asks.append(a)
+        return 3.0 if a < 5.5 else 4.1 if a < 8 else 6.0
+
+    # 4 -> 3.0, 5.33 -> 3.0 (same step: the shortfall is squared), 9.48 -> 6.0: reached, 1.5x over
+    got = target.reach_ratio(4.0, steps, achieved=lambda r: r, acted=lambda r: True)
+    assert got == 4.1
+    assert steps(asks[2]) == 6.0  # without refining, 6.0 would have been kept
+    asks.clear()
+    # a reaching trial within CLOSE_ENOUGH is kept at once
+    assert target.reach_ratio(4.0, lambda a: (asks.append(a), 4.05 if a > 4.5 else 3.5)[1],
+                              achieved=lambda r: r, acted=lambda r: True) == 4.05
+    assert len(asks) == 2
+    asks.clear()
+    # the first trial reaching (no short ask to bisect from) is kept as it is, however far over
+    assert target.reach_ratio(4.0, lambda a: (asks.append(a), 7.0)[1], achieved=lambda r: r,
+                              acted=lambda r: True) == 7.0
+    assert asks == [4.0]
 
 
 def test_the_bytes_trials_reach_a_target_the_pack_ratios_alone_miss() -> None:
@@ -134,3 +198,21 @@ def test_a_capped_block_lands_on_its_cap_and_the_trials_ask_for_more_elsewhere()
     kept = target.reach_ratio(3.0, trial, achieved=ratio, acted=lambda f: True)
     assert all(kept[i] in (HOT, int4) for i in caps)
     assert ratio(kept) >= 3.0 * target.REACHED
+
+
+def test_a_virtual_pool_runs_the_top_band_whatever_its_pressure() -> None:
+    """A sequence already merged to cluster(2)+int4 and asked for 6x sits at pressure 0.565 on
+    its virtual pool, below aggressive's lowest band (0.60): as written the engine does nothing
+    there; on the target's pool every band applies at any pressure, so the top band merges
+    further (cluster(4)+int4, its ladder only) down to the budget."""
+    merged, deeper = Format.parse("cluster(2)+int4"), Format.parse("cluster(4)+int4")
+    base = _seq(40)
+    seq = RequestBlocks("seq", base.importance, [HOT] * 2 + [merged] * 38 + [HOT], base.tokens)
+    n = len(seq.formats)
+    pool = target.pool_for_ratio(n, AGGRESSIVE, 6.0)
+    assert target.virtual_snapshot(seq, pool, B).pressure < min(b.enter for b in AGGRESSIVE.bands)
+    out = target.simulate(seq, AGGRESSIVE, pool, B)
+    assert deeper in out and target.used_blocks(out) <= pool.budget + 1e-9
+    # the same pool in whole blocks under the policy as written: below every band, nothing moves
+    assert target.simulate(seq, AGGRESSIVE, pool.total_blocks, B) == list(seq.formats)
+    assert target.engine_policy(AGGRESSIVE, pool.total_blocks) is AGGRESSIVE

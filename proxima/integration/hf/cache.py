@@ -1000,7 +1000,7 @@ class ProximaCache(Cache):
 
     # -- the policy engine ---------------------------------------------------------------------
 
-    def snapshot(self, total_blocks: int) -> Snapshot:
+    def snapshot(self, total_blocks: int | target.VirtualPool) -> Snapshot:
         """The cache's blocks as the engine sees them (one request; the tail block included)."""
         layer0 = self.proxima_layers[0]
         n = layer0.n_blocks
@@ -1060,11 +1060,12 @@ class ProximaCache(Cache):
         self.__dict__.update(kept.__dict__)  # the kept trial's state becomes this cache's
         return report
 
-    def _run_engine(self, total: int, max_steps: int, report: CompressionReport) -> None:
+    def _run_engine(self, total: int | target.VirtualPool, max_steps: int, report: CompressionReport) -> None:
         probe = self.policy.probes.compression
+        policy = target.engine_policy(self.policy, total)
         for _ in range(max_steps):
             snap = self.snapshot(total)
-            dec = decide(snap, self.policy, self.engine_state)
+            dec = decide(snap, policy, self.engine_state)
             self.engine_state = dec.state
             report.reasons.append(dec.reason)
             if len(dec) == 0:

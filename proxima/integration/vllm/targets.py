@@ -89,8 +89,8 @@ def plan(entry: RequestEntry, blocks: Sequence[KVCacheBlock], block_size: int, p
     n = len(seq.formats)
 
     def trial(ask: float) -> list[Format]:
-        total = target.pool_for_ratio(n, policy, ask)
-        return target.simulate(seq, policy, total, block_size, state, probe_status, caps=entry.caps)
+        pool = target.pool_for_ratio(n, policy, ask)
+        return target.simulate(seq, policy, pool, block_size, state, probe_status, caps=entry.caps)
 
     final = target.reach_ratio(entry.target, trial,
                                achieved=lambda fmts: target.held_ratio(fmts, seq.tokens, block_size, held_bytes),

@@ -240,15 +240,21 @@ def run_logged(cmd: Sequence[str], env: dict[str, str], timeout_s: float, log_pa
             with contextlib.suppress(ProcessLookupError):  # (the group is gone already)
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            if previous is not _NOT_SET:
+                # None: a handler installed from C, which Python cannot name; the default then
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+_NOT_SET = object()
+"""`_exit_on_sigterm` set no handler (not the main thread): nothing to restore."""
 
 
 def _exit_on_sigterm():  # type: ignore[no-untyped-def]
-    """Make SIGTERM raise SystemExit(143) in this process; returns the previous handler (None when
-    not on the main thread, where handlers cannot be set)."""
+    """Make SIGTERM raise SystemExit(143) in this process; returns the previous handler to restore
+    (`signal.signal`'s answer: None for one installed from C), or `_NOT_SET` when not on the main
+    thread, where handlers cannot be set."""
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return _NOT_SET
 
     def _raise(signum, frame):  # type: ignore[no-untyped-def]
         raise SystemExit(128 + signum)

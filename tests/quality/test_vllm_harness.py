@@ -150,6 +150,33 @@ def test_a_child_past_its_timeout_leaves_its_output_in_the_log(tmp_path: Path) -
     assert log.read_text() == "done\n"
 
 
+def test_run_logged_restores_the_sigterm_handler_it_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SIGTERM handler in place before `run_logged` is back after it: a Python one, the
+    default, and one installed from C (which `signal.signal` reports as None: the default then,
+    where the old code left run_logged's own handler in place for good)."""
+    import os
+    import signal
+    import sys
+
+    def mine(signum, frame):  # type: ignore[no-untyped-def]
+        return None
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        for handler in (mine, signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, handler)
+            vllm_harness.run_logged([sys.executable, "-c", "pass"], dict(os.environ), 10.0, tmp_path / "a.log")
+            assert signal.getsignal(signal.SIGTERM) is handler
+        real = signal.signal
+        monkeypatch.setattr(vllm_harness.signal, "signal",
+                            lambda s, h: (real(s, h), None)[1] if h is not signal.SIG_DFL else real(s, h))
+        vllm_harness.run_logged([sys.executable, "-c", "pass"], dict(os.environ), 10.0, tmp_path / "b.log")
+        monkeypatch.undo()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_nothing_of_the_child_outlives_run_logged_sigterm_or_exit(tmp_path: Path) -> None:
     """A parent running `run_logged` and sent SIGTERM (what `timeout` does to a benchmark) kills the
     child's whole process group before it exits; a child that exits normally leaves no process of

@@ -91,7 +91,7 @@ def warm_clocks(seconds: float = 3.0) -> int | None:
     return sm_clock_mhz()
 
 
-def bench_ms(fn, graph: bool = False, rep: int = 200) -> float:
+def bench_ms(fn, graph: bool = False, rep: int = 200, how: dict | None = None) -> float:
     # Triton's do_bench_cudagraph warms up and captures on a new side stream, which is not ordered
     # after the default stream: without this sync its first call can read inputs (a slot table,
     # compressed pools) that kernels on the default stream are still writing. That was the
@@ -105,9 +105,17 @@ def bench_ms(fn, graph: bool = False, rep: int = 200) -> float:
             fn()
         torch.cuda.synchronize()
         try:
-            return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+            ms = float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+            if how is not None:
+                how["timing"] = "graph"
+            return ms
         except Exception as e:  # capture can fail on a host sync; eager timing is then the fallback
-            print(f"  cudagraph capture failed ({type(e).__name__}: {e}); timing eagerly", flush=True)
+            first = (str(e).splitlines() or [""])[0]
+            print(f"  cudagraph capture failed ({type(e).__name__}: {first}); timing eagerly", flush=True)
+            if how is not None:
+                how["timing"] = "eager (graph capture failed)"
+    elif how is not None:
+        how["timing"] = "eager"
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
@@ -225,12 +233,16 @@ def _timed_row(op: str, fmt: str, fn, moved: int, copy_gbps: float, n_blocks: in
     copy roofline is compared with), and the eager time next to it. Eager, each call's Python
     (checks, allocations, two to four launches) runs while the GPU works; when the host is the
     slower of the two the events time the host, which is how the compress rows moved by up to
-    1.4x between runs with unchanged kernels (sessions 10-15)."""
+    1.4x between runs with unchanged kernels (sessions 10-15). A call that syncs with the host
+    cannot be captured (the token-reducing formats check their importance for NaN): its row is
+    timed eagerly and says so in `timing`."""
     eager_ms = bench_ms(fn)
-    ms = bench_ms(fn, graph=True)
+    how: dict = {}
+    ms = bench_ms(fn, graph=True, how=how)
     return {
         "op": op, "format": fmt, "context": n_blocks * B, "batch": n_blocks, "time_us": ms * 1e3,
-        "eager_us": eager_ms * 1e3, "gbps": moved / ms / 1e6, "copy_gbps": copy_gbps, "bytes": moved,
+        "eager_us": eager_ms * 1e3, "timing": how["timing"], "gbps": moved / ms / 1e6, "copy_gbps": copy_gbps,
+        "bytes": moved,
     }  # fmt: skip
 
 
@@ -440,20 +452,23 @@ def markdown(meta: dict, rows: list[dict], tg: list[dict]) -> str:
         )
     lines += ["", "## Compress / decompress (1024 blocks x 64 tokens x 8 heads x 128, bf16 = 256 MiB)", ""]
     lines += [
-        "time_us: the call's kernels, timed as a CUDA graph (the % of copy); eager_us: the same call "
-        "timed eagerly, Python and launches included (rows without it predate the split).",
+        "time_us: the call's kernels, timed as a CUDA graph where `timing` says graph (the % of copy); "
+        "a call that syncs with the host (the token-reducing formats' NaN check of their importance) "
+        "cannot be captured and is timed eagerly. eager_us: the same call timed eagerly, Python and "
+        "launches included. Decompressing sparse(R) / cluster(R) stored at bf16 returns the stored "
+        "rows (a view and a clone of the counts), hence their % of copy above 100.",
         "",
-        "| op | format | time_us | GB/s | % of copy | eager_us |",
-        "|---|---|---|---|---|---|",
+        "| op | format | time_us | GB/s | % of copy | eager_us | timing |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['op']} | {r['format']} | error: {r['error'][:200]} | | | |")
+            lines.append(f"| {r['op']} | {r['format']} | error: {r['error'][:200]} | | | | |")
         elif r["op"] in ("compress", "decompress"):
             eager = f"{r['eager_us']:.1f}" if "eager_us" in r else ""
             lines.append(
                 f"| {r['op']} | {r['format']} | {r['time_us']:.1f} | {r['gbps']:.0f} "
-                f"| {100 * r['gbps'] / r['copy_gbps']:.0f}% | {eager} |"
+                f"| {100 * r['gbps'] / r['copy_gbps']:.0f}% | {eager} | {r.get('timing', '')} |"
             )
     lines += ["", "## Decode attention (32 q heads, 8 KV heads, D 128, block 64; CUDA-graph medians)", ""]
     lines += [

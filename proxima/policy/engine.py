@@ -171,7 +171,7 @@ def decide(snap: Snapshot, policy: Policy, state: EngineState) -> Decision:
 
     target_free = math.ceil(band.target_free * snap.total_blocks)
     need = float(max(0, target_free - (snap.free_blocks - snap.pending_blocks)))
-    if need <= 0:
+    if need <= 1e-9:  # (free blocks are fractional on a target's virtual pool: rounding leftovers)
         return Decision(next_state, pressure, band.name, 0.0, reason="target reached")
     if snap.probe_status == "failing":
         return Decision(next_state, pressure, band.name, need, reason="quality probes failing: holding")

@@ -41,7 +41,8 @@ MAX_ENGINE_STEPS = 32
 REACHED = 1 - 1e-3
 """A trial within 0.1% of the target has reached it (byte counts are integers; ratios are not)."""
 REFINE_PASSES = 3
-"""Bisection trials after a raised ask overshot the target by more than `CLOSE_ENOUGH`."""
+"""Trials beyond `BYTE_PASSES`: more raises while none has reached, then bisection after a raised
+ask overshot the target by more than `CLOSE_ENOUGH`."""
 CLOSE_ENOUGH = 1.02
 """A reaching trial at most 2% over the target is kept without refining: a block's format step
 moves a short sequence's ratio by more than that anyway. (Asked for 8x, the `merge` candidate
@@ -65,7 +66,12 @@ class VirtualPool:
     Free blocks are counted fractionally here (a real pool's are whole): the engine's need is then
     `used - budget`, continuous in the ask. With whole blocks the ask moved the budget in steps of
     one block, 25% of a 1k-token request at block 64, and a raise past a step compressed the whole
-    request harder (asked for 4x, a 512-token context ended at 6x)."""
+    request harder (asked for 4x, a 512-token context ended at 6x).
+
+    The need is exact once the sequence fits the pool. A hot prompt asked for more than about
+    1 / (1 - target_free) uses more blocks than the pool holds: free is 0 until then, and each
+    engine call frees the top band's share of the pool, so `simulate` takes several calls
+    (`MAX_ENGINE_STEPS` at most; aggressive at 16x on 256 blocks: 15) to reach the budget."""
 
     total_blocks: int
     pending_blocks: float
@@ -165,36 +171,48 @@ def held_ratio(formats: Sequence[Format], tokens: Sequence[int], block_size: int
 def reach_ratio(target: float, trial: Callable[[float], T], achieved: Callable[[T], float],
                 acted: Callable[[T], bool]) -> T:
     """Run `trial(ask)` from the same start with ask = target, then raised by each shortfall (by
-    its square when a raise changed nothing), at most `BYTE_PASSES` times, until a trial reaches
-    `target` (or did nothing: a higher ask would not do more). If a raised ask reached it with
-    more than `CLOSE_ENOUGH` to spare, bisect the ask (geometrically) between the last short ask
-    and the reaching one, at most `REFINE_PASSES` trials. Returns the reaching trial with the
-    smallest ratio (the first of equals: the lowest ask), else the last trial."""
+    its square when a raise changed nothing), until a trial reaches `target`, did nothing (a
+    higher ask would not do more) or two raises in a row changed nothing (the ladder is spent).
+    If a raised ask reached it with more than `CLOSE_ENOUGH` to spare, bisect the ask
+    (geometrically) between the last short ask and the reaching one. At most `BYTE_PASSES` +
+    `REFINE_PASSES` trials in all: raising may use the refine trials while none has reached (a
+    raise by the shortfall under-corrects where the formats' bytes trail their pack ratios).
+    Returns the reaching trial with the smallest ratio (the first of equals: the lowest ask), else
+    the last trial."""
+    most = BYTE_PASSES + REFINE_PASSES
     ask = target
     out = trial(ask)
-    last = 0.0
+    trials, last, flat = 1, 0.0, 0
     short_ask: float | None = None
-    for _ in range(BYTE_PASSES - 1):
+    while trials < most:
         got = achieved(out)
         if got >= target * REACHED or not acted(out) or got <= 0:
             break
         raise_by = target / got
         if got <= last * (1 + 1e-9):
             # The last raise landed on the same step (the engine frees whole blocks): raising by
-            # the same shortfall again would waste the trial; square it instead.
+            # the same shortfall again would waste the trial; square it instead, and stop when
+            # the squared raise changed nothing either.
+            flat += 1
+            if flat >= 2:
+                break
             raise_by *= raise_by
+        else:
+            flat = 0
         last = got
         short_ask = ask
         ask *= raise_by
         out = trial(ask)
+        trials += 1
     best_got = achieved(out)
     if short_ask is None or best_got < target * REACHED or best_got <= target * CLOSE_ENOUGH:
         return out
     # Invariant: trial(lo) fell short, trial(hi) reached; `out` is the best reaching trial so far.
     lo, hi = short_ask, ask
-    for _ in range(REFINE_PASSES):
+    while trials < most:
         mid = math.sqrt(lo * hi)
         cand = trial(mid)
+        trials += 1
         got = achieved(cand)
         if got < target * REACHED:
             lo = mid

@@ -10,6 +10,7 @@ import pytest
 from proxima.compression.spec import slot_spec
 from proxima.formats import HOT, Format
 from proxima.policy import target
+from proxima.policy.engine import EngineState, decide
 from proxima.policy.loader import load_policy
 from proxima.policy.snapshot import RequestBlocks
 
@@ -49,8 +50,8 @@ def test_the_virtual_pool_makes_the_top_bands_target_the_ratio(ratio: float) -> 
     used = target.used_blocks(seq.formats)
     snap = target.virtual_snapshot(seq, pool, B)
     assert used <= snap.total_blocks
-    need = math.ceil(tf * snap.total_blocks) - (snap.free_blocks - snap.pending_blocks)
-    assert need == pytest.approx(used - n / ratio)  # used - budget, to the fraction of a block
+    need = decide(snap, target.engine_policy(AGGRESSIVE, pool), EngineState()).need_blocks
+    assert need == pytest.approx(max(0.0, used - n / ratio))  # used - budget, to the fraction of a block
     # a real pool (whole blocks) keeps its free blocks whole
     assert target.virtual_snapshot(seq, pool.total_blocks, B).free_blocks == math.floor(pool.total_blocks - used)
 
@@ -134,6 +135,25 @@ def test_reach_ratio_raises_the_ask_by_the_shortfall_and_keeps_the_first_that_re
     assert len(asks) == 3 + target.REFINE_PASSES
     assert asks[3] == pytest.approx((16 / 3 * hi) ** 0.5)
     assert all(16 / 3 < a < hi for a in asks[3:])
+
+
+def test_raising_goes_on_into_the_refine_trials_while_nothing_has_reached() -> None:
+    """A store whose bytes trail its asks (here ask^0.8) under-corrects every raise: 3.03, 3.78,
+    3.96 after BYTE_PASSES trials, short; the next raise reaches 4. A store that cannot go
+    further stops once a squared raise changed nothing either."""
+    asks: list[float] = []
+
+    def trailing(a: float) -> float:
+        asks.append(a)
+        return a**0.8
+
+    got = target.reach_ratio(4.0, trailing, achieved=lambda r: r, acted=lambda r: True)
+    assert got >= 4.0 * target.REACHED
+    assert target.BYTE_PASSES < len(asks) <= target.BYTE_PASSES + target.REFINE_PASSES
+    assert trailing(asks[target.BYTE_PASSES - 1]) < 4.0 * target.REACHED  # where the raises used to stop
+    asks.clear()
+    target.reach_ratio(4.0, lambda a: (asks.append(a), min(a, 3.0))[1], achieved=lambda r: r, acted=lambda r: True)
+    assert asks == pytest.approx([4.0, 4.0 * 4 / 3, 4.0 * 4 / 3 * (4 / 3) ** 2])  # 3.0, 3.0 (squared), 3.0: stop
 
 
 def test_an_overshooting_raise_is_refined_down_to_the_closest_reaching_trial() -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -1055,9 +1055,14 @@ class ProximaCache(Cache):
             fork._run_engine(target.pool_for_ratio(logical, self.policy, ask), max_steps, rep)
             return fork, rep
 
+        band_before = self.engine_state.active_band
         kept, report = target.reach_ratio(target_ratio, trial, achieved=lambda t: t[0].achieved_ratio(),
                                           acted=lambda t: t[1].actions > 0)
         self.__dict__.update(kept.__dict__)  # the kept trial's state becomes this cache's
+        # ... but not the band: on the virtual pool every band is entered at any pressure
+        # (`target.engine_policy`), so the trial ends in the top band; carried into a later real
+        # pool (`capacity_blocks`), hysteresis would hold the top band where a fresh state does not
+        self.engine_state = replace(self.engine_state, active_band=band_before)
         return report
 
     def _run_engine(self, total: int | target.VirtualPool, max_steps: int, report: CompressionReport) -> None:

@@ -37,8 +37,10 @@ KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2  # tiny_llama's
 
 
 def _policy(name: str = "aggressive") -> Policy:
-    """A shipped policy without its compression-time probe (no worker measures anything here)."""
-    p = load_policy(ROOT / "configs" / f"{name}.yaml")
+    """A shipped policy (or a bench/policies/ candidate) without its compression-time probe (no
+    worker measures anything here)."""
+    path = ROOT / "configs" / f"{name}.yaml"
+    p = load_policy(path if path.exists() else ROOT / "bench" / "policies" / f"{name}.yaml")
     off = p.probes.compression.model_copy(update={"enabled": False})
     return p.model_copy(update={"probes": p.probes.model_copy(update={"compression": off})})
 
@@ -124,11 +126,12 @@ def test_an_invalid_target_is_ignored_with_a_warning_naming_it(bad: object, capl
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("ratio", [2.5, 3.5])
-def test_vllm_stores_what_the_hf_harness_measures(ratio: float) -> None:
+@pytest.mark.parametrize(("name", "ratio"), [("aggressive", 2.5), ("aggressive", 3.5), ("merge", 5.0), ("merge", 7.0)])
+def test_vllm_stores_what_the_hf_harness_measures(name: str, ratio: float) -> None:
     """The quality harness's `apply_policy(target_ratio=r)` and a vLLM request asking for r, on the
-    same blocks with the same importance: the same format per block, the same bytes ratio."""
-    policy = _policy()
+    same blocks with the same importance: the same format per block, the same bytes ratio (merge
+    at 5x and 7x: raised asks that overshoot and are bisected)."""
+    policy = _policy(name)
     model = enable(tiny_llama(head_dim=HEAD_DIM))
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
     base = ProximaCache(policy, block_size=B)

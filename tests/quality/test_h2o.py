@@ -185,3 +185,49 @@ def test_h2o_rows_are_an_eviction_curve_and_an_8x_reference():
     assert [r["method"] for r in rows if report._uniform(r)] == ["kivi-int4"]  # eviction is not a format
     lines = report.check_targets(rows)
     assert "- PASS: beats `h2o@8x` on all three (needle, ppl, tf_top1)" in lines
+
+
+def test_accumulation_over_compressed_blocks_follows_the_masks_attention_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With merged (log-count bias) and sparsified (-inf for unused slots) blocks in the cache, a
+    later forward adds to the scores exactly the attention that SDPA computes with the mask the
+    `proxima` attention hands it: the bias is part of the accumulated softmax."""
+    from transformers.integrations import sdpa_attention
+
+    from proxima.formats import Format
+
+    torch.manual_seed(0)
+    model = enable(tiny_llama())
+    ids = _ids(T, seed=0)
+    c = ProximaCache(block_size=BLOCK, accumulate_attention=True)
+    with torch.no_grad():
+        model(ids[:, :200], past_key_values=c)
+    c.compress_blocks([1, 2, 3], Format.parse("cluster(2)+int4"))
+    c.compress_blocks([4], Format.parse("sparse(2)"))
+    assert all(layer.materialize()[2] is not None for layer in c.proxima_layers)  # a per-key bias is in play
+    seen: dict[int, torch.Tensor] = {}
+    real = sdpa_attention.sdpa_attention_forward
+
+    def spy(module, q, k, v, mask, **kw):  # type: ignore[no-untyped-def]
+        group = q.shape[1] // k.shape[1]
+        logits = q.float() @ k.repeat_interleave(group, 1).float().transpose(-1, -2) * kw["scaling"]
+        if mask is None:
+            tq, tk = q.shape[2], k.shape[2]
+            future = torch.arange(tk)[None] > (torch.arange(tq)[:, None] + tk - tq)
+            logits = logits.masked_fill(future, float("-inf"))
+        elif mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        else:
+            logits = logits + mask.float()
+        p = logits.softmax(-1).sum(2)  # [B, Hq, T]
+        seen[module.layer_idx] = p.view(p.shape[0], k.shape[1], group, -1).sum(2)
+        return real(module, q, k, v, mask, **kw)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
+    before = {li: acc.clone() for li, (acc, _) in c._acc.items()}
+    with torch.no_grad():
+        model(ids[:, 200:], past_key_values=c)
+    assert set(seen) == set(before)
+    for li, prev in before.items():
+        delta = c._acc[li][0].clone()
+        delta[..., : prev.shape[-1]] -= prev
+        torch.testing.assert_close(delta, seen[li], atol=1e-5, rtol=1e-4)

@@ -9,12 +9,12 @@ reach a target the same way, with the functions here (pure: no torch, no vLLM):
    so that its top band's `target_free` means a store r times smaller (`pool_for_ratio`), until
    it has nothing left to do;
 2. pack ratios overstate bytes by the metadata (int4 packs 4x, holds 3.2x at group 32), so a
-   trial that ends short is redone from the same start with the ask raised by the shortfall, at
-   most `BYTE_PASSES` trials (`reach_ratio`). A raised ask can overshoot by a lot (formats differ
-   in how much their pack ratio overstates their bytes: cluster(8)+int4 packs 32x and holds about
-   20x), so when it does, up to `REFINE_PASSES` more trials bisect between the last ask that fell
-   short and the one that reached; the reaching trial with the smallest ratio is kept (else the
-   last trial).
+   trial that ends short is redone from the same start with the ask raised by the shortfall
+   (`reach_ratio`, `BYTE_PASSES` + `REFINE_PASSES` trials at most). A raised ask can overshoot by
+   a lot (formats differ in how much their pack ratio overstates their bytes: cluster(8)+int4
+   packs 32x and holds about 20x), so when it does, the trials left bisect between the last ask
+   that fell short and the one that reached; the reaching trial with the smallest ratio is kept
+   (else the last trial).
 
 A trial is the integration's: the HF cache compresses a fork of itself (the probe may refuse
 blocks, and its bytes are the payloads'); the vLLM scheduler cannot compress and undo, so it

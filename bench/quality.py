@@ -61,17 +61,12 @@ FULL_METHODS = (
     "proxima:conservative@4x",
     "proxima:balanced@4x",
     "proxima:aggressive@4x",
-    # the experimental policies docs/quality.md found best: quantized (int4 / int2 / merges last),
-    # the same at quantization group 64, and int8 / int4 at group 64 (uniform int4's tie at 3x)
-    "proxima:quantized@4x",
-    "proxima:quantized@8x",
-    "proxima:quantized-g64@3.5x",
-    "proxima:quantized-g64@4x",
+    "proxima:aggressive@8x",
+    # experimental: int8 / int4 at group 64 (uniform int4's tie at 3x), and aggressive's ladder
+    # at group 64 without the probe. The `quantized` family (int4 / int2 / merges last) is left
+    # out: the merge ladder beat it on perplexity and top-1 at 4x and 8x in the partial run of
+    # 2026-12-04 (bench/results/experiments/full-suite-partial-2026-12-04/)
     "proxima:int8-int4-g64@3x",
-    # merges instead of 2 bits (int4, then cluster(2/4/8)+int4; no protected block): the best
-    # at 8x in the reduced GPU suite of 2026-12-04 (bench/results/experiments/merge-8x/)
-    "proxima:merge@4x",
-    "proxima:merge@8x",
     "proxima:merge-g64@4x",
     "proxima:merge-g64@8x",
     # uniform formats over every token, and outside the first and last block
@@ -92,8 +87,8 @@ FULL_METHODS = (
     "streaming_llm@4x",
     "streaming_llm@8x",
 )
-"""The methods of a `--full` run unless `--methods` says otherwise (27 + baseline, which is always
-added): the shipped policies as written, the best experimental ones, a curve of uniform formats
+"""The methods of a `--full` run unless `--methods` says otherwise (22 + baseline, which is always
+added): the shipped policies as written (aggressive at 4x and 8x), the best experimental ones, a curve of uniform formats
 from 1.8x to 5x bytes in both placements, and the token-eviction references at 4x and 8x (snapkv,
 h2o, streaming_llm: issue 18's 8x target names all three). h2o makes the harness prefill with
 `accumulate_attention=True` (a second attention pass per layer over each prompt, in query chunks).

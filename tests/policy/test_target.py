@@ -221,18 +221,18 @@ def test_a_capped_block_lands_on_its_cap_and_the_trials_ask_for_more_elsewhere()
 
 
 def test_a_virtual_pool_runs_the_top_band_whatever_its_pressure() -> None:
-    """A sequence already merged to cluster(2)+int4 and asked for 6x sits at pressure 0.565 on
-    its virtual pool, below aggressive's lowest band (0.60): as written the engine does nothing
+    """A sequence already merged to cluster(2)+int4 (but for its hot tail) and asked for 8x sits
+    below aggressive's lowest band (0.60) on its virtual pool: as written the engine does nothing
     there; on the target's pool every band applies at any pressure, so the top band merges
-    further (cluster(4)+int4, its ladder only) down to the budget."""
-    merged, deeper = Format.parse("cluster(2)+int4"), Format.parse("cluster(4)+int4")
+    further (cluster(4)+int4 or cluster(8)+int4) down to the budget."""
+    merged = Format.parse("cluster(2)+int4")
     base = _seq(40)
-    seq = RequestBlocks("seq", base.importance, [HOT] * 2 + [merged] * 38 + [HOT], base.tokens)
+    seq = RequestBlocks("seq", base.importance, [merged] * 40 + [HOT], base.tokens)
     n = len(seq.formats)
-    pool = target.pool_for_ratio(n, AGGRESSIVE, 6.0)
+    pool = target.pool_for_ratio(n, AGGRESSIVE, 8.0)
     assert target.virtual_snapshot(seq, pool, B).pressure < min(b.enter for b in AGGRESSIVE.bands)
     out = target.simulate(seq, AGGRESSIVE, pool, B)
-    assert deeper in out and target.used_blocks(out) <= pool.budget + 1e-9
+    assert any(f.reduction_ratio > 2 for f in out) and target.used_blocks(out) <= pool.budget + 1e-9
     # the same pool in whole blocks under the policy as written: below every band, nothing moves
     assert target.simulate(seq, AGGRESSIVE, pool.total_blocks, B) == list(seq.formats)
     assert target.engine_policy(AGGRESSIVE, pool.total_blocks) is AGGRESSIVE

@@ -87,14 +87,14 @@ def test_a_real_engine_scores_compressed_prompts_from_the_first_decode_step(tmp_
     model = str(prepare("smollm2", progress=lambda *_: None))
     tok = AutoTokenizer.from_pretrained(model)
     text, needles = datasets.text_samples(tok, 512, 1), datasets.needle_samples(tok, 512, [0.5])
-    method = vllm_harness.parse_method("proxima:aggressive@3x")
+    method = vllm_harness.parse_method("proxima:aggressive@6x")  # merges: at 3x int4 costs too little to see
     job = vllm_harness.job_for(str(policy_path("aggressive")), [method], text, needles, ["after", "inside"], model)
     out = vllm_harness.run_engine(job, timeout_s=600, log=lambda m: None)
     res = out["results"]
     assert len(res) == 2 * (1 + 2) and all(r["forced_ok"] for r in res.values())
     assert out["stats"]["emergencies"] == 0  # nothing was compressed by pool pressure
     reached = [r["reached"] for k, r in res.items() if k.startswith(method.name)]
-    assert len(reached) == 3 and min(reached) >= 3.0 * 0.999
+    assert len(reached) == 3 and min(reached) >= 6.0 * 0.999
     assert not any("reached" in r for k, r in res.items() if k.startswith("baseline"))
     assert out["stats"]["planned_in_prefill"] == 0  # planned after the prefill, before the next forward
     base, comp = res[f"baseline|text|{text[0].name}"]["nll"], res[f"{method.name}|text|{text[0].name}"]["nll"]

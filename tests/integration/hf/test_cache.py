@@ -265,20 +265,20 @@ def test_merged_blocks_merge_further(model, ids):
 
 @torch.no_grad()
 def test_policy_asked_for_more_recompresses_merged_blocks(model, ids):
-    """The engine, asked for 2x then 8x, moves blocks it already merged to 16x formats (before,
-    merged blocks were final and the second request stopped short)."""
+    """The engine, asked for 5x then 10x, moves blocks it already merged to 16x or 32x formats
+    (before, merged blocks were final and the second request stopped short)."""
     enable(model)
     policy = _without_compression_probe("configs/aggressive.yaml")
     cache = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=cache)
-    cache.apply_policy(target_ratio=2)
+    cache.apply_policy(target_ratio=5)
     merged = {i for i, f in enumerate(cache.block_formats()) if f.name == "cluster(2)+int4"}
     assert merged
-    r2 = cache.achieved_ratio()
-    cache.apply_policy(target_ratio=8)
+    r5 = cache.achieved_ratio()
+    cache.apply_policy(target_ratio=10)
     after = cache.block_formats()
-    assert all(after[i].pack_ratio == 16 for i in merged)
-    assert cache.achieved_ratio() > 1.3 * r2
+    assert all(after[i].pack_ratio >= 16 for i in merged)
+    assert cache.achieved_ratio() > 1.3 * r5
 
 
 @torch.no_grad()

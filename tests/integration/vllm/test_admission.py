@@ -134,7 +134,8 @@ def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
     m, _ = _pressured(policy)
     assert m.achieved_pack_ratio() is None
     hot = -(-policy.protect.sink_tokens // B) + -(-policy.protect.recent_tokens // B) + 1  # + the tail
-    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // 8)  # cluster(2)+int4 first
+    first = policy.bands[-1].ladder[0].pack_ratio  # int4: 4
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // first)
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
     st = m.px.ledger["a"]
@@ -145,7 +146,7 @@ def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
     n = len(st.compressed)
     ratio = m.achieved_pack_ratio()
     assert ratio == pytest.approx(n / (-(-n // 2) / 8 + (n // 2) / 16)) and ratio > 8
-    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // ratio) < hot + -(-(20 - hot) // 8)
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // ratio) < hot + -(-(20 - hot) // first)
     # A policy switched live to int8 only cannot reach that ratio: the estimate follows the policy.
     m.set_policy(load_policy(ROOT / "configs" / "conservative.yaml").model_copy(update={"bands": [
         b.model_copy(update={"ladder": [Format.parse("int8")]}) for b in policy.bands]}))

@@ -19,10 +19,12 @@ operations, views excluded; each call of a compression kernel that Triton replac
 counted as 15, each host sync as 2), one setting of one passkey sample costs 0.41M operations at
 1k tokens for `FULL_METHODS`, 0.54M at 2k, 0.61M at 4k (at 4k: conservative 0.11M, aggressive
 0.10M, quantized@8x 0.08M, the other policies 0.03-0.06M, a token-eviction reference 0.02M, a
-uniform format 3k), a 1.5k text window 0.48M: 51M for the suite, both settings. At 8-16 us per
-operation that is 7-14 min on one GPU, plus start-up (imports, model, Triton compilation): two
-calls of `--shard I/2 --budget-s 450`, 4-8 min each (docs/quality.md, "The full suite on the
-H200"). `--budget-s` keeps any run inside its limit: samples that would end past it are not
+uniform format 3k), a 1.5k text window 0.48M: 51M for the suite, both settings (counted for the
+method list of 2026-12-02). Measured on the H200 with today's list (2026-12-04, three processes
+sharing the GPU, 22 methods + baseline, both settings): a 1k passkey 22-27 s, 2k 39-64 s, 4k
+88-117 s; two calls of 450-470 s ran the 8 text windows and 35 of the 45 passkeys, so the suite
+takes three calls (docs/quality.md, "The full suite on the H200";
+bench/results/experiments/full-suite-2026-12-04/). `--budget-s` keeps any run inside its limit: samples that would end past it are not
 started, the rows say how many ran. On this project's CPU machine (2 shared cores, before
 `fork`) one 1,536-token text window took 41-76 s for 14 methods and a passkey (both settings)
 about 60 s at 1k and 120 s at 2k: hours for `--full`.
@@ -88,16 +90,14 @@ FULL_METHODS = (
     "streaming_llm@8x",
 )
 """The methods of a `--full` run unless `--methods` says otherwise (22 + baseline, which is always
-added): the shipped policies as written (aggressive at 4x and 8x), the best experimental ones, a curve of uniform formats
-from 1.8x to 5x bytes in both placements, and the token-eviction references at 4x and 8x (snapkv,
+added): the shipped policies as written (aggressive at 4x and 8x), the best experimental ones, a
+curve of uniform formats from 1.8x to 5x bytes in both placements, and the token-eviction references at 4x and 8x (snapkv,
 h2o, streaming_llm: issue 18's 8x target names all three). h2o makes the harness prefill with
 `accumulate_attention=True` (a second attention pass per layer over each prompt, in query chunks).
-Sized for one GPU in two calls (see Sizing): 51M operations for the whole suite, against 42M for
-the 14 methods before and 79M with the costliest ones added back (counted before h2o was added:
-its two rows and its prefill pass are not in these numbers). Left out (each a `--methods`
-away): the calibrated `-cal` policies (aggressive-cal@8x alone costs 0.21M operations per 4k
-sample and setting, twice aggressive@4x), quantized-g64@8x and quantized@3.5x (0.07-0.12M),
-adaptive and quant-only (no better in the reduced suite), snapkv / streaming_llm at 2x,
+Three device calls on one GPU (see Sizing). Left out (each a `--methods` away): the calibrated
+`-cal` policies (aggressive-cal@8x alone cost 0.21M operations per 4k sample and setting), the
+`quantized` family (beaten by aggressive's ladder on perplexity and top-1 at 4x and 8x),
+adaptive and quant-only (no better in the reduced suite), snapkv / streaming_llm / h2o at 2x,
 format:int4:g64 / cluster(4)."""
 
 

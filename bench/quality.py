@@ -15,19 +15,19 @@ Sizing. Every sample's context is prefilled once; each method compresses its own
 (`ProximaCache.fork`; a deepcopy of a 4k-token cache was 27k operations, more than most methods'
 compression), then all methods are decoded together as one batch. On a GPU the cost is the host's
 eager dispatch (torch operations and kernel launches), not arithmetic. Counted on CPU (torch
-operations, views excluded; each call of a compression kernel that Triton replaces on CUDA
-counted as 15, each host sync as 2), one setting of one passkey sample costs 0.41M operations at
-1k tokens for `FULL_METHODS`, 0.54M at 2k, 0.61M at 4k (at 4k: conservative 0.11M, aggressive
-0.10M, quantized@8x 0.08M, the other policies 0.03-0.06M, a token-eviction reference 0.02M, a
-uniform format 3k), a 1.5k text window 0.48M: 51M for the suite, both settings (counted for the
-method list of 2026-12-02). Measured on the H200 with today's list (2026-12-04, three processes
-sharing the GPU, 22 methods + baseline, both settings): a 1k passkey 22-27 s, 2k 39-64 s, 4k
-88-117 s; two calls of 450-470 s ran the 8 text windows and 35 of the 45 passkeys, so the suite
-takes three calls (docs/quality.md, "The full suite on the H200";
-bench/results/experiments/full-suite-2026-12-04/). `--budget-s` keeps any run inside its limit: samples that would end past it are not
-started, the rows say how many ran. On this project's CPU machine (2 shared cores, before
-`fork`) one 1,536-token text window took 41-76 s for 14 methods and a passkey (both settings)
-about 60 s at 1k and 120 s at 2k: hours for `--full`.
+operations, views excluded; each call of a compression kernel that Triton replaces on CUDA counted
+as 15, each host sync as 2), one setting of one passkey sample costs 0.41M operations at 1k tokens
+for `FULL_METHODS`, 0.54M at 2k, 0.61M at 4k (at 4k: conservative 0.11M, aggressive 0.10M,
+quantized@8x 0.08M, the other policies 0.03-0.06M, a token-eviction reference 0.02M, a uniform
+format 3k), a 1.5k text window 0.48M: 51M for the suite, both settings (counted for the method
+list of 2026-12-02). Measured on the H200 with today's list (2026-12-04, three processes sharing
+the GPU, 22 methods + baseline, both settings): a 1k passkey 22-27 s, 2k 39-64 s, 4k 88-117 s; two
+calls of 450-470 s ran the 8 text windows and 35 of the 45 passkeys, so the suite takes three
+calls (docs/quality.md, "The full suite on the H200";
+bench/results/experiments/full-suite-2026-12-04/). `--budget-s` keeps any run inside its limit:
+samples that would end past it are not started, the rows say how many ran. On this project's CPU
+machine (2 shared cores, before `fork`) one 1,536-token text window took 41-76 s for 14 methods
+and a passkey (both settings) about 60 s at 1k and 120 s at 2k: hours for `--full`.
 - The damage model is calibrated first (1 context x 9 formats, no generation) and written to
   proxima/quality/data/damage-smollm2.json (`--no-calibrate` reuses it); the `-cal` policies read it.
 - Block size 64 (vLLM's CPU default is 128; 64 gives 1k contexts 16 blocks to choose from).
@@ -91,14 +91,14 @@ FULL_METHODS = (
 )
 """The methods of a `--full` run unless `--methods` says otherwise (22 + baseline, which is always
 added): the shipped policies as written (aggressive at 4x and 8x), the best experimental ones, a
-curve of uniform formats from 1.8x to 5x bytes in both placements, and the token-eviction references at 4x and 8x (snapkv,
-h2o, streaming_llm: issue 18's 8x target names all three). h2o makes the harness prefill with
-`accumulate_attention=True` (a second attention pass per layer over each prompt, in query chunks).
-Three device calls on one GPU (see Sizing). Left out (each a `--methods` away): the calibrated
-`-cal` policies (aggressive-cal@8x alone cost 0.21M operations per 4k sample and setting), the
-`quantized` family (beaten by aggressive's ladder on perplexity and top-1 at 4x and 8x),
-adaptive and quant-only (no better in the reduced suite), snapkv / streaming_llm / h2o at 2x,
-format:int4:g64 / cluster(4)."""
+curve of uniform formats from 1.8x to 5x bytes in both placements, and the token-eviction
+references at 4x and 8x (snapkv, h2o, streaming_llm: issue 18's 8x target names all three). h2o
+makes the harness prefill with `accumulate_attention=True` (a second attention pass per layer over
+each prompt, in query chunks). Three device calls on one GPU (see Sizing). Left out (each a
+`--methods` away): the calibrated `-cal` policies (aggressive-cal@8x alone cost 0.21M operations
+per 4k sample and setting), the `quantized` family (beaten by aggressive's ladder on perplexity
+and top-1 at 4x and 8x), adaptive and quant-only (no better in the reduced suite), snapkv /
+streaming_llm / h2o at 2x, format:int4:g64 / cluster(4)."""
 
 
 def pick_device(name: str) -> torch.device:

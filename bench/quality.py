@@ -22,8 +22,8 @@ quantized@8x 0.08M, the other policies 0.03-0.06M, a token-eviction reference 0.
 format 3k), a 1.5k text window 0.48M: 51M for the suite, both settings (counted for the method
 list of 2026-12-02). Measured on the H200 with today's list (2026-12-04, three processes sharing
 the GPU, 22 methods + baseline, both settings): a 1k passkey 22-27 s, 2k 39-64 s, 4k 88-117 s; two
-calls of 450-470 s ran the 8 text windows and 35 of the 45 passkeys, so the suite takes three
-calls (docs/quality.md, "The full suite on the H200";
+calls of 450-470 s ran the 8 text windows and 35 of the 45 passkeys, a third of 297-306 s the
+other 10: the suite takes three calls (docs/quality.md, "The full suite on the H200";
 bench/results/experiments/full-suite-2026-12-04/). `--budget-s` keeps any run inside its limit:
 samples that would end past it are not started, the rows say how many ran. On this project's CPU
 machine (2 shared cores, before `fork`) one 1,536-token text window took 41-76 s for 14 methods

@@ -32,15 +32,12 @@ in its own engine, in a child process (`run_child`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,6 +48,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from proxima.integration.vllm.child import run_logged
 from proxima.integration.vllm.targets import TARGET_ARG
 from proxima.quality.datasets import NeedleSample, TextSample
 
@@ -216,50 +214,6 @@ def run_child(job: Job) -> dict[str, Any]:
             rec["reached"] = reached[o.request_id]["reached"]
         results[rid] = rec
     return {"results": results, "stats": stats, "wall_s": wall, "requests": len(reqs)}
-
-
-def run_logged(cmd: Sequence[str], env: dict[str, str], timeout_s: float, log_path: Path) -> int:
-    """Run `cmd` with its stdout and stderr going to `log_path` as it runs (Python children
-    unbuffered), so a child that is killed or runs past `timeout_s` still leaves what it printed.
-    Returns the child's exit status.
-
-    The child leads a process group of its own, and nothing of that group outlives this call:
-    whether the child exits, runs past its timeout, or this process is interrupted or sent
-    SIGTERM (as `timeout` does to a benchmark), the whole group is killed, so an engine's own
-    processes never keep the GPU after the call. Being in its own group, the child does not
-    receive a signal sent to ours: SIGTERM is turned into SystemExit here while the child runs
-    (main thread only; Python's default would end this process without cleaning up)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as fh:
-        proc = subprocess.Popen(list(cmd), env={**env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        previous = _exit_on_sigterm()
-        try:
-            return proc.wait(timeout=timeout_s)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # (the group is gone already)
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if previous is not _NOT_SET:
-                # None: a handler installed from C, which Python cannot name; the default then
-                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-_NOT_SET = object()
-"""`_exit_on_sigterm` set no handler (not the main thread): nothing to restore."""
-
-
-def _exit_on_sigterm():  # type: ignore[no-untyped-def]
-    """Make SIGTERM raise SystemExit(143) in this process; returns the previous handler to restore
-    (`signal.signal`'s answer: None for one installed from C), or `_NOT_SET` when not on the main
-    thread, where handlers cannot be set."""
-    if threading.current_thread() is not threading.main_thread():
-        return _NOT_SET
-
-    def _raise(signum, frame):  # type: ignore[no-untyped-def]
-        raise SystemExit(128 + signum)
-
-    return signal.signal(signal.SIGTERM, _raise)
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -158,6 +158,8 @@ def test_run_logged_restores_the_sigterm_handler_it_found(tmp_path: Path, monkey
     import signal
     import sys
 
+    from proxima.integration.vllm import child
+
     def mine(signum, frame):  # type: ignore[no-untyped-def]
         return None
 
@@ -168,7 +170,7 @@ def test_run_logged_restores_the_sigterm_handler_it_found(tmp_path: Path, monkey
             vllm_harness.run_logged([sys.executable, "-c", "pass"], dict(os.environ), 10.0, tmp_path / "a.log")
             assert signal.getsignal(signal.SIGTERM) is handler
         real = signal.signal
-        monkeypatch.setattr(vllm_harness.signal, "signal",
+        monkeypatch.setattr(child.signal, "signal",
                             lambda s, h: (real(s, h), None)[1] if h is not signal.SIG_DFL else real(s, h))
         vllm_harness.run_logged([sys.executable, "-c", "pass"], dict(os.environ), 10.0, tmp_path / "b.log")
         monkeypatch.undo()

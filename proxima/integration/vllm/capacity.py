@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from proxima.integration.vllm.child import run_logged
+
 CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"
 ENGINE_ARGS_ENV = "PROXIMA_ENGINE_ARGS"
 """JSON object of extra `vllm.LLM` arguments for the benchmark and test engines (e.g.
@@ -156,15 +158,25 @@ def run_config(wl: Workload, config: str, timeout_s: float = 1800.0, env: dict[s
     # The pool is set by num_gpu_blocks_override; this only stops vLLM from reserving 92% of RAM.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, "-m", "proxima.integration.vllm.capacity", "--child", config, json.dumps(asdict(wl))]
+    # run_logged: the engine's own processes end with the child, even when this process is
+    # killed (an orphaned worker once skewed a whole run's tokens/s)
+    log_path = Path(env["PROXIMA_STATS_FILE"]).with_name("child.log")
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        rc = run_logged(cmd, env, timeout_s, log_path)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
-    last = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not last:
-        err = [ln for ln in proc.stderr.splitlines() if "Error" in ln]
-        return {"error": f"exit {proc.returncode}: {err[-1] if err else proc.stderr[-500:]}"}
-    return json.loads(last[-1])
+    return child_result(rc, log_path.read_text(errors="replace"))
+
+
+def child_result(rc: int, output: str) -> dict:
+    """A `--child` run's result from its exit status and its output (stdout and stderr, the
+    result being its last line that starts with `{`); a failure names its last error line."""
+    lines = output.splitlines()
+    last = [ln for ln in lines if ln.startswith("{")]
+    if rc != 0 or not last:
+        err = [ln for ln in lines if "Error" in ln]
+        return {"error": f"exit {rc}: {err[-1] if err else output[-500:]}"}
+    return dict(json.loads(last[-1]))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

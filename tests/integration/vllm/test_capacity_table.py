@@ -7,6 +7,7 @@ import math
 import pytest
 from vllm.logprobs import Logprob
 
+from proxima.integration.vllm import capacity
 from proxima.integration.vllm.capacity import common_prefix, prompt_scores, table_markdown, tabulate
 
 
@@ -36,3 +37,36 @@ def test_table_compares_each_config_with_vanilla() -> None:
     md = table_markdown(t)
     assert "| balanced | 72 | 8 | 6.0 | 1 |" in md and "int4 3" in md and "not measurable here" in md
     assert common_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def test_a_child_result_is_its_last_json_line_or_its_last_error() -> None:
+    """`child_result` reads the `--child` run's merged stdout and stderr: the result is the last
+    line that starts with `{`; a non-zero exit or no such line is an error naming the last line
+    that says Error."""
+    out = 'INFO engine up\n{"peak": 1}\nINFO more\n{"peak": 2, "fmt": "int4"}\nINFO shut down\n'
+    assert capacity.child_result(0, out) == {"peak": 2, "fmt": "int4"}
+    err = capacity.child_result(1, 'INFO x\nValueError: no pool\n{"partial": true}\n')
+    assert err == {"error": "exit 1: ValueError: no pool"}
+    assert capacity.child_result(0, "INFO nothing printed\n")["error"].startswith("exit 0: INFO nothing")
+
+
+def test_run_config_runs_its_child_through_run_logged(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each configuration's engine child goes through `child.run_logged` (whose tests show its whole
+    process group ends with the call, SIGTERM included): a plain subprocess.run once left an
+    orphaned vLLM worker that skewed the next rows' tokens/s. Its timeout is reported as such."""
+    import subprocess
+
+    seen: list[list[str]] = []
+
+    def fake(cmd, env, timeout_s, log_path):  # type: ignore[no-untyped-def]
+        seen.append(list(cmd))
+        if timeout_s < 1:
+            raise subprocess.TimeoutExpired(cmd, timeout_s)
+        log_path.write_text('INFO vLLM\n{"peak_running": 3}\n')
+        return 0
+
+    monkeypatch.setattr(capacity, "run_logged", fake)
+    wl = capacity.Workload(model=str(tmp_path), requests=2, prompt_tokens=64, output_tokens=4)
+    assert capacity.run_config(wl, "balanced", timeout_s=30) == {"peak_running": 3}
+    assert seen[0][1:4] == ["-m", "proxima.integration.vllm.capacity", "--child"] and seen[0][4] == "balanced"
+    assert capacity.run_config(wl, "balanced", timeout_s=0.5) == {"error": "timed out after 0 s"}

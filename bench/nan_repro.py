@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from proxima.integration.vllm.capacity import _text, prompt_scores
+from proxima.integration.vllm.serve.demo_workload import _text, prompt_scores
 
 MODEL = os.path.expanduser("~/.cache/proxima/models/smollm2-135m-instruct")
 

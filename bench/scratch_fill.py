@@ -1,4 +1,4 @@
-"""CPU time of one layer's scratch fill (`proxima.integration.vllm.scratch.fill_scratch`).
+"""CPU time of one layer's scratch fill (`proxima.integration.vllm.attention.cpu_scratch.fill_scratch`).
 
 The CPU attention backend refills the scratch for every layer of every decode step, so this
 number times the layer count is added to each step. Setup: 16 requests of 48 blocks (SmolLM2
@@ -21,9 +21,15 @@ import torch
 from common import machine_info, write_results  # bench/ is on sys.path when run as a script
 
 from proxima.formats import Format
+from proxima.integration.vllm.attention.cpu_scratch import (
+    ScratchPlan,
+    ScratchRow,
+    fill_scratch,
+    plan_scratch,
+    store_reader,
+)
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
-from proxima.integration.vllm.scratch import ScratchPlan, ScratchRow, fill_scratch, plan_scratch, store_reader
-from proxima.integration.vllm.worker import WorkerStore
+from proxima.integration.vllm.worker.store import WorkerStore
 
 H, B, D = 3, 32, 64
 REQUESTS, BLOCKS = 16, 48

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_info, write_results  # noqa: E402
-from proxima.integration.vllm.capacity import common_prefix  # noqa: E402
+from proxima.integration.vllm.serve.demo_workload import common_prefix  # noqa: E402
 from tests.integration.vllm.engine_helpers import run_engine, shallow_model  # noqa: E402
 
 ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}

@@ -48,7 +48,7 @@ err = Console(stderr=True, soft_wrap=True)  # soft_wrap: never break FILE:LINE: 
 
 # Modules that contribute commands. Each defines `register(app: typer.Typer) -> None`.
 _COMMAND_MODULES = (
-    "proxima.integration.vllm.cli",
+    "proxima.integration.vllm.serve.cli",
     "proxima.quality.cli",
     "proxima.api.cli",
 )

@@ -1,7 +1,7 @@
 """What the controller needs from an engine: the `Backend` protocol and the plain data it returns.
 
 Two implementations: `proxima.api.sim_backend.SimulatedBackend` (the simulator, for demos and
-tests) and `proxima.integration.vllm.live.ManagerBackend` (vLLM's KV manager). Both are passive:
+tests) and `proxima.integration.vllm.scheduler.live.ManagerBackend` (vLLM's KV manager). Both are passive:
 the engine drives its own steps and calls the controller's hooks (`policy_for_step`, `on_step`,
 `on_probe`); the controller only asks the backend for `stats()`.
 """

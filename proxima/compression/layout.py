@@ -8,7 +8,7 @@ backend's KV-cache layout:
   (block, head) page as [2 * B, D]: keys of all B tokens, then values of all B tokens. Careful:
   *inside* each half the order is the kernel's, by ISA (on x86 without AMX the keys are stored
   channel-major, [D, B]); `hot_store` here assumes token-major halves, so the vLLM integration
-  reads CPU pages through `proxima.integration.vllm.cpu_layout.PageLayout` (probed from vLLM).
+  reads CPU pages through `proxima.integration.vllm.worker.page_layout.PageLayout` (probed from vLLM).
 - FlashAttention / Triton on CUDA (`KVLayout.FLASH_ATTN`): the backend reads keys as
   `kv.transpose(1, 2)[..., :D]` and values as `[..., D:]`, strides whatever the layout gives.
 

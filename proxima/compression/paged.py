@@ -1,6 +1,6 @@
 """Attention for a batch of paged requests whose contexts mix hot blocks and compressed slots.
 
-This is the compute core of the CUDA attention backend (`proxima.integration.vllm.cuda_backend`),
+This is the compute core of the CUDA attention backend (`proxima.integration.vllm.attention.triton`),
 kept free of vLLM so that it runs wherever Proxima's kernels run (GPU, or CPU under
 `TRITON_INTERPRET=1`). A request is described by its block table, its length, its query length
 and the placement of its compressed logical blocks; `plan_rows` turns a batch of such requests

@@ -48,8 +48,8 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from proxima.integration.vllm.child import run_logged
-from proxima.integration.vllm.targets import TARGET_ARG
+from proxima.integration.vllm.scheduler.targets import TARGET_ARG
+from proxima.integration.vllm.serve.child import run_logged
 from proxima.quality.datasets import NeedleSample, TextSample
 
 FORCED_ARG = "proxima_forced"

@@ -20,7 +20,7 @@ Engines (each a fresh process, started side by side: each takes a small slice of
   path (`debug.py`); every layer's output of those rows is compared with vLLM's own kernel's;
 * quality (only with real weights, `PX_MODEL` holding weight files): teacher-forced prompt NLL and
   top-1 under vanilla / conservative / balanced / aggressive, same engine shape
-  (`proxima.integration.vllm.capacity`).
+  (`proxima.integration.vllm.serve.demo_workload`).
 
 With `PROXIMA_GPU_SUMMARY=PATH` the fixture writes the run's summary there (versions, date, per
 engine: passed checks' inputs, importance updates, compressions, tokens/s; NLL comparison).
@@ -95,7 +95,7 @@ def _run_engine(tmp: Path, name: str, extra: dict[str, str], engine_args: dict[s
 
 
 def _quality(tmp: Path, config: str) -> dict:
-    from proxima.integration.vllm.capacity import Workload, run_config
+    from proxima.integration.vllm.serve.demo_workload import Workload, run_config
 
     wl = Workload(_model(), requests=16, prompt_tokens=512, output_tokens=32, pool_requests=2, chunk_tokens=128)
     extra: dict[str, Any] = {"attention_backend": "TRITON_ATTN"} if config == "vanilla" else {}

@@ -158,7 +158,7 @@ def test_run_logged_restores_the_sigterm_handler_it_found(tmp_path: Path, monkey
     import signal
     import sys
 
-    from proxima.integration.vllm import child
+    from proxima.integration.vllm.serve import child
 
     def mine(signum, frame):  # type: ignore[no-untyped-def]
         return None

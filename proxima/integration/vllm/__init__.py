@@ -16,6 +16,8 @@ CONNECTOR_ROLE: Final[Literal["kv_producer"]] = "kv_producer"
 """See `kv_transfer_config`: Proxima's connector consumes no KV."""
 POLICY_ENV = "PROXIMA_POLICY"
 """The policy file Proxima runs with in every vLLM process; unset, the plugin does nothing."""
+DRIFT_ID_ARG = "proxima_drift_id"
+"""`SamplingParams.extra_args` key: the request id the observer reports the request's tokens under."""
 SUPPORTED_VLLM = ("0.32.",)
 """vLLM versions whose internals this package was written against (prefix match)."""
 

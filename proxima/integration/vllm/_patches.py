@@ -133,7 +133,7 @@ def add_drift_observer(args: Any) -> None:
     then the drift probe cannot run (said here, and by the API when a policy enables it)."""
     import logging
 
-    from proxima.integration.vllm.drift_observer import DriftObserver
+    from proxima.integration.vllm.worker.drift_observer import DriftObserver
 
     if getattr(args, "speculative_config", None):
         logging.getLogger("proxima.vllm").warning(
@@ -160,7 +160,7 @@ def drop_observer_under_v2(config: Any) -> bool:
     sees `drift_observer.configured(...)` False and the drift probe is reported unavailable, as
     under speculative decoding. `use_v2_model_runner` is vLLM's own decision (environment,
     Triton, unsupported features), read from the finished configuration. Returns whether it dropped it."""
-    from proxima.integration.vllm.drift_observer import configured, is_observer
+    from proxima.integration.vllm.worker.drift_observer import configured, is_observer
 
     if not configured(config) or not getattr(config, "use_v2_model_runner", False):
         return False

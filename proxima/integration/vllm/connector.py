@@ -43,9 +43,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from proxima.integration.vllm.live import LiveControl
-    from proxima.integration.vllm.manager import ProximaKVCacheManager
-    from proxima.integration.vllm.worker import WorkerStore
+    from proxima.integration.vllm.scheduler.live import LiveControl
+    from proxima.integration.vllm.scheduler.manager import ProximaKVCacheManager
+    from proxima.integration.vllm.worker.store import WorkerStore
 
 logger = logging.getLogger("proxima.vllm")
 STATS_ENV = "PROXIMA_STATS_FILE"
@@ -69,7 +69,7 @@ class ProximaConnector(KVConnectorBase_V1):
         self.ranks = int(vllm_config.parallel_config.tensor_parallel_size)
         """Worker ranks of this engine, each with its shard's KV heads (`ranks.py`)."""
         if role == KVConnectorRole.WORKER:
-            from proxima.integration.vllm.worker import WorkerStore
+            from proxima.integration.vllm.worker.store import WorkerStore
 
             self.store = WorkerStore(rank=_tensor_parallel_rank())
 
@@ -81,7 +81,7 @@ class ProximaConnector(KVConnectorBase_V1):
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        from proxima.integration.vllm.manager import install
+        from proxima.integration.vllm.scheduler.manager import install
 
         pp = int(self._vllm_config.parallel_config.pipeline_parallel_size)
         if pp > 1:  # each stage would report only its layers' writes: untested, so not offered
@@ -91,9 +91,9 @@ class ProximaConnector(KVConnectorBase_V1):
         if self.manager is not None and os.environ.get(STATS_ENV):
             self.manager.px.on_change = self.dump_stats
         if self.manager is not None:
-            from proxima.integration.vllm.canary import prefill_chunk_tokens
-            from proxima.integration.vllm.drift_observer import configured
-            from proxima.integration.vllm.live import LiveControl
+            from proxima.integration.vllm.scheduler.canary import prefill_chunk_tokens
+            from proxima.integration.vllm.scheduler.live import LiveControl
+            from proxima.integration.vllm.worker.drift_observer import configured
 
             observer = configured(self._vllm_config)
             self.manager.px.drift_observer = observer
@@ -156,7 +156,7 @@ class ProximaConnector(KVConnectorBase_V1):
         return self.store
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from proxima.integration.vllm.worker import SlotReader
+        from proxima.integration.vllm.worker.store import SlotReader
 
         store = self._worker_store()
         store.register(kv_caches)

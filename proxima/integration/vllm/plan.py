@@ -29,6 +29,10 @@ NO_READER = ("no Proxima attention backend runs in this worker, so compressed bl
 planning (otherwise every emergency compression would fail and be planned again, forever)."""
 
 
+SlotKey = tuple[str, int, int]
+"""(format spelling, destination block, slot): where a compressed logical block lives."""
+
+
 @dataclass(frozen=True)
 class CompressAction:
     """Compress logical block `index` of `req_id` (now at physical `src`) into slot `slot` of `dst`."""

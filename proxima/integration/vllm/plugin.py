@@ -39,11 +39,11 @@ def register() -> None:
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, "proxima.integration.vllm.backend.ProximaCPUAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "proxima.integration.vllm.attention.cpu.ProximaCPUAttentionBackend")
     import torch
 
     if torch.cuda.is_available():  # opt-in on CUDA: --attention-backend CUSTOM (cuda_backend.py)
-        from proxima.integration.vllm.cuda_backend import register_cuda_backend
+        from proxima.integration.vllm.attention.triton import register_cuda_backend
 
         register_cuda_backend()
     _patches.install(policy)

@@ -17,7 +17,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from proxima.integration.vllm.capacity import engine_args
+    from proxima.integration.vllm.serve.demo_workload import engine_args
 
     model, requests = sys.argv[1], int(sys.argv[2])
     llm = LLM(**engine_args(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True, block_size=32,

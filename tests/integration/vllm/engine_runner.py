@@ -27,7 +27,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from proxima.integration.vllm.capacity import engine_args
+    from proxima.integration.vllm.serve.demo_workload import engine_args
 
     model, churn = sys.argv[1], int(sys.argv[2])  # churn 0: skip scenario 4
     b = 32

@@ -13,10 +13,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
+from proxima.integration.vllm.attention.triton import ProximaTritonAttentionImpl
 from proxima.integration.vllm.connector import ProximaConnector, worker_store
-from proxima.integration.vllm.cuda_backend import ProximaTritonAttentionImpl
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
-from proxima.integration.vllm.worker import WorkerStore
+from proxima.integration.vllm.worker.store import WorkerStore
 from tests.integration.vllm.engine_helpers import compression_probe_off
 
 NB, H, HQ, B, D = 16, 2, 4, 32, 64

@@ -1,0 +1,1 @@
+"""The `proxima serve` / `proxima demo` parent process: command line, supervisor, canary runner, vLLM's CLI."""

@@ -1,0 +1,171 @@
+"""The compression-time probe, in the worker: measure a block's attention error before it commits.
+
+Before a batch of compressions is written, each block's chosen format is tried in the observed
+layer (`WorkerStore.observe_layer`, the one whose queries the importance observation already
+reads): the block is compressed there, and the attention output of the request's most recent
+queries over the compressed block is compared with their output over the block as it is now
+(`compression.attention_errors`: bf16 sources are still in the cache, they are freed only after the
+commit). A block whose error is over the policy's bound (`probes.compression.max_error`) is not
+compressed: `probes.choose_within_bound` tries the milder formats of the policy's ladders, and
+the report tells the scheduler the first one within the bound (it plans the block into that one
+at a later step, since a milder format needs another destination) or that the block stays hot.
+
+One layer of L is measured (about 1/L of the compression's own cost, plus a softmax over W
+queries by one block). Blocks of a request with no recent query (not observed yet) are not
+written this step: they are reported refused in their own format (the scheduler plans them again,
+by when their request's queries have been seen), so no block is written unmeasured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from proxima.compression.attention import attention_errors
+from proxima.compression.blocks import compress_blocks
+from proxima.formats import Format, recompressible
+from proxima.integration.vllm.plan import ActionId, CompressAction
+from proxima.policy.probes import choose_within_bound
+from proxima.policy.schema import CompressionProbe, Policy
+
+if TYPE_CHECKING:
+    from proxima.integration.vllm.worker.layer_formats import LayerFormats
+
+
+class ProbedStore(Protocol):
+    """What the probe reads of the worker's store (`worker.WorkerStore`, which imports this
+    module: a Protocol instead of that import keeps the two free of an import cycle)."""
+
+    kv_caches: dict[str, torch.Tensor]
+    observe_layer: str | None
+    recent_queries: RecentQueries
+    formats: LayerFormats
+    policy: Policy | None
+
+    def group_for(self, fmt: Format) -> int: ...
+
+    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+    def layer_format(self, layer: str, fmt: Format) -> Format: ...
+
+    def geometry(self, layer: str) -> tuple[int, int, int, int]: ...
+
+    def importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor: ...
+
+
+class RecentQueries:
+    """Each request's last `window` queries in the observed layer (copies: vLLM reuses its buffers)."""
+
+    def __init__(self, window: int = 32) -> None:
+        self.window = window
+        self.scale: float | None = None
+        """The observed layer's softmax scale (from the attention implementation)."""
+        self._q: dict[str, torch.Tensor] = {}
+
+    def add(self, req_id: str, q: torch.Tensor, scale: float) -> None:
+        """q: [n, Hq, D], the request's newest queries (oldest first)."""
+        self.scale = scale
+        old = self._q.get(req_id)
+        if old is not None and old.shape[1:] == q.shape[1:]:
+            q = torch.cat([old, q.detach()])
+        self._q[req_id] = q[-self.window:].detach().clone()
+
+    def get(self, req_id: str) -> torch.Tensor | None:
+        return self._q.get(req_id)
+
+    def drop(self, req_id: str) -> None:
+        self._q.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
+@dataclass
+class ProbeOutcome:
+    """What the probe decided for one batch (one target format)."""
+
+    accepted: list[CompressAction] = field(default_factory=list)
+    rejected: dict[ActionId, str] = field(default_factory=dict)
+    """Refused actions -> the milder format within the bound ("" = none: the block stays hot)."""
+    errors: list[tuple[str, float]] = field(default_factory=list)
+    """(format, relative attention error) of every measurement, the chosen formats' first."""
+    measured: int = 0
+    """Blocks measured in their chosen format."""
+    refused: int = 0
+    """Of those, over the bound (a milder format, or none, was named for them)."""
+
+
+def milder_formats(policy: Policy | None, fmt: Format, from_fmt: Format) -> list[Format]:
+    """The formats of the policy's ladders that hold more than `fmt` keeps (lower pack ratio) and
+    still shrink the block (above `from_fmt`'s ratio), harshest first: what a refused block tries."""
+    if policy is None:
+        return []
+    seen = {f for band in policy.bands for f in band.ladder}
+    out = [f for f in seen if from_fmt.pack_ratio < f.pack_ratio < fmt.pack_ratio]
+    return sorted(out, key=lambda f: (-f.pack_ratio, policy.damage.of(f), f.name))
+
+
+def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequence[CompressAction],
+                cfg: CompressionProbe) -> ProbeOutcome:
+    """Measure the batch's blocks in the observed layer; keep those within the bound."""
+    layer = store.observe_layer
+    queries = store.recent_queries
+    measurable = [a for a in acts if queries.get(a.req_id) is not None]
+    unmeasured = [a for a in acts if queries.get(a.req_id) is None]
+    if not cfg.enabled or layer is None:
+        return ProbeOutcome(accepted=list(acts))
+    # Not measurable yet: "refused in its own format", i.e. planned again at a later step.
+    deferred = {a.action_id: fmt.name for a in unmeasured}
+    if not measurable or queries.scale is None:
+        return ProbeOutcome(rejected={a.action_id: fmt.name for a in acts})
+    kv = store.kv_caches[layer]
+    k, v, counts = store.read_current(layer, from_fmt, measurable)  # [N, T, H, D], log-counts or None
+    qs = [queries.get(a.req_id) for a in measurable]
+    w = max(len(q) for q in qs if q is not None)
+    q_obs = torch.zeros(len(qs), w, *qs[0].shape[1:], dtype=torch.float32, device=kv.device)  # type: ignore[union-attr]
+    valid = torch.zeros(len(qs), w, dtype=torch.bool)
+    for i, q in enumerate(qs):
+        assert q is not None
+        q_obs[i, : len(q)] = q.to(q_obs.device, torch.float32)
+        valid[i, : len(q)] = True
+    scale = queries.scale
+
+    def errors_of(f: Format, idx: list[int]) -> torch.Tensor:
+        sub = [measurable[i] for i in idx]
+        f_l = store.layer_format(layer, store.formats.current(f))
+        _n, h, b, _d = store.geometry(layer)
+        lc = counts[idx] if counts is not None else None  # recompressing reduced blocks: weigh by counts
+        imp = None
+        if f_l.reduction is not None:
+            imp = (store.importance_of(sub, b, h) if lc is None else torch.ones(lc.shape)).to(kv.device)
+        cb = compress_blocks(f_l, k[idx], v[idx], token_importance=imp, group_size=store.group_for(f_l),
+                             backend="auto" if kv.is_cuda else "torch", log_count=lc, source_tokens=b)
+        return attention_errors(q_obs[idx], k[idx], v[idx], cb, q_valid=valid[idx], sm_scale=scale,
+                                ref_log_count=lc)
+
+    first = errors_of(fmt, list(range(len(measurable))))
+    out = ProbeOutcome(rejected=deferred, measured=len(measurable))
+    milder = milder_formats(store.policy, fmt, from_fmt)
+    if not from_fmt.is_hot:  # a recompression: only formats this block can still move into
+        src_l = store.layer_format(layer, from_fmt)
+        milder = [f for f in milder if recompressible(src_l, store.layer_format(layer, store.formats.current(f)))]
+    for i, a in enumerate(measurable):
+        def measure(f: Format, i: int = i) -> float:
+            err = float(first[i]) if f == fmt else float(errors_of(f, [i])[0])
+            out.errors.append((f.name, err))
+            return err
+
+        verdict = choose_within_bound([fmt, *milder], measure, cfg)
+        if verdict.chosen == fmt:
+            out.accepted.append(a)
+        else:
+            out.rejected[a.action_id] = verdict.chosen.name if verdict.chosen is not None else ""
+            out.refused += 1
+    return out
+
+
+__all__ = ["ProbeOutcome", "RecentQueries", "check_batch", "milder_formats"]

@@ -1,0 +1,514 @@
+"""Worker side: the executor that writes compressed slots, and the per-request block map.
+
+Storage (DESIGN.md "Block formats"): a destination physical block of format f holds
+`f.pack_ratio` slots; slot s is bytes `[s * n / r, (s + 1) * n / r)` of the block's n bytes in
+every layer, keys then values, each `[C, H, P]` of the format's element type. Metadata (scales,
+zero points) lives in a per-layer, per-format side table indexed by `dst * r + s`, allocated
+with `torch.empty` (pages are committed only where slots are written).
+
+The executor is transactional per batch: if anything raises, none of the batch's actions enter
+the block map and all are reported failed, so the scheduler keeps those blocks hot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
+from proxima.compression.spec import SlotSpec, check_group_size
+from proxima.formats import HOT, Format, recompressible
+from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.worker.debug import SplitErrors
+from proxima.integration.vllm.worker.faults import FaultInjector
+from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
+from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout, token_interleaved_layout
+from proxima.integration.vllm.worker.probe import RecentQueries, check_batch
+from proxima.integration.vllm.worker.ranks import check_remap
+from proxima.integration.vllm.worker.timing import StepTimes
+from proxima.observation import fold_heads, observed_layer
+from proxima.policy.schema import Policy, Storage
+
+logger = logging.getLogger("proxima.vllm")
+
+_META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def _startup_policy() -> Policy | None:
+    """The policy this process was started with (PROXIMA_POLICY)."""
+    from proxima.integration.vllm import POLICY_ENV
+    from proxima.policy.loader import load_policy
+
+    path = os.environ.get(POLICY_ENV)
+    return load_policy(path) if path else None
+
+
+def _page_layout(kv: torch.Tensor) -> PageLayout:
+    """The page order of a cache no `SlotReader` claimed (stores built by hand in tests): that of
+    the reader this device would have (vLLM's CPU kernel's, probed; on CUDA TRITON_ATTN's)."""
+    _, _, b, d2 = kv.shape
+    if kv.device.type == "cpu":
+        return probe_layout(b, d2 // 2, kv.dtype)
+    return token_interleaved_layout(b, d2 // 2)
+
+
+def layer_index(name: str, position: int) -> int:
+    """vLLM names attention layers like `model.layers.12.self_attn.attn`; else the dict order."""
+    m = re.search(r"\.(\d+)\.", name)
+    return int(m[1]) if m else position
+
+
+def _kernels(t: torch.Tensor) -> Literal["torch", "auto"]:
+    """Proxima's Triton kernels on a GPU; on CPU the torch reference (Triton there is the interpreter)."""
+    return "auto" if t.is_cuda else "torch"
+
+
+@dataclass
+class _LayerPool:
+    """One layer's view of the KV tensor as compressed slots of one format, plus its side table."""
+
+    spec: SlotSpec
+    k: torch.Tensor  # [num_blocks * r, C, H, P] view into vLLM's KV tensor
+    v: torch.Tensor
+    meta: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [num_blocks * r, ...]
+
+
+class SlotReader:
+    """Marks an attention implementation that reads compressed blocks through the `WorkerStore`.
+
+    The connector looks for it on every KV layer's implementation when the caches are registered
+    (`WorkerStore.readers`): any other implementation would read the freed source blocks. The
+    reader also says where its kernel keeps keys and values inside a page (`page_layout`): the
+    worker compresses and observes importance in that order."""
+
+    def page_layout(self, kv: torch.Tensor) -> PageLayout:
+        """The order of keys and values inside a page of `kv` ([N, H, B, 2D]) for this kernel."""
+        raise NotImplementedError
+
+    def warm_up(self, store: WorkerStore) -> None:
+        """Run once when the caches are registered, before the engine serves: compile what the
+        first compression would otherwise compile in the middle of a step. Default: nothing."""
+
+
+class WorkerStore:
+    """Everything the worker knows about compressed blocks.
+
+    Owned by the worker role of `ProximaConnector` (one per worker process, as vLLM creates one
+    connector there); the attention backends reach it through `connector.worker_store()`."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        """This worker's tensor-parallel rank (its KV heads are the shard's; `ranks.py`)."""
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.pools: dict[tuple[str, Format], _LayerPool] = {}
+        self.remap: dict[str, dict[int, tuple[Format, int, int]]] = {}
+        """request -> logical block index -> (format, destination block, slot)."""
+        self.sources: dict[str, dict[int, int]] = {}
+        """request -> logical block index -> source physical block (diagnostics only: freed)."""
+        self.replaced: dict[str, dict[int, tuple[ActionId, tuple[Format, int, int]]]] = {}
+        """request -> logical block index -> (the last recompression this rank wrote of it, the
+        `remap` entry it replaced): what a revocation restores. The entry keeps its `StoredFormat`
+        epoch, which the action (plain format names) cannot carry. One per recompressed block,
+        replaced by the block's next recompression, dropped with the request."""
+        self.key_blocks: dict[int, str] = {}
+        self.storage = Storage()
+        """The quantization groups of the slots this worker writes (`group_for`): the start-up
+        policy's `storage` (set in `register`; fixed while serving, as the slots' layout is)."""
+        self.report = ProximaReport()
+        self.meta_bytes = 0
+        self.faults = FaultInjector(rank=rank)
+        """Tests and benchmarks: failures injected into compression batches (`faults`)."""
+        self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
+        self.policy: Policy | None = None
+        """The live policy, as the scheduler last sent it (`ProximaPlan.policy`): its importance
+        settings, compression probe and `layer_overrides` apply here."""
+        self.policy_version = 0
+        """The version of `policy` (0: the startup policy, before any change was sent)."""
+        self.formats = LayerFormats()
+        """The format each layer stores, for every override table used so far (`layer_formats`)."""
+        self.recent_queries = RecentQueries()
+        """Each request's newest queries in the observed layer (the compression-time probe's)."""
+        self.layer_numbers: dict[str, int] = {}
+        self.layout: PageLayout | None = None
+        """The attention kernel's order of keys and values inside a block's page (see cpu_layout)."""
+        self.token_importance: dict[str, torch.Tensor] = {}
+        """request -> float32 [tokens, H_kv]: EMA of the attention mass each token received."""
+        self.ema_decay = 0.9
+        self.aggregate = "max"
+        self.observation_window = 32
+        self.readers: set[str] = set()
+        """Class names of the `SlotReader` attention implementations of this worker's KV layers
+        (set by the connector): the only readers of compressed blocks. vLLM's own backends would
+        read the freed sources."""
+        self.require_reader = False
+        """Set by the KV connector (a real vLLM worker): refuse to compress without a reader."""
+        self.split_errors = SplitErrors()
+        """read-sources diagnostics (`debug.py`), CUDA backend."""
+        self.times = StepTimes()
+        """This worker's step split (`timing.py`; off unless `PROXIMA_TIME_SPLIT=1`)."""
+        self.observe_layer: str | None = None
+        """The layer whose attention is observed (the middle one: early layers attend broadly, late
+        ones sharply; one layer keeps the cost at ~1/L of attention)."""
+
+    @property
+    def active(self) -> bool:
+        """Proxima runs in this process (a policy was configured at startup, even `off`: the API
+        may turn compression on later). Without it, attention is vLLM's, untouched."""
+        return self.policy is not None
+
+    # --- geometry ---------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor], policy: Policy | None = None) -> None:
+        self.kv_caches = dict(kv_caches)
+        names = list(kv_caches)
+        self.observe_layer = names[observed_layer(len(names))] if names else None
+        policy = policy if policy is not None else _startup_policy()
+        if policy is not None:
+            self.storage = policy.storage
+            stored = {policy.layer_format(f, li) for f in policy.all_formats() for li in range(len(kv_caches))}
+            for kv in kv_caches.values():
+                # A group that cannot hold the ladder's formats fails here, once, with its field named.
+                for f in sorted(stored, key=lambda f: f.name):
+                    check_group_size(self.group_for(f), kv.shape[3] // 2, (f,), self.storage.field_for(f))
+            self.formats = LayerFormats(policy)
+            self.adopt(policy, self.policy_version)
+        self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
+        self.layout = _page_layout(next(iter(kv_caches.values()))) if kv_caches else None
+        shapes = {tuple(t.shape) for t in kv_caches.values()}
+        logger.info("proxima worker: %d KV layers, shapes %s, importance observed in %s",
+                    len(kv_caches), shapes, self.observe_layer)
+
+    def adopt(self, policy: Policy, version: int) -> None:
+        """The scheduler's live policy (sent with the plan when it changed), before the step's work.
+
+        Blocks already compressed keep the layer formats they were written with (`LayerFormats`)."""
+        imp = policy.importance
+        self.ema_decay, self.aggregate = imp.ema_decay, imp.aggregate
+        self.observation_window = imp.observation_window
+        self.recent_queries.window = imp.observation_window
+        self.formats.adopt(policy)
+        self.policy, self.policy_version = policy, version
+
+    def group_for(self, fmt: Format) -> int:
+        """The quantization group of `fmt`'s slots (the start-up policy's `storage`)."""
+        return self.storage.group_for(fmt)
+
+    def geometry(self, layer: str) -> tuple[int, int, int, int]:
+        """(num_blocks, H_kv, block_size, head_dim) of a layer's `[N, H, B, 2D]` tensor."""
+        n, h, b, d2 = self.kv_caches[layer].shape
+        return n, h, b, d2 // 2
+
+    def pool(self, layer: str, fmt: Format) -> _LayerPool:
+        key = (layer, fmt)
+        p = self.pools.get(key)
+        if p is not None:
+            return p
+        kv = self.kv_caches[layer]
+        n, h, b, d = self.geometry(layer)
+        spec = SlotSpec(fmt, b, d, h, self.group_for(fmt))
+        r, c = fmt.pack_ratio, spec.slot_tokens
+        # Byte views; the element types (which may differ for keys and values) are applied on
+        # read and write, from what `compress_blocks` produced.
+        raw = kv.view(torch.uint8).view(n * r, 2, c, h, -1)
+        meta = {}
+        for f in spec.meta_fields():
+            # MetaField shapes exclude the slot and head axes; CompressedBlocks puts heads second.
+            shape = (n * r, f.shape[0], h, *f.shape[1:])
+            meta[f.name] = torch.empty(shape, dtype=_META_DTYPES[f.dtype], device=kv.device)
+            self.meta_bytes += meta[f.name].numel() * meta[f.name].element_size()
+        p = _LayerPool(spec, raw[:, 0], raw[:, 1], meta)
+        self.pools[key] = p
+        return p
+
+    def layer_format(self, layer: str, fmt: Format) -> Format:
+        """The format `layer` stores when the scheduler chose `fmt` (policy `layer_overrides`).
+
+        `fmt` as the worker remembers the block (`remap`): a block written under an older override
+        table is read with that table (`layer_formats.StoredFormat`).
+        """
+        return self.formats.of(fmt, self.layer_numbers.get(layer, -1))
+
+    def stored_formats(self) -> dict[Format, tuple[Format, str]]:
+        """Every format the policy can store (its bands' ladders, after each layer's overrides)
+        -> (the scheduler's format that stores it, the first layer where it does): what a kernel
+        warm-up must cover."""
+        if self.policy is None or not self.policy.enabled:
+            return {}
+        out: dict[Format, tuple[Format, str]] = {}
+        for layer in self.kv_caches:
+            for f in self.policy.all_formats():
+                out.setdefault(self.layer_format(layer, self.formats.current(f)), (f, layer))
+        return out
+
+    @property
+    def probes_compressions(self) -> bool:
+        """The live policy compresses and runs the compression-time probe: only then are the observed layer's
+        recent queries kept (a copy per row and step). A policy that turns the probe on later
+        defers each block until its request has been observed once (`worker_probe.check_batch`)."""
+        return self.policy is not None and self.policy.enabled and self.policy.probes.compression.enabled
+
+    def page_layout(self, kv: torch.Tensor) -> PageLayout:
+        if self.layout is None:
+            self.layout = _page_layout(kv)
+        return self.layout
+
+    # --- executor ---------------------------------------------------------------------------
+
+    def apply(self, plan: ProximaPlan) -> None:
+        """Adopt a changed policy, undo writes that failed on another rank, zero released
+        destinations, drop freed requests, then run this step's compressions (before the forward
+        pass, so before this step writes into a reused block)."""
+        if plan.policy is not None:
+            self.adopt(plan.policy, plan.policy_version)
+        self.revoke(plan.revoked)
+        if plan.scrub and self.kv_caches:
+            ids = torch.tensor(plan.scrub, dtype=torch.long, device=next(iter(self.kv_caches.values())).device)
+            for kv in self.kv_caches.values():
+                kv.index_fill_(0, ids, 0)
+        for rid in plan.dropped:
+            self.remap.pop(rid, None)
+            self.sources.pop(rid, None)
+            self.replaced.pop(rid, None)
+            self.token_importance.pop(rid, None)
+            self.recent_queries.drop(rid)
+        if plan.check_remap is not None:
+            check_remap(self.remap, plan.check_remap, self.rank)
+        self.key_blocks = dict(plan.key_blocks)
+        self.faults.refresh()  # once per step: a benchmark switches faults on and off between steps
+        if plan.actions and self.require_reader and not self.readers:
+            # e.g. CUDA with vLLM's default backend: compressing would make attention read freed
+            # blocks. Every action fails, so every block stays hot and every request stays exact.
+            self.report.failed.extend(a.action_id for a in plan.actions)
+            self.report.errors.append(NO_READER)
+            return
+        by_fmt: dict[tuple[str, Format], list[CompressAction]] = {}
+        for a in plan.actions:
+            by_fmt.setdefault((a.fmt, self._current_format(a)), []).append(a)
+        for (name, from_fmt), acts in by_fmt.items():
+            fmt = Format.parse(name)
+            t0 = time.perf_counter()
+            try:
+                acts = self._probe(fmt, from_fmt, acts)
+                t1 = time.perf_counter()
+                self.report.probe_seconds += t1 - t0
+                t0 = t1
+                if acts:
+                    self._compress(fmt, from_fmt, acts)
+            except Exception as e:  # a failure must never fail a request: keep the blocks hot
+                self.report.kernel_seconds += time.perf_counter() - t0
+                self.report.failed.extend(a.action_id for a in acts)
+                self.report.errors.append(f"{type(e).__name__}: {e}")
+                continue
+            stored = self.formats.stored(fmt)
+            for a in acts:
+                blocks = self.remap.setdefault(a.req_id, {})
+                old = blocks.get(a.index)
+                if old is not None and not from_fmt.is_hot:
+                    self.replaced.setdefault(a.req_id, {})[a.index] = (a.action_id, old)
+                blocks[a.index] = (stored, a.dst, a.slot)
+                self.sources.setdefault(a.req_id, {})[a.index] = a.src
+            self.report.kernel_seconds += time.perf_counter() - t0
+            self.report.ok.extend(a.action_id for a in acts)
+
+    def revoke(self, actions: list[CompressAction]) -> None:
+        """Point the block map back where it was for actions that failed (or were refused by the
+        probe) on some rank (tensor parallelism: the scheduler kept the block where it was and
+        released the slot). A rank that did not write an action has nothing to undo.
+
+        Invariant relied on: a recompression this rank wrote is in `replaced` until the block's
+        next one (the scheduler plans one action per block at a time, and revokes it before
+        planning another), so the restored entry is the one it replaced, with its override epoch
+        (a live `layer_overrides` change since that write must not change how the block is read)."""
+        for a in actions:
+            blocks = self.remap.get(a.req_id)
+            hit = blocks.get(a.index) if blocks is not None else None
+            if blocks is None or hit is None or (plain(hit[0]), hit[1], hit[2]) != (Format.parse(a.fmt), a.dst, a.slot):
+                continue
+            before = self.replaced.get(a.req_id, {}).pop(a.index, None)
+            if a.from_fmt == HOT.name:
+                del blocks[a.index]
+                self.sources.get(a.req_id, {}).pop(a.index, None)
+                continue
+            # A recompression: the old slot was not touched (a new slot is always another one).
+            if before is None or before[0] != a.action_id or before[1][1:] != (a.from_dst, a.from_slot):
+                # The invariant is broken (a bug, not the request's fault): never fail the request
+                # for it. Point the block where the scheduler keeps it (the action's source slot),
+                # read with today's override table (the replaced entry's is lost), and say so.
+                logger.error("proxima rank %d: request %s block %d holds the revoked recompression %d, but not "
+                             "the entry it replaced (slot %d of block %d): %s; restored from the plan",
+                             self.rank, a.req_id, a.index, a.action_id, a.from_slot, a.from_dst, before)
+                self.report.revoke_mismatches += 1
+                blocks[a.index] = (self.formats.stored(Format.parse(a.from_fmt)), a.from_dst, a.from_slot)
+                continue
+            blocks[a.index] = before[1]
+
+    def _current_format(self, a: CompressAction) -> Format:
+        """The block's format now, as this worker stored it (a recompression reads it back)."""
+        if a.from_fmt == "bf16":
+            return Format()
+        hit = self.remap.get(a.req_id, {}).get(a.index)
+        return hit[0] if hit is not None else Format.parse(a.from_fmt)
+
+    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> list[CompressAction]:
+        """The compression-time probe (`worker_probe`): the actions within the error bound; the
+        refused ones and every measurement go into the report."""
+        if self.policy is None or not self.policy.probes.compression.enabled:
+            return acts
+        out = check_batch(self, fmt, from_fmt, acts, self.policy.probes.compression)
+        # The report counts blocks by action id, so that the ranks' counts merge into the engine's
+        # (`merge_reports`). Measured = accepted + refused, unless nothing was measured (no observed
+        # layer: all accepted); a verdict in the action's own format is a deferral, not a refusal
+        # (every milder format has a lower pack ratio than `fmt`).
+        refused = [aid for aid, verdict in out.rejected.items() if verdict != fmt.name]
+        measured = [a.action_id for a in out.accepted] + refused if out.measured else []
+        if (len(measured), len(refused)) != (out.measured, out.refused):
+            raise RuntimeError(f"proxima: the probe counted {out.measured} measured / {out.refused} refused blocks, "
+                               f"its verdicts {len(measured)} / {len(refused)}")
+        self.report.rejected.update(out.rejected)
+        self.report.probe_errors.extend(out.errors)
+        self.report.probe_measured_ids.extend(measured)
+        self.report.probe_refused_ids.extend(refused)
+        return out.accepted
+
+    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The actions' blocks in `layer` as they are now: k, v [N, T, H, D] (bf16 pages, or the
+        current slots of a recompression) and, when those slots hold reduced (sparse or merged)
+        tokens, their log-counts [N, T, H] (a merge weighs centroids by them); else None."""
+        kv = self.kv_caches[layer]
+        if from_fmt.is_hot:
+            src = torch.tensor([a.src for a in acts], dtype=torch.long, device=kv.device)
+            k, v = self.page_layout(kv).read_blocks(kv, src)
+            return k.contiguous(), v.contiguous(), None
+        dst = torch.tensor([a.from_dst for a in acts], dtype=torch.long, device=kv.device)
+        slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long, device=kv.device)
+        k, v, counts = self.read_with_counts(layer, from_fmt, dst, slot)
+        return k, v, (counts if self.layer_format(layer, from_fmt).reduction is not None else None)
+
+    def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
+        self.faults.check()
+        dev = next(iter(self.kv_caches.values())).device
+        r = fmt.pack_ratio
+        slots = torch.tensor([a.dst * r + a.slot for a in acts], dtype=torch.long, device=dev)
+        staged: list[tuple[_LayerPool, CompressedBlocks]] = []
+        now = self.formats.current(fmt)  # new blocks use the latest override table
+        for layer, kv in self.kv_caches.items():
+            _n, h, b, _d = self.geometry(layer)
+            # A recompression starts from the current slot (its loss is kept, not undone).
+            fmt_l = self.layer_format(layer, now)
+            if not from_fmt.is_hot and not recompressible(self.layer_format(layer, from_fmt), fmt_l):
+                raise ValueError(f"cannot recompress {self.layer_format(layer, from_fmt)} into {fmt_l} "
+                                 "(proxima.formats.recompressible)")
+            k, v, counts = self.read_current(layer, from_fmt, acts)  # [N, T, H, D]
+            imp = None
+            if fmt_l.reduction is not None:
+                # A reduced block's rows are no longer token positions: uniform importance (the
+                # counts still weight the merge), as its per-token history cannot be mapped to them.
+                imp = (self.importance_of(acts, b, h) if counts is None else torch.ones(counts.shape)).to(kv.device)
+            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_for(fmt_l),
+                                 backend=_kernels(kv), log_count=counts, source_tokens=b)
+            staged.append((self.pool(layer, fmt_l), cb))
+        # Writes happen only after every layer compressed: a failure above leaves no partial slot.
+        for p, cb in staged:
+            self.dtypes[p.spec.fmt] = (cb.k_data.dtype, cb.v_data.dtype)
+            p.k[slots] = (
+                cb.k_data.contiguous().view(torch.uint8).reshape(len(slots), *p.k.shape[1:]))
+            p.v[slots] = cb.v_data.contiguous().view(torch.uint8).reshape(len(slots), *p.v.shape[1:])
+            for name, t in p.meta.items():
+                t[slots] = getattr(cb, name).to(t.dtype)
+
+    @property
+    def device(self) -> torch.device | None:
+        return next(iter(self.kv_caches.values())).device if self.kv_caches else None
+
+    def take_report(self) -> ProximaReport | None:
+        rep, self.report = self.report, ProximaReport()
+        rep.timings = self.times.take()
+        return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings or rep.drift
+                       or rep.revoke_mismatches or rep.drift_seconds) else None
+
+    # --- importance -------------------------------------------------------------------------
+
+    def observe(self, req_id: str, mass: torch.Tensor, *, reset: bool) -> None:
+        """Fold one observation into a request's token importance.
+
+        mass: float32 [tokens, H_kv], the attention mass each token got from the observed queries
+        (NaN where the token could not be seen: compressed blocks keep their last value).
+        `reset` (a prefill chunk's observation window) replaces the history of the tokens it saw; decode steps update
+        the moving average, and a token seen for the first time starts at its first mass.
+        """
+        old = self.token_importance.get(req_id)
+        n = mass.shape[0]
+        seen = ~torch.isnan(mass)
+        if old is None:
+            new = torch.where(seen, mass, torch.zeros_like(mass))
+        elif reset:  # unseen tokens (chunks compressed earlier in the prefill) keep their last value
+            kept = torch.zeros_like(mass)
+            m = min(n, old.shape[0])
+            kept[:m] = old[:m]
+            new = torch.where(seen, mass, kept)
+        else:
+            new = torch.zeros_like(mass)
+            m = min(n, old.shape[0])
+            new[:m] = old[:m]
+            upd = torch.full_like(mass, float("nan"))
+            upd[:m] = self.ema_decay * old[:m] + (1 - self.ema_decay) * mass[:m]
+            upd[m:] = mass[m:]
+            new = torch.where(seen, upd, new)
+        self.token_importance[req_id] = new
+        # One number per block for the scheduler: the block's mass (summed over its tokens), folded
+        # over heads as the policy says (`observation.fold_heads`); blocks with no visible token
+        # this step are NaN (the scheduler keeps theirs).
+        b = next(iter(self.kv_caches.values())).shape[2]
+        nb = -(-n // b)
+        pad = torch.zeros(nb * b, new.shape[1])
+        pad[:n] = new
+        per_block = fold_heads(pad.view(nb, b, -1).sum(1), self.aggregate, 1)
+        vis = torch.zeros(nb * b, dtype=torch.bool)
+        vis[:n] = seen.any(1)
+        per_block[~vis.view(nb, b).any(1)] = float("nan")
+        self.report.importance[req_id] = per_block.tolist()
+        self.report.importance_fold = self.aggregate  # how the ranks' reports merge (`merge_reports`)
+
+    def importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor:
+        """[N, B, H] token importance of the actions' blocks (1 where never observed)."""
+        out = torch.ones(len(acts), b, h)
+        for i, a in enumerate(acts):
+            imp = self.token_importance.get(a.req_id)
+            if imp is None:
+                continue
+            seg = imp[a.index * b: (a.index + 1) * b]
+            out[i, : seg.shape[0]] = seg
+        # Weights must stay positive for clustering; ties among unseen tokens break by position.
+        return out.clamp_min(1e-6)
+
+    # --- reader -----------------------------------------------------------------------------
+
+    def read(self, layer: str, fmt: Format, dst: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decompress slots (dst, slot) of a layer: k_hat, v_hat [N, C, H, D] in the cache dtype."""
+        kh, vh, _ = self.read_with_counts(layer, fmt, dst, slot)
+        return kh, vh
+
+    def read_with_counts(self, layer: str, fmt: Format, dst: torch.Tensor, slot: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like `read`, plus log(count) [N, C, H] of each token (cluster centroids; 0 otherwise).
+
+        `fmt` is the format the scheduler chose; this layer's substitute (if any) is read."""
+        fmt = self.layer_format(layer, fmt)
+        p = self.pool(layer, fmt)
+        idx = (dst * fmt.pack_ratio + slot).to(p.k.device)
+        spec = p.spec
+        kdt, vdt = self.dtypes[fmt]
+        cb = CompressedBlocks(
+            fmt, p.k.index_select(0, idx).view(kdt), p.v.index_select(0, idx).view(vdt), head_dim=spec.head_dim,
+            dtype=self.kv_caches[layer].dtype, group_size=spec.group_size, source_tokens=spec.block_size,
+            **{name: t.index_select(0, idx) for name, t in p.meta.items()},
+        )
+        return decompress_blocks(cb, backend=_kernels(p.k))
+

@@ -1,0 +1,206 @@
+"""Admission of a long prompt under chunked prefill, over a real vLLM `KVCacheManager` (no engine).
+
+vLLM admits a request only if its whole prompt fits uncompressed (`scheduler_reserve_full_isl`).
+A policy that compresses finished prompt chunks (`protect.prefilling: false`) replaces that gate
+with the prompt's compressed footprint; a policy that waits for the end of the prefill keeps it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+from proxima.formats import Format
+from proxima.integration.vllm.plan import NO_READER, ProximaReport
+from proxima.integration.vllm.scheduler.ledger import CompressedSlot
+from proxima.integration.vllm.scheduler.manager import ProximaKVCacheManager, install
+from proxima.policy.loader import load_policy
+from proxima.policy.schema import Policy
+
+ROOT = Path(__file__).resolve().parents[4]
+B = 32
+
+
+def _manager(policy: Policy, blocks: int) -> ProximaKVCacheManager:
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    cfg = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    m = install(KVCacheManager(cfg, max_model_len=4096, scheduler_block_size=B, hash_block_size=B,
+                               enable_caching=False), policy)
+    assert m is not None
+    return m
+
+
+def _request(rid: str, tokens: int, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(1, tokens + 1)), SamplingParams(max_tokens=max_tokens), None)
+
+
+@pytest.mark.parametrize("prefilling", [False, True])
+def test_a_long_prompt_is_admitted_on_its_compressed_footprint(prefilling: bool) -> None:
+    policy = load_policy(ROOT / "configs" / "balanced.yaml")
+    policy = policy.model_copy(update={"protect": policy.protect.model_copy(update={"prefilling": prefilling})})
+    m = _manager(policy, blocks=24)  # 23 usable blocks
+    assert m.allocate_slots(_request("resident", 6 * B), 6 * B) is not None  # 6 blocks used, 17 free
+    # 20 blocks of prompt: uncompressed it does not fit. Balanced keeps 1 sink + 2 recent + the
+    # tail hot and stores the rest in int4 (4 per block): 4 + ceil(16 / 4) = 8 blocks.
+    assert m.compressed_footprint(20 * B) == 8
+    got = m.allocate_slots(_request("long", 20 * B), 8 * B, full_sequence_must_fit=True)
+    assert (got is not None) == (not prefilling)
+    # A prompt whose compressed footprint does not fit either waits, and counts as pressure.
+    m2 = _manager(policy, blocks=24)
+    assert m2.allocate_slots(_request("resident", 6 * B), 6 * B) is not None
+    assert m2.compressed_footprint(64 * B) == 4 + 15
+    assert m2.allocate_slots(_request("huge", 64 * B), 8 * B, full_sequence_must_fit=True) is None
+    assert m2.px.waiting_need == (19 + 2 if not prefilling else 8 + 1 + 2)  # footprint or chunk, + reserve
+
+
+def _pressured(policy: Policy, max_tokens: int = 8) -> tuple[ProximaKVCacheManager, Request]:
+    """A resident request that fills most of a small pool, fully prefilled: the engine compresses."""
+    m = _manager(policy, blocks=24)
+    req = _request("a", 18 * B, max_tokens)
+    assert m.allocate_slots(req, 18 * B) is not None
+    req.num_computed_tokens = 18 * B
+    assert m.allocate_slots(req, 1) is not None
+    return m, req
+
+
+def test_a_worker_without_a_reader_turns_compression_off() -> None:
+    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    assert plan.actions  # under pressure: the engine compresses
+    m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions], errors=[NO_READER]))
+    assert m.px.disabled == NO_READER
+    assert not m.build_plan(["a"]).actions and not m.px.pending  # never planned again
+    # ... and admission is vLLM's own again (whole prompt uncompressed).
+    assert m.allocate_slots(_request("long", 20 * B), 8 * B, full_sequence_must_fit=True) is None
+
+
+def test_compressed_blocks_stay_readable_after_the_policy_is_switched_off() -> None:
+    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    assert m.px.ledger["a"].compressed
+    m.set_policy(Policy(enabled=False))  # e.g. PATCH {"enabled": false} through the live API
+    plan = m.build_plan(["a"])
+    # The worker needs the request's key block to route it through the compressed path.
+    assert not plan.actions and list(plan.key_blocks.values()) == ["a"]
+
+
+def test_released_destinations_are_sent_to_be_scrubbed() -> None:
+    """Every destination block the manager gives back to vLLM (request freed, slot released by
+    recompression or failure) is listed once in the next plan, for the worker to zero."""
+    m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    assert plan.actions and not plan.scrub
+    dests = {a.dst for a in plan.actions}
+    # A failed batch releases its destinations at once.
+    m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions]))
+    assert sorted(m.build_plan(["a"]).scrub) == sorted(dests)
+    assert not m.build_plan(["a"]).scrub  # sent once
+    # Committed destinations are released with their request.
+    m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    dests = {d for _, d, _ in m.px.ledger["a"].compressed.values()}
+    assert dests and not m.build_plan(["a"]).scrub
+    dests = {d.block for d in m.px.packer.destinations("a")}  # with any the last plan reserved
+    m.free(req)
+    assert set(m.build_plan([]).scrub) == dests
+
+
+def test_pool_usage_accounts_for_every_block() -> None:
+    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    before = m.pool_usage()
+    assert before == {"resident": 1, "hot": 19, "dest": 0, "dest_fill": 0.0, "free": 23 - 19}
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    u = m.pool_usage()
+    n = len(plan.actions)
+    assert u["hot"] == 19 - n and u["dest"] >= 1 and u["hot"] + u["dest"] + u["free"] == 23
+    slots = sum(d.fmt.pack_ratio for d in m.px.packer.destinations("a"))
+    assert u["dest_fill"] == round(n / slots, 3)
+    assert m.summary()["pool_at_peak"]["resident"] == 1
+
+
+def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
+    """Before any compression the estimate assumes the top band's first format; afterwards, the
+    ratio the resident requests' committed blocks actually reached, capped by the live policy."""
+    policy = load_policy(ROOT / "configs" / "aggressive.yaml")
+    m, _ = _pressured(policy)
+    assert m.achieved_pack_ratio() is None
+    hot = -(-policy.protect.sink_tokens // B) + -(-policy.protect.recent_tokens // B) + 1  # + the tail
+    first = policy.bands[-1].ladder[0].pack_ratio  # int4: 4
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // first)
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    st = m.px.ledger["a"]
+    assert len(st.compressed) >= 4
+    # Pretend the engine reached one 16x block for every 8x one (about 10.7x).
+    for i, (idx, (_, dst, slot)) in enumerate(sorted(st.compressed.items())):
+        st.compressed[idx] = CompressedSlot(Format.parse("cluster(4)+int4" if i % 2 else "cluster(2)+int4"), dst, slot)
+    n = len(st.compressed)
+    ratio = m.achieved_pack_ratio()
+    assert ratio == pytest.approx(n / (-(-n // 2) / 8 + (n // 2) / 16)) and ratio > 8
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // ratio) < hot + -(-(20 - hot) // first)
+    # A policy switched live to int8 only cannot reach that ratio: the estimate follows the policy.
+    m.set_policy(load_policy(ROOT / "configs" / "conservative.yaml").model_copy(update={"bands": [
+        b.model_copy(update={"ladder": [Format.parse("int8")]}) for b in policy.bands]}))
+    prot = m.px.policy.protect
+    hot = -(-prot.sink_tokens // B) + -(-prot.recent_tokens // B) + 1
+    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // 2)
+
+
+def test_a_request_sampling_its_last_token_is_not_compressed() -> None:
+    """vLLM frees a request that finishes in a step before it applies that step's connector
+    report: compressing its blocks would be wasted work (and its destinations a scrub). Only
+    the regular plan skips it: an emergency (its own allocation failing) still may compress it."""
+    balanced = load_policy(ROOT / "configs" / "balanced.yaml")
+    for max_tokens, last in ((2, True), (3, False)):
+        m, req = _pressured(balanced, max_tokens=max_tokens)
+        req.append_output_token_ids(7)  # decoding its second token: the last one if max_tokens == 2
+        assert req.num_computed_tokens == req.num_tokens - 1
+        assert bool(m.build_plan(["a"]).actions) != last
+        if last:
+            assert m._plan(pending_blocks=4) > 0  # the emergency path
+
+
+def test_side_tables_charged_to_the_pool_hold_back_their_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PROXIMA_SIDE_TABLES_IN_POOL=1 the manager holds exactly the pool blocks the live side
+    tables (committed and in-flight slots) fill; owned + free still equals the pool; the blocks
+    go back with the request."""
+    from proxima.integration.vllm.scheduler.side_tables import IN_POOL_ENV, blocks_needed
+
+    monkeypatch.setenv(IN_POOL_ENV, "1")
+    m, req = _pressured(load_policy(ROOT / "configs" / "aggressive.yaml"))
+    assert m.px.charge.enabled and not m.px.charge.held
+    free_before = m.block_pool.get_num_free_blocks()
+    plan = m.build_plan(["a"])
+    assert plan.actions
+    in_flight = m.side_table_bytes()
+    assert in_flight > 0 and len(m.px.charge.held) == blocks_needed(in_flight, m.px.meta.block_bytes)
+    m.check_accounting()
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    side = m.px.meta.side_table_bytes(m.px.ledger)
+    need = blocks_needed(side, m.px.meta.block_bytes)
+    assert need >= 1 and len(m.px.charge.held) == need
+    u = m.pool_usage()
+    assert u["side"] == need and u["hot"] + u["dest"] + u["free"] + u["side"] == 23
+    m.check_accounting()
+    assert m.summary()["side_table_held_peak_blocks"] >= need
+    assert m.block_pool.get_num_free_blocks() < free_before + len(plan.actions)  # the charge is paid
+    m.free(req)
+    m.build_plan([])
+    assert not m.px.charge.held and m.block_pool.get_num_free_blocks() == 23
+    m.check_accounting()
+
+
+def test_side_tables_are_not_charged_by_default() -> None:
+    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    plan = m.build_plan(["a"])
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    assert m.px.meta.side_table_bytes(m.px.ledger) > 0 and not m.px.charge.held and "side" not in m.pool_usage()

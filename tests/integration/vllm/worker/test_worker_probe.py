@@ -1,0 +1,145 @@
+"""The worker's live policy and its compression-time probe, on a fake vLLM CPU KV tensor (no engine: fast)."""
+
+from __future__ import annotations
+
+import torch
+
+from proxima.compression.attention import attention_error
+from proxima.compression.blocks import compress_blocks
+from proxima.formats import Format
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.worker.layer_formats import StoredFormat
+from proxima.integration.vllm.worker.store import WorkerStore
+from proxima.policy.loader import parse_policy
+from proxima.policy.schema import Policy
+
+NB, H, B, D, HQ = 12, 3, 32, 64, 9
+TOL = {"int8": 0.02, "fp8": 0.08, "int4": 0.2}
+
+BASE = """
+schema_version: 1
+name: t
+bands:
+  - {name: always, enter: 0.02, exit: 0.01, target_free: 0.99, ladder: [int2, int8]}
+protect: {sink_tokens: 0, recent_tokens: 0}
+"""
+OVERRIDE = "layer_overrides:\n  - layers: [0]\n    substitute: {int8: fp8}\n"
+
+
+def _policy(extra: str = "") -> Policy:
+    return parse_policy(BASE + extra)
+
+
+def _store(policy: Policy) -> tuple[WorkerStore, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    caches = {f"layer.{i}": torch.randn(NB, H, B, 2 * D).to(torch.bfloat16) for i in range(2)}
+    st = WorkerStore()
+    st.register(caches, policy)
+    return st, caches
+
+
+def _rel(st: WorkerStore, kv: torch.Tensor, layer: str, fmt: Format, dst: int, slot: int, src: int) -> float:
+    kh, _ = st.read(layer, fmt, torch.tensor([dst]), torch.tensor([slot]))
+    assert st.layout is not None
+    k = st.layout.read_blocks(kv, torch.tensor([src]))[0][0].float()
+    return float((kh[0].float() - k).norm() / k.norm())
+
+
+def test_policy_sent_with_the_plan_is_applied_before_its_work() -> None:
+    st, _ = _store(_policy("importance: {observation_window: 32}\n"))
+    assert st.observation_window == 32 and st.policy_version == 0
+    new = _policy("importance: {observation_window: 8, ema_decay: 0.5, aggregate: mean}\n")
+    st.apply(ProximaPlan(policy_version=3, policy=new))
+    assert (st.observation_window, st.ema_decay, st.aggregate, st.policy_version) == (8, 0.5, "mean", 3)
+    assert st.recent_queries.window == 8
+    st.apply(ProximaPlan(policy_version=3))  # later plans carry only the version
+    assert st.policy is new
+
+
+def test_removing_a_layer_override_live_keeps_old_blocks_readable_and_recompressible() -> None:
+    """Blocks written while layer 0 substituted fp8 for int8 keep that encoding; new blocks use
+    the new table; recompressing an old block reads it with the table it was written with."""
+    st, caches = _store(_policy(OVERRIDE + "probes: {compression: {enabled: false}}\n"))
+    before = {k: v.clone() for k, v in caches.items()}
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")]))
+    live = _policy("probes: {compression: {enabled: false}}\n")  # the override is gone
+    st.apply(ProximaPlan(policy_version=2, policy=live,
+                         actions=[CompressAction(1, "r", 1, src=2, dst=10, slot=1, fmt="int8")]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [0, 1] and not rep.failed
+    old, new = st.remap["r"][0][0], st.remap["r"][1][0]
+    assert old == Format.parse("int8") and isinstance(new, StoredFormat) and new.name == "int8"
+    assert st.layer_format("layer.0", old) == Format.parse("fp8") and st.layer_format("layer.0", new).name == "int8"
+    for layer, kv in before.items():
+        # fp8 is lossier than int8: the old block in layer 0 reads back as fp8 (at fp8's error).
+        err_old = _rel(st, kv, layer, old, 10, 0, 1)
+        assert err_old < TOL["fp8" if layer == "layer.0" else "int8"], (layer, err_old)
+        assert _rel(st, kv, layer, new, 10, 1, 2) < TOL["int8"]
+    assert _rel(st, before["layer.0"], "layer.0", old, 10, 0, 1) > TOL["int8"]  # it really is fp8
+    # Recompress both into int4: the worker reads each with its own table.
+    st.apply(ProximaPlan(actions=[
+        CompressAction(2, "r", 0, src=-1, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10, from_slot=0),
+        CompressAction(3, "r", 1, src=-1, dst=11, slot=1, fmt="int4", from_fmt="int8", from_dst=10, from_slot=1),
+    ]))
+    rep = st.take_report()
+    assert rep is not None and sorted(rep.ok) == [2, 3] and not rep.failed, rep.errors
+    for layer, kv in before.items():
+        for index, src in ((0, 1), (1, 2)):
+            fmt, dst, slot = st.remap["r"][index]
+            assert _rel(st, kv, layer, fmt, dst, slot, src) < TOL["int4"]
+
+
+def _queries(st: WorkerStore, rid: str, n: int = 16) -> torch.Tensor:
+    q = torch.randn(n, HQ, D).to(torch.bfloat16)
+    st.recent_queries.add(rid, q, D ** -0.5)
+    return q
+
+
+def test_probe_refuses_a_format_over_its_bound_and_names_the_milder_one() -> None:
+    st, caches = _store(_policy())
+    q = _queries(st, "r")
+    _queries(st, "s")
+    before = {k: v.clone() for k, v in caches.items()}
+    acts = [CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int2"),
+            CompressAction(1, "s", 0, src=2, dst=11, slot=0, fmt="int8"),
+            CompressAction(2, "new", 0, src=3, dst=11, slot=1, fmt="int8")]  # no queries yet: deferred
+    st.apply(ProximaPlan(actions=acts))
+    rep = st.take_report()
+    assert rep is not None
+    # r: int2 over the bound, int8 within; new: not measurable yet, so not written (planned again).
+    assert rep.rejected == {0: "int8", 2: "int8"} and rep.ok == [1] and not rep.failed
+    assert "r" not in st.remap and "s" in st.remap and "new" not in st.remap
+    assert all(torch.equal(before[k][10], caches[k][10]) for k in caches)  # the refused block wrote nothing
+    assert rep.probe_measured == 2 and rep.probe_refused == 1 and rep.probe_seconds > 0
+    errs = dict(rep.probe_errors)
+    bound = st.policy.probes.compression  # type: ignore[union-attr]
+    assert errs["int2"] > bound.bound(Format.parse("int2")) and errs["int8"] < bound.bound(Format.parse("int8"))
+    assert [f for f, _ in rep.probe_errors] == ["int2", "int8", "int8"]  # r: int2 then int8; s: int8
+    # The number is the one implementation's: attention_error over the observed layer's block.
+    assert st.layout is not None and st.observe_layer == "layer.1"
+    k, v = st.layout.read_blocks(before["layer.1"], torch.tensor([1]))
+    cb = compress_blocks(Format.parse("int2"), k.contiguous(), v.contiguous(), backend="torch")
+    assert abs(errs["int2"] - attention_error(q, k[0], v[0], cb, sm_scale=D ** -0.5)) < 1e-4
+
+
+def test_probe_can_leave_a_block_hot_and_reports_merge_across_ranks() -> None:
+    st, _ = _store(_policy("probes: {compression: {max_error: {int8: 1.0e-6}, default_max_error: 1.0e-6}}\n"))
+    _queries(st, "r")
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int2")]))
+    rep = st.take_report()
+    assert rep is not None and rep.rejected == {0: ""} and not rep.ok  # nothing within the bound: stays hot
+    assert rep.probe_refused == 1
+    merged = ProximaReport(ok=[1, 2], rejected={0: ""}).aggregate(ProximaReport(ok=[0, 1], rejected={2: "int8"}))
+    assert isinstance(merged, ProximaReport)
+    assert merged.ok == [1] and merged.rejected == {0: "", 2: "int8"}
+
+
+def test_recent_queries_keep_the_newest_window() -> None:
+    st, _ = _store(_policy("importance: {observation_window: 4}\n"))
+    a = torch.arange(3 * HQ * D, dtype=torch.float32).view(3, HQ, D)
+    st.recent_queries.add("r", a, 0.1)
+    st.recent_queries.add("r", a[:2] + 1000, 0.1)
+    got = st.recent_queries.get("r")
+    assert got is not None and torch.equal(got, torch.cat([a[1:], a[:2] + 1000])[-4:])
+    st.apply(ProximaPlan(dropped=["r"]))
+    assert st.recent_queries.get("r") is None

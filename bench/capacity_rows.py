@@ -8,7 +8,7 @@ one workload (`capacity.Workload`) and one KV byte budget (`kv_budget.equal_memo
                            vLLM's `kv_cache_dtype` fp8 / int8_per_token_head / int4_per_token_head,
                            with the blocks the same bytes hold in that dtype
   off                      Proxima loaded, policy `off` (its overhead alone)
-  <policy>                 configs/<policy>.yaml, side tables charged to the pool
+  <policy>                 proxima/policies/<policy>.yaml, side tables charged to the pool
                            (`side_tables.py`, PROXIMA_SIDE_TABLES_IN_POOL=1)
 
 Every row is measured the same way, by vLLM's own per-step scheduler stats (a stat logger in the
@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.kv_budget import VLLM_KV_DTYPES, KVShape, Pool, equal_memory_pools
-from proxima.integration.vllm.serve.demo_workload import CONFIGS_DIR, Workload, _text, engine_args, prompt_scores
+from proxima.integration.vllm.serve.demo_workload import Workload, _text, engine_args, prompt_scores
+from proxima.policies import policy_path
 
 ROWS = ("vanilla", "vllm_fp8", "vllm_int8_pth", "vllm_int4_pth", "off", "conservative", "balanced", "aggressive")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
@@ -62,7 +63,7 @@ def row_env(row: str, base: dict[str, str], stats_file: str) -> dict[str, str]:
     for k in ("PROXIMA_POLICY", "PROXIMA_STATS_FILE"):
         env.pop(k, None)
     if row not in VLLM_KV_DTYPES:
-        policy = Path(row) if Path(row).exists() else CONFIGS_DIR / f"{row}.yaml"
+        policy = policy_path(row)
         if not policy.exists():
             raise ValueError(f"row {row!r}: neither one of {', '.join(ROWS)} nor a policy file ({policy} missing)")
         env["PROXIMA_POLICY"] = str(policy)

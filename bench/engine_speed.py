@@ -61,7 +61,7 @@ def make_snapshot(n_blocks: int, seed: int = 0, block_size: int = 16, per_reques
 
 
 def time_decide(snap: Snapshot, policy_name: str, repeats: int) -> tuple[float, float, int]:
-    policy = load_policy(ROOT / "configs" / f"{policy_name}.yaml")
+    policy = load_policy(ROOT / "proxima" / "policies" / f"{policy_name}.yaml")
     state = EngineState()
     decide(snap, policy, state)  # warm up
     times = []

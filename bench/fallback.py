@@ -18,7 +18,7 @@ directly). Prompts are news text (gensim's `lee_background.cor`, as `bench/capac
    c. pressure requests until the ladder steps down by itself: engine steps and seconds from the
       rollback (`steps_to_step_down`, `seconds_to_step_down`), and whether the webhook got the alert;
    d. the scoring prompts again, admitted after the step-down, under pressure (`nll_after_step_down`).
-2. **good**: `configs/conservative.yaml` with every probe on (compression-time, canary every
+2. **good**: `proxima/policies/conservative.yaml` with every probe on (compression-time, canary every
    10 s, drift with a 10% holdout and windows of 10 requests) under memory pressure for
    `--requests` requests: the ladder's step downs are false alarms (`false_alarms`).
 3. **cost**: `--cost-repeats` pairs of runs of `--cost-requests` requests, alternating the same
@@ -84,7 +84,7 @@ COST_CONFIGS = {
     "canary": (False, CANARY_AGGRESSIVE),
     "drift": (False, DRIFT_AGGRESSIVE),
 }
-"""The cost runs' policies: `configs/conservative.yaml` with these probes (`--cost-configs`)."""
+"""The cost runs' policies: `proxima/policies/conservative.yaml` with these probes (`--cost-configs`)."""
 COST_LABELS = {
     "off": "every probe off",
     "default": "every probe on, shipped defaults (canary every 300 s, 2% holdout)",
@@ -407,7 +407,7 @@ def _run_child(kind: str, policy: Path, argv: list[str], tmp: Path, tag: str = "
 
 
 def _conservative_with(conservative: str, compression: bool, extra: str) -> str:
-    """`configs/conservative.yaml` with its compression-time probe on or off and `extra` (canary /
+    """`proxima/policies/conservative.yaml` with its compression-time probe on or off and `extra` (canary /
     drift blocks) appended to its probes."""
     head, sep, tail = conservative.partition("probes:\n")
     assert sep and "  canary:" not in tail and "  drift:" not in tail
@@ -681,7 +681,7 @@ def main() -> None:
     bad.write_text(BAD_POLICY.format(probes="true", canary="false", webhook=webhook))
     # The contrast: no compression-time probe; the canary alone watches the policy.
     bad_off.write_text(BAD_POLICY.format(probes="false", canary="true", webhook=webhook))
-    conservative = (ROOT / "configs" / "conservative.yaml").read_text()
+    conservative = (ROOT / "proxima" / "policies" / "conservative.yaml").read_text()
     good_on = tmp / "conservative-probes-on.yaml"
     good_on.write_text(_conservative_with(conservative, True, PROBES_ON))
     configs = [c.strip() for c in a.cost_configs.split(",") if c.strip()]

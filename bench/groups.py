@@ -44,7 +44,7 @@ QUANTS = ("int8", "int4", "int2")
 GROUPS = (32, 64, 128)
 """Plus head_dim, which at head_dim 64 / 128 is one of these already."""
 PROBE_BOUNDS = {"int8": 0.05, "int4": 0.25, "int2": 0.35}
-"""The shipped compression-probe bounds (configs/balanced.yaml `probes.compression.max_error`)."""
+"""The shipped compression-probe bounds (proxima/policies/balanced.yaml `probes.compression.max_error`)."""
 TEST_BOUNDS = {"int8": 0.01, "int4": 0.08, "int2": 0.4}
 """The synthetic-KV bounds tests/compression/test_attention.py asserts at group 32."""
 

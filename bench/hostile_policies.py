@@ -31,7 +31,7 @@ from proxima.api.server import simulated
 from proxima.policy.loader import PolicyError, load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
-BALANCED = (ROOT / "configs" / "balanced.yaml").read_text()
+BALANCED = (ROOT / "proxima" / "policies" / "balanced.yaml").read_text()
 AUTH = {"Authorization": "Bearer bench"}
 
 
@@ -77,7 +77,7 @@ def _load(path: Path) -> str:
 
 def main() -> None:
     srv = simulated(
-        load_policy(ROOT / "configs" / "balanced.yaml"),
+        load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"),
         tokens=TokenSource(None, "T", environ={"T": "bench"}.get),
         registry=CollectorRegistry(),
     )

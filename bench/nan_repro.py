@@ -8,7 +8,7 @@ prompt from token 97 on, with the numba fill or the torch fill, with or without 
 Session 4, after the destination scrub (`ProximaPlan.scrub`), f232447: four finite scores (7 chunks
 compressed during prefill; prompt 3: 3.5561 nats vs 3.5551 under `off`, the others equal).
 
-    PROXIMA_POLICY=configs/conservative.yaml VLLM_CPU_KVCACHE_SPACE=1 \\
+    PROXIMA_POLICY=proxima/policies/conservative.yaml VLLM_CPU_KVCACHE_SPACE=1 \\
         .venv/bin/python bench/nan_repro.py OUT.json 40
 """
 

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
+CONFIGS = ROOT / "proxima" / "policies"
 MODEL_NAME = "smollm2"
 TOKEN = "soak-" + os.urandom(8).hex()
 READY_TIMEOUT_S = 900.0

@@ -41,7 +41,7 @@ PAIRS = [("vanilla-1", "vanilla-3", "vLLM: 1 vs 3 ranks"), ("vanilla-3", "off-3"
 
 
 def _configs() -> dict[str, dict[str, str]]:
-    off = {"PROXIMA_POLICY": str(ROOT / "configs" / "off.yaml")}
+    off = {"PROXIMA_POLICY": str(ROOT / "proxima" / "policies" / "off.yaml")}
     return {
         "vanilla-1": {**ONE_THREAD, "PROXIMA_ENGINE_ARGS": json.dumps({"tensor_parallel_size": 1})},
         "vanilla-3": {**ONE_THREAD, "PROXIMA_ENGINE_ARGS": json.dumps({"tensor_parallel_size": 3})},

@@ -73,7 +73,7 @@ def version() -> None:
 
 @app.command()
 def validate(
-    files: Annotated[list[Path], typer.Argument(help="Policy files to check.")],
+    files: Annotated[list[Path], typer.Argument(help="Policy files (or shipped policies' names) to check.")],
 ) -> None:
     """Check policy files; print every problem as FILE:LINE:COL: field: message. Exit 2 on any error."""
     bad = 0
@@ -99,7 +99,7 @@ def policy_schema() -> None:
 
 @app.command()
 def simulate(
-    policy: Annotated[Path, typer.Option(help="Policy file to simulate against vanilla.")],
+    policy: Annotated[Path, typer.Option(help="Policy file (or a shipped policy's name) to simulate against vanilla.")],
     trace: Annotated[
         Path | None, typer.Option(help="JSONL trace (one request per line) instead of the synthetic workload.")
     ] = None,

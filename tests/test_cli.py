@@ -10,7 +10,7 @@ runner = CliRunner()
 
 
 def test_validate_shipped_configs() -> None:
-    res = runner.invoke(app, ["validate", *[str(p) for p in sorted((ROOT / "configs").glob("*.yaml"))]])
+    res = runner.invoke(app, ["validate", *[str(p) for p in sorted((ROOT / "proxima" / "policies").glob("*.yaml"))]])
     assert res.exit_code == 0, res.output
     assert "balanced.yaml: ok" in res.output
 
@@ -18,7 +18,7 @@ def test_validate_shipped_configs() -> None:
 def test_validate_wrong_type_reports_file_line_and_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     text = (
-        (ROOT / "configs" / "balanced.yaml")
+        (ROOT / "proxima" / "policies" / "balanced.yaml")
         .read_text()
         .replace("max_blocks_per_step: 1024", "max_blocks_per_step: lots")
     )
@@ -43,7 +43,7 @@ def test_policy_schema_is_json() -> None:
 
 
 def test_simulate_json_meets_headline_on_default_workload() -> None:
-    res = runner.invoke(app, ["simulate", "--policy", str(ROOT / "configs" / "balanced.yaml"), "--seed", "0", "--json"])
+    res = runner.invoke(app, ["simulate", "--policy", "balanced", "--seed", "0", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert data["policy"]["peak_resident_requests"] >= 2 * data["baseline"]["peak_resident_requests"]
@@ -57,7 +57,7 @@ def test_simulate_plot(tmp_path: Path) -> None:
         [
             "simulate",
             "--policy",
-            str(ROOT / "configs" / "conservative.yaml"),
+            str(ROOT / "proxima" / "policies" / "conservative.yaml"),
             "--requests",
             "16",
             "--total-blocks",
@@ -73,7 +73,7 @@ def test_simulate_plot(tmp_path: Path) -> None:
 def test_simulate_bad_trace(tmp_path: Path) -> None:
     tr = tmp_path / "t.jsonl"
     tr.write_text("not json\n")
-    res = runner.invoke(app, ["simulate", "--policy", str(ROOT / "configs" / "balanced.yaml"), "--trace", str(tr)])
+    res = runner.invoke(app, ["simulate", "--policy", "balanced", "--trace", str(tr)])
     assert res.exit_code == 2 and "invalid JSON" in res.output
 
 

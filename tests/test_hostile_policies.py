@@ -38,7 +38,7 @@ from proxima.policy.reader import MAX_DEPTH, MAX_POLICY_BYTES
 from proxima.policy.store import FileWatcher
 
 ROOT = Path(__file__).resolve().parents[1]
-BALANCED = (ROOT / "configs" / "balanced.yaml").read_text()
+BALANCED = (ROOT / "proxima" / "policies" / "balanced.yaml").read_text()
 TOKEN = "hostile-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TIMEOUT_S = 30.0
@@ -205,7 +205,7 @@ def test_cli(case: FileCase, command: str, policy_files: dict[str, Path], no_ser
 @pytest.fixture
 def server() -> Iterator[SimulatedServer]:
     srv = simulated(
-        load_policy(ROOT / "configs" / "balanced.yaml"),
+        load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"),
         tokens=TokenSource(None, "PROXIMA_API_TOKEN", environ={"PROXIMA_API_TOKEN": TOKEN}.get),
         registry=CollectorRegistry(),
     )

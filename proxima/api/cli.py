@@ -101,7 +101,7 @@ def register(app: typer.Typer) -> None:
     @api_app.command("serve")
     def serve(
         simulate: Annotated[bool, typer.Option("--simulate", help="Serve over the simulator (no vLLM).")] = False,
-        policy: Annotated[Path, typer.Option(help="Initial policy file.")] = Path("configs/balanced.yaml"),
+        policy: Annotated[Path, typer.Option(help="Initial policy file.")] = Path("proxima/policies/balanced.yaml"),
         host: Annotated[str | None, typer.Option(help="Bind address (default: the policy's api.host).")] = None,
         port: Annotated[int | None, typer.Option(help="Port (default: the policy's api.port).")] = None,
         seed: Annotated[int, typer.Option(help="Simulated workload seed.")] = 0,

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from proxima.policies import POLICY_DIR
 from proxima.policy.reader import ReadError, read_bounded, read_yaml
 from proxima.policy.schema import Policy
 
@@ -152,8 +153,13 @@ def parse_policy(text: str | bytes, source: str = "<policy>") -> Policy:
 
 
 def load_policy(path: str | Path) -> Policy:
-    """Read and validate a policy file (never more than `MAX_POLICY_BYTES` of it)."""
+    """Read and validate a policy file (never more than `MAX_POLICY_BYTES` of it).
+
+    `path` may also name a shipped policy (`balanced`): a bare name that is not a file is looked up
+    in `proxima.policies`, the package data every install carries."""
     p = Path(path)
+    if not p.exists() and p.name == str(path) and not p.suffix and (POLICY_DIR / f"{p.name}.yaml").is_file():
+        p = POLICY_DIR / f"{p.name}.yaml"
     try:
         data = read_bounded(p)
     except ReadError as exc:

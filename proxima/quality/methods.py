@@ -30,17 +30,17 @@ import torch
 
 from proxima.formats import Format
 from proxima.integration.hf import ProximaCache
+from proxima.policies import POLICY_DIR
 from proxima.policy.loader import load_policy
 from proxima.policy.schema import Policy
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "bench" / "policies"
 """Candidate policies measured by bench/quality.py but not shipped (`proxima:<name>@<r>x` too)."""
 
 
 def policy_path(name: str) -> Path:
-    """A shipped policy (configs/) or an experimental one (bench/policies/)."""
-    shipped = CONFIGS / f"{name}.yaml"
+    """A shipped policy (package data) or an experimental one (bench/policies/)."""
+    shipped = POLICY_DIR / f"{name}.yaml"
     return shipped if shipped.exists() else EXPERIMENTS / f"{name}.yaml"
 SINKS = 4
 """StreamingLLM's attention sinks (tokens)."""

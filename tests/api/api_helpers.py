@@ -17,7 +17,7 @@ from proxima.policy.loader import load_policy
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "proxima" / "policies"
 
 
 @dataclass

@@ -34,7 +34,7 @@ def test_serve_simulate_end_to_end() -> None:
             "--port",
             str(port),
             "--policy",
-            str(ROOT / "configs" / "balanced.yaml"),
+            str(ROOT / "proxima" / "policies" / "balanced.yaml"),
         ],
         cwd=ROOT,
         env=env,
@@ -76,7 +76,7 @@ def test_serve_simulate_end_to_end() -> None:
 def test_serve_watch_reports_bad_files_and_takes_the_next_valid_edit(tmp_path: Path) -> None:
     """`api serve --watch` as a real process: a non-UTF-8 file, then a deeply nested one, then a fix."""
     policy = tmp_path / "live.yaml"
-    text = (ROOT / "configs" / "balanced.yaml").read_text()
+    text = (ROOT / "proxima" / "policies" / "balanced.yaml").read_text()
     policy.write_text(text)
     port = _free_port()
     proc = subprocess.Popen(

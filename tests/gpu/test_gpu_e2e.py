@@ -121,7 +121,7 @@ def runs() -> dict[str, dict]:
             "PROXIMA_DEBUG": "read-sources", "PROXIMA_DEBUG_FILE": str(tmp / "read_sources-debug.json"),
         }, {"num_gpu_blocks_override": 1000}, 0),  # (no block reused: sources stay intact)
     }
-    balanced = {"PROXIMA_POLICY": str(ROOT / "configs" / "balanced.yaml"), "PROXIMA_CHECK_ACCOUNTING": "1"}
+    balanced = {"PROXIMA_POLICY": str(ROOT / "proxima" / "policies" / "balanced.yaml"), "PROXIMA_CHECK_ACCOUNTING": "1"}
     # Alone on the GPU, one after the other: their tokens/s compare eager with CUDA graphs, and
     # vLLM's memory profiling (CUDA graphs) fails while other engines allocate or release memory.
     alone = {

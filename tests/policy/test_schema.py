@@ -7,7 +7,7 @@ from proxima.formats import Format
 from proxima.policy.loader import PolicyError, dump_policy, load_policy, parse_policy
 from proxima.policy.schema import Policy
 
-CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "proxima" / "policies").glob("*.yaml"))
 
 GOOD = """\
 schema_version: 1

@@ -6,7 +6,7 @@ import pytest
 from proxima.policy.loader import PolicyError, load_policy
 from proxima.policy.store import FileWatcher, PolicyStore, merge_patch
 
-CONFIGS = Path(__file__).parents[2] / "configs"
+CONFIGS = Path(__file__).parents[2] / "proxima" / "policies"
 
 
 @pytest.fixture

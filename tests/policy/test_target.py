@@ -15,7 +15,7 @@ from proxima.policy.loader import load_policy
 from proxima.policy.snapshot import RequestBlocks
 
 ROOT = Path(__file__).resolve().parents[2]
-AGGRESSIVE = load_policy(ROOT / "configs" / "aggressive.yaml")
+AGGRESSIVE = load_policy(ROOT / "proxima" / "policies" / "aggressive.yaml")
 B = 64
 
 

@@ -17,7 +17,7 @@ from proxima.quality import harness, methods, report
 from proxima.quality.datasets import NeedleSample, TextSample
 
 ALL = methods.all_methods()
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "proxima" / "policies"
 
 
 class _Tok:

@@ -65,7 +65,7 @@ def test_smollm2_end_to_end():
                 out.append(int(nxt))
                 nxt = model(nxt, past_key_values=c).logits[0, -1].argmax().view(1, 1)
             assert sample.answer in tok.decode(out)
-    gen_cache = ProximaCache("configs/aggressive.yaml", block_size=64, capacity_blocks=6)
+    gen_cache = ProximaCache("proxima/policies/aggressive.yaml", block_size=64, capacity_blocks=6)
     out = model.generate(ctx[:, :400], past_key_values=gen_cache, max_new_tokens=8, do_sample=False)
     assert out.shape == (1, 408)
     assert any(not f.is_hot for f in gen_cache.block_formats())

@@ -11,6 +11,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
+from proxima.policies import POLICY_DIR
 from proxima.quality import datasets, vllm_harness
 from proxima.quality.vllm_harness import FORCED_ARG, ForcedTokens
 
@@ -217,7 +218,7 @@ def test_an_engine_past_its_timeout_keeps_its_log(tmp_path: Path) -> None:
     at its timeout while it is still importing vLLM, is reported as such, naming the log it
     streamed to (what a child printed there before a kill is checked by
     `test_a_child_past_its_timeout_leaves_its_output_in_the_log`)."""
-    job = vllm_harness.Job(model=str(tmp_path / "no-model"), policy=str(ROOT / "configs" / "off.yaml"), methods=[],
+    job = vllm_harness.Job(model=str(tmp_path / "no-model"), policy=str(POLICY_DIR / "off.yaml"), methods=[],
                            text=[], needles=[], settings=["after"])
     log = tmp_path / "engines" / "off.log"
     with pytest.raises(RuntimeError, match=r"ran past 2s and was killed \(log: .*off\.log\)"):

@@ -8,7 +8,7 @@ from proxima.simulator.report import compare
 from proxima.simulator.sim import PoolConfig, SimulationError, Simulator
 from proxima.simulator.workload import RequestSpec, TraceError, WorkloadConfig, load_trace, synthetic
 
-CONFIGS = Path(__file__).parents[2] / "configs"
+CONFIGS = Path(__file__).parents[2] / "proxima" / "policies"
 SMALL = PoolConfig(total_blocks=256, block_size=16)
 WL = WorkloadConfig(num_requests=24, prompt_min=256, prompt_max=512, output_min=32, output_max=96)
 

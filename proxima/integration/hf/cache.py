@@ -1,7 +1,7 @@
 """`ProximaCache`: a transformers `Cache` that stores KV in Proxima's block formats.
 
     model = proxima.integration.hf.enable(model)          # attention that reads compressed blocks
-    cache = ProximaCache(policy="configs/balanced.yaml", capacity_blocks=24)
+    cache = ProximaCache(policy="proxima/policies/balanced.yaml", capacity_blocks=24)
     model.generate(**inputs, past_key_values=cache)
 
 Layout per layer (why: the same logical blocks as vLLM, so the policy engine sees the same thing):

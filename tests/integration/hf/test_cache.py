@@ -142,7 +142,7 @@ def _without_compression_probe(path: str):  # type: ignore[no-untyped-def]
 def test_policy_engine_reaches_target_ratio(model, ids):
     enable(model)
     # A random model's attention is flat, so int4 errors exceed the shipped probe bounds: probes off here.
-    policy = _without_compression_probe("configs/balanced.yaml")
+    policy = _without_compression_probe("proxima/policies/balanced.yaml")
     cache = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=cache)
     rep = cache.apply_policy(target_ratio=4)
@@ -161,7 +161,7 @@ def test_policy_engine_reaches_target_ratio(model, ids):
 @torch.no_grad()
 def test_generate_with_pressure_driven_policy(model, ids):
     enable(model)
-    policy = load_policy("configs/aggressive.yaml")
+    policy = load_policy("proxima/policies/aggressive.yaml")
     cache = ProximaCache(policy, block_size=16, capacity_blocks=6, record_probes=True)
     out = model.generate(ids[:, :100], past_key_values=cache, max_new_tokens=30, do_sample=False)
     assert out.shape == (1, 130)
@@ -268,7 +268,7 @@ def test_policy_asked_for_more_recompresses_merged_blocks(model, ids):
     """The engine, asked for 5x then 10x, moves blocks it already merged to 16x or 32x formats
     (before, merged blocks were final and the second request stopped short)."""
     enable(model)
-    policy = _without_compression_probe("configs/aggressive.yaml")
+    policy = _without_compression_probe("proxima/policies/aggressive.yaml")
     cache = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=cache)
     cache.apply_policy(target_ratio=5)
@@ -348,7 +348,7 @@ def test_target_ratio_is_reached_in_bytes(model, ids, monkeypatch):
     from proxima.policy import target
 
     enable(model)
-    policy = _without_compression_probe("configs/aggressive.yaml")
+    policy = _without_compression_probe("proxima/policies/aggressive.yaml")
     base = ProximaCache(policy, block_size=16)
     model(ids, past_key_values=base)
     one_round = copy.deepcopy(base)
@@ -371,7 +371,7 @@ def test_group_size_comes_from_the_policy_unless_given() -> None:
 
     from proxima.policy.schema import Storage
 
-    base = load_policy(Path(__file__).resolve().parents[3] / "configs" / "balanced.yaml")
+    base = load_policy(Path(__file__).resolve().parents[3] / "proxima" / "policies" / "balanced.yaml")
     lean = base.model_copy(update={"storage": Storage(group_size=64)})
     torch.manual_seed(0)
     k, v = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
@@ -399,7 +399,7 @@ def test_importance_and_the_probe_read_the_observed_layer_only(model, ids) -> No
     from proxima.observation import observed_layer
 
     enable(model)
-    base = ProximaCache(_without_compression_probe("configs/aggressive.yaml"), block_size=16)
+    base = ProximaCache(_without_compression_probe("proxima/policies/aggressive.yaml"), block_size=16)
     model(ids, past_key_values=base)
     seen, other = observed_layer(len(base.layers)), 0
     assert seen != other

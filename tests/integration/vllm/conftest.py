@@ -42,7 +42,7 @@ for _name in REQUIRED[1:]:
 
 # --- a worker process's Proxima connector, as vLLM sets it up ----------------------------------
 
-OFF_POLICY = Path(__file__).resolve().parents[3] / "configs" / "off.yaml"
+OFF_POLICY = Path(__file__).resolve().parents[3] / "proxima" / "policies" / "off.yaml"
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ A policy whose only band stores int2 is served under memory pressure with the co
 probe on: the probe refuses the int2 blocks, its verdicts step the ladder down by themselves, the
 alert reaches a webhook receiver the bench serves on 127.0.0.1, and the prompts admitted after the
 step down score as vanilla does. Then the same bad policy with the probe off and canaries on, and
-`configs/conservative.yaml` over a couple of hundred requests, which must never step down. The full run is the benchmark
+`proxima/policies/conservative.yaml` over a couple of hundred requests, which must never step down. The full run is
+the benchmark
 (`bench/results/fallback-cpu.json`); tokens/s are reported there, not asserted.
 """
 

@@ -14,7 +14,7 @@ from proxima.policy.loader import load_policy
 from proxima.policy.schema import Policy
 
 ROOT = Path(__file__).resolve().parents[3]
-BALANCED = load_policy(ROOT / "configs" / "balanced.yaml")
+BALANCED = load_policy(ROOT / "proxima" / "policies" / "balanced.yaml")
 
 
 def _args(backend: object = None, config_backend: object = None) -> SimpleNamespace:
@@ -34,7 +34,7 @@ def test_compressing_policy_on_cuda_selects_proximas_backend() -> None:
     assert args.attention_backend is AttentionBackendEnum.CUSTOM
 
 
-@pytest.mark.parametrize("policy", [Policy(enabled=False), load_policy(ROOT / "configs" / "off.yaml")])
+@pytest.mark.parametrize("policy", [Policy(enabled=False), load_policy(ROOT / "proxima" / "policies" / "off.yaml")])
 def test_policy_off_leaves_vllms_backend_alone(policy: Policy) -> None:
     args = _args()
     assert select_attention_backend(args, policy, on_cuda=True) is None and args.attention_backend is None

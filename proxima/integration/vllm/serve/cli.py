@@ -9,19 +9,15 @@ from typing import Annotated
 
 import typer
 
-CONFIGS = Path(__file__).resolve().parents[4] / "configs"
+from proxima.policies import policy_path
 
 
 def _policy_path(policy: str) -> Path:
     """A policy file, or the name of a shipped one (off, conservative, balanced, aggressive)."""
-    p = Path(policy)
-    if p.exists():
-        return p.resolve()
-    shipped = CONFIGS / f"{policy}.yaml"
-    if shipped.exists():
-        return shipped
-    names = ", ".join(sorted(q.stem for q in CONFIGS.glob("*.yaml")))
-    raise typer.BadParameter(f"{policy!r} is neither a file nor a shipped policy ({names})")
+    try:
+        return policy_path(policy).resolve()
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def _free_port() -> int:

@@ -11,7 +11,7 @@ runs in a fresh process, because vLLM reads the plugin environment when its proc
   vanilla_unlimited  vanilla with a pool that holds every request at once: not a competitor
                 (it uses more memory) but the ceiling on tokens/s that concurrency alone buys
                 on this host, against which the tokens/s target can be judged
-  <policy>      configs/<policy>.yaml
+  <policy>      proxima/policies/<policy>.yaml
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from proxima.integration.vllm.serve.child import run_logged
+from proxima.policies import policy_path
 
-CONFIGS_DIR = Path(__file__).resolve().parents[4] / "configs"
 ENGINE_ARGS_ENV = "PROXIMA_ENGINE_ARGS"
 """JSON object of extra `vllm.LLM` arguments for the benchmark and test engines (e.g.
 `{"gpu_memory_utilization": 0.1, "enforce_eager": false}` to run several GPU engines side by side,
@@ -153,7 +153,7 @@ def run_config(wl: Workload, config: str, timeout_s: float = 1800.0, env: dict[s
         return {"error": why}
     env = dict(os.environ if env is None else env)
     policy = "off" if config.startswith("vanilla") else config
-    env["PROXIMA_POLICY"] = str(CONFIGS_DIR / f"{policy}.yaml") if not Path(config).exists() else config
+    env["PROXIMA_POLICY"] = str(policy_path(policy))
     env["PROXIMA_STATS_FILE"] = str(Path(tempfile.mkdtemp()) / "stats.json")
     # The pool is set by num_gpu_blocks_override; this only stops vLLM from reserving 92% of RAM.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

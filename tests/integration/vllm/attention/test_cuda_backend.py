@@ -165,7 +165,7 @@ def test_warm_up_runs_every_stored_format_and_changes_nothing_vllm_reads() -> No
     layers = {f"model.layers.{i}.self_attn.attn": torch.randn(NB, H, B, 2 * D).bfloat16() for i in (0, 5)}
     before = {n: t.clone() for n, t in layers.items()}
     store = WorkerStore()
-    store.register(layers, policy=load_policy(Path(__file__).parents[4] / "configs" / "balanced.yaml"))
+    store.register(layers, policy=load_policy(Path(__file__).parents[4] / "proxima" / "policies" / "balanced.yaml"))
     store.layout = token_interleaved_layout(B, D)
     formats = store.stored_formats()
     # balanced stores cluster(2)+int4 where it chose int2 in layers 0 and 1: int2 lives in layer 5

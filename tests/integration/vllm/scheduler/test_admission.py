@@ -42,7 +42,7 @@ def _request(rid: str, tokens: int, max_tokens: int = 8) -> Request:
 
 @pytest.mark.parametrize("prefilling", [False, True])
 def test_a_long_prompt_is_admitted_on_its_compressed_footprint(prefilling: bool) -> None:
-    policy = load_policy(ROOT / "configs" / "balanced.yaml")
+    policy = load_policy(ROOT / "proxima" / "policies" / "balanced.yaml")
     policy = policy.model_copy(update={"protect": policy.protect.model_copy(update={"prefilling": prefilling})})
     m = _manager(policy, blocks=24)  # 23 usable blocks
     assert m.allocate_slots(_request("resident", 6 * B), 6 * B) is not None  # 6 blocks used, 17 free
@@ -70,7 +70,7 @@ def _pressured(policy: Policy, max_tokens: int = 8) -> tuple[ProximaKVCacheManag
 
 
 def test_a_worker_without_a_reader_turns_compression_off() -> None:
-    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    m, _ = _pressured(load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     assert plan.actions  # under pressure: the engine compresses
     m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions], errors=[NO_READER]))
@@ -81,7 +81,7 @@ def test_a_worker_without_a_reader_turns_compression_off() -> None:
 
 
 def test_compressed_blocks_stay_readable_after_the_policy_is_switched_off() -> None:
-    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    m, _ = _pressured(load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
     assert m.px.ledger["a"].compressed
@@ -94,7 +94,7 @@ def test_compressed_blocks_stay_readable_after_the_policy_is_switched_off() -> N
 def test_released_destinations_are_sent_to_be_scrubbed() -> None:
     """Every destination block the manager gives back to vLLM (request freed, slot released by
     recompression or failure) is listed once in the next plan, for the worker to zero."""
-    m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    m, req = _pressured(load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     assert plan.actions and not plan.scrub
     dests = {a.dst for a in plan.actions}
@@ -103,7 +103,7 @@ def test_released_destinations_are_sent_to_be_scrubbed() -> None:
     assert sorted(m.build_plan(["a"]).scrub) == sorted(dests)
     assert not m.build_plan(["a"]).scrub  # sent once
     # Committed destinations are released with their request.
-    m, req = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    m, req = _pressured(load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
     dests = {d for _, d, _ in m.px.ledger["a"].compressed.values()}
@@ -114,7 +114,7 @@ def test_released_destinations_are_sent_to_be_scrubbed() -> None:
 
 
 def test_pool_usage_accounts_for_every_block() -> None:
-    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    m, _ = _pressured(load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"))
     before = m.pool_usage()
     assert before == {"resident": 1, "hot": 19, "dest": 0, "dest_fill": 0.0, "free": 23 - 19}
     plan = m.build_plan(["a"])
@@ -130,7 +130,7 @@ def test_pool_usage_accounts_for_every_block() -> None:
 def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
     """Before any compression the estimate assumes the top band's first format; afterwards, the
     ratio the resident requests' committed blocks actually reached, capped by the live policy."""
-    policy = load_policy(ROOT / "configs" / "aggressive.yaml")
+    policy = load_policy(ROOT / "proxima" / "policies" / "aggressive.yaml")
     m, _ = _pressured(policy)
     assert m.achieved_pack_ratio() is None
     hot = -(-policy.protect.sink_tokens // B) + -(-policy.protect.recent_tokens // B) + 1  # + the tail
@@ -148,7 +148,7 @@ def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
     assert ratio == pytest.approx(n / (-(-n // 2) / 8 + (n // 2) / 16)) and ratio > 8
     assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // ratio) < hot + -(-(20 - hot) // first)
     # A policy switched live to int8 only cannot reach that ratio: the estimate follows the policy.
-    m.set_policy(load_policy(ROOT / "configs" / "conservative.yaml").model_copy(update={"bands": [
+    m.set_policy(load_policy(ROOT / "proxima" / "policies" / "conservative.yaml").model_copy(update={"bands": [
         b.model_copy(update={"ladder": [Format.parse("int8")]}) for b in policy.bands]}))
     prot = m.px.policy.protect
     hot = -(-prot.sink_tokens // B) + -(-prot.recent_tokens // B) + 1
@@ -159,7 +159,7 @@ def test_a_request_sampling_its_last_token_is_not_compressed() -> None:
     """vLLM frees a request that finishes in a step before it applies that step's connector
     report: compressing its blocks would be wasted work (and its destinations a scrub). Only
     the regular plan skips it: an emergency (its own allocation failing) still may compress it."""
-    balanced = load_policy(ROOT / "configs" / "balanced.yaml")
+    balanced = load_policy(ROOT / "proxima" / "policies" / "balanced.yaml")
     for max_tokens, last in ((2, True), (3, False)):
         m, req = _pressured(balanced, max_tokens=max_tokens)
         req.append_output_token_ids(7)  # decoding its second token: the last one if max_tokens == 2
@@ -176,7 +176,7 @@ def test_side_tables_charged_to_the_pool_hold_back_their_blocks(monkeypatch: pyt
     from proxima.integration.vllm.scheduler.side_tables import IN_POOL_ENV, blocks_needed
 
     monkeypatch.setenv(IN_POOL_ENV, "1")
-    m, req = _pressured(load_policy(ROOT / "configs" / "aggressive.yaml"))
+    m, req = _pressured(load_policy(ROOT / "proxima" / "policies" / "aggressive.yaml"))
     assert m.px.charge.enabled and not m.px.charge.held
     free_before = m.block_pool.get_num_free_blocks()
     plan = m.build_plan(["a"])
@@ -200,7 +200,7 @@ def test_side_tables_charged_to_the_pool_hold_back_their_blocks(monkeypatch: pyt
 
 
 def test_side_tables_are_not_charged_by_default() -> None:
-    m, _ = _pressured(load_policy(ROOT / "configs" / "balanced.yaml"))
+    m, _ = _pressured(load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
     assert m.px.meta.side_table_bytes(m.px.ledger) > 0 and not m.px.charge.held and "side" not in m.pool_usage()

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_canaries_are_compressed_without_pressure_and_references_never() -> None:
-    policy = load_policy(ROOT / "configs" / "conservative.yaml")  # compresses from 80% pressure
+    policy = load_policy(ROOT / "proxima" / "policies" / "conservative.yaml")  # compresses from 80% pressure
     policy = policy.model_copy(update={"protect": policy.protect.model_copy(update={"sink_tokens": 0,
                                                                                     "recent_tokens": 0})})
     m = _manager(policy, blocks=64)  # 3 requests of 7 blocks: about 30% used, far below every band

@@ -76,7 +76,7 @@ QUARTER = DriftProbe(enabled=True, holdout_fraction=0.25, window=10, p_value=0.0
 
 
 def _pressured(drift_observer: bool = True) -> tuple[Any, dict[str, Any], Any, list[str], list[str], list[str]]:
-    policy = load_policy(ROOT / "configs" / "conservative.yaml")  # compresses from 80% pressure
+    policy = load_policy(ROOT / "proxima" / "policies" / "conservative.yaml")  # compresses from 80% pressure
     policy = _with_drift(policy.model_copy(update={"protect": policy.protect.model_copy(
         update={"sink_tokens": 0, "recent_tokens": 0})}), QUARTER)
     m = _manager(policy, blocks=44)
@@ -114,7 +114,7 @@ def test_without_the_observer_nothing_is_held_out_or_tagged() -> None:
 
 def test_an_engine_without_the_observer_refuses_a_policy_enabling_drift(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PROXIMA_API_TOKEN", TOKEN)
-    m = _manager(load_policy(ROOT / "configs" / "conservative.yaml"))
+    m = _manager(load_policy(ROOT / "proxima" / "policies" / "conservative.yaml"))
     live = LiveControl(m, m.px.policy, "127.0.0.1", _free_port(), drift_observer=False)
     live.start()
     try:

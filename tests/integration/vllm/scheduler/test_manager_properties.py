@@ -26,7 +26,7 @@ from proxima.policy.loader import load_policy
 ROOT = Path(__file__).resolve().parents[4]
 B = 32
 BLOCKS = 40  # 39 usable
-POLICIES = {name: load_policy(ROOT / "configs" / f"{name}.yaml") for name in ("balanced", "aggressive")}
+POLICIES = {name: load_policy(ROOT / "proxima" / "policies" / f"{name}.yaml") for name in ("balanced", "aggressive")}
 
 
 def _manager(policy_name: str) -> ProximaKVCacheManager:

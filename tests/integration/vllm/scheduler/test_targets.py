@@ -38,7 +38,7 @@ KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2  # tiny_llama's
 
 def _policy(name: str = "aggressive") -> Policy:
     """A shipped policy without its compression-time probe (no worker measures anything here)."""
-    p = load_policy(ROOT / "configs" / f"{name}.yaml")
+    p = load_policy(ROOT / "proxima" / "policies" / f"{name}.yaml")
     off = p.probes.compression.model_copy(update={"enabled": False})
     return p.model_copy(update={"probes": p.probes.model_copy(update={"compression": off})})
 

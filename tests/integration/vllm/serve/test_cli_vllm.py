@@ -86,7 +86,7 @@ def state():
     return [AttentionBackendEnum.CPU_ATTN.get_path(), EngineArgs.create_engine_config is not original]
 load_general_plugins()
 without = state()
-os.environ["PROXIMA_POLICY"] = {str(ROOT / "configs" / "off.yaml")!r}
+os.environ["PROXIMA_POLICY"] = {str(ROOT / "proxima" / "policies" / "off.yaml")!r}
 from proxima.integration.vllm import plugin
 plugin.register()
 print(json.dumps({{"without": without, "with": state()}}))

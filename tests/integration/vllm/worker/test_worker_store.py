@@ -243,7 +243,7 @@ def _policy_with_group(group: int, per_quant: dict[str, int] | None = None):
     from proxima.policy.loader import load_policy
     from proxima.policy.schema import Storage
 
-    base = load_policy(Path(__file__).resolve().parents[4] / "configs" / "balanced.yaml")
+    base = load_policy(Path(__file__).resolve().parents[4] / "proxima" / "policies" / "balanced.yaml")
     # The probe off (with no observed queries it would defer the action) and no layer overrides:
     # the layout is what is tested.
     probe = base.probes.compression.model_copy(update={"enabled": False})

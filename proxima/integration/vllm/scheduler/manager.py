@@ -2,8 +2,8 @@
 
 `ProximaKVCacheManager` subclasses vLLM's `KVCacheManager`. vLLM constructs its manager inside
 `Scheduler.__init__` with no config option, then hands it to the connector
-(`bind_kv_cache_manager`); `install()` switches that instance's class to ours (the one patch,
-`_patches.adopt_kv_manager`) and attaches one `ProximaState` (`self.px`).
+(`bind_kv_cache_manager`); `install()` switches that instance's class to ours (patch 2 of
+`_patches`' list; vLLM's version was checked by `plugin.register`) and attaches one `ProximaState` (`self.px`).
 
 This module keeps vLLM's hooks (`allocate_slots`, `free`, `pop_blocks_for_free`), planning
 (`build_plan`) and the commit (`apply_report`). What it knows per request is in the ledger
@@ -33,7 +33,6 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from proxima.formats import HOT, Format
-from proxima.integration.vllm import _patches
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.scheduler import admission, canary, drift, pool_usage, targets
 from proxima.integration.vllm.scheduler.ledger import CompressedSlot, RequestEntry, expected_remap
@@ -448,7 +447,12 @@ def install(manager: KVCacheManager, policy: Policy, ranks: int = 1) -> ProximaK
         logger.warning("proxima: %d KV cache groups (hybrid model); Proxima supports one and stays inactive",
                        len(manager.coordinator.single_type_managers))
         return None
-    m = _patches.adopt_kv_manager(manager, ProximaKVCacheManager)
+    # Patch 2 (see _patches): a subclass that adds no __init__ state of vLLM's, so swapping the
+    # live instance's class keeps every attribute where vLLM put it.
+    if not isinstance(manager, KVCacheManager):
+        raise TypeError(f"ProximaKVCacheManager extends KVCacheManager, vLLM built a {type(manager).__name__}")
+    manager.__class__ = ProximaKVCacheManager
+    m: ProximaKVCacheManager = manager  # type: ignore[assignment]
     m.px = ProximaState.create(policy, m.block_pool, m.kv_cache_config, check=os.environ.get(CHECK_ENV) == "1",
                                 ranks=ranks)
     return m

@@ -1,6 +1,6 @@
 """Everything the Proxima KV manager adds to vLLM's: one typed object (`manager.px`).
 
-`install()` switches vLLM's manager instance to Proxima's class (`_patches.adopt_kv_manager`)
+`install()` switches vLLM's manager instance to Proxima's class (patch 2 of `_patches`)
 and attaches one `ProximaState`, so all of vLLM's own state stays where vLLM put it and all of
 Proxima's sits in one place with its types.
 """

@@ -160,8 +160,7 @@ class ProximaKVCacheManager(KVCacheManager):
     def compressed_footprint(self, tokens: int) -> int:
         """Blocks a prompt of `tokens` tokens holds once compressed (`admission.compressed_footprint`)."""
         px = self.px
-        return admission.compressed_footprint(tokens, self.block_size, px.policy, px.effective,
-                                              self.achieved_pack_ratio())
+        return admission.compressed_footprint(tokens, self.block_size, px.policy, self.achieved_pack_ratio())
 
     def achieved_pack_ratio(self) -> float | None:
         return admission.achieved_pack_ratio(self.px.ledger)
@@ -187,7 +186,7 @@ class ProximaKVCacheManager(KVCacheManager):
         # Canaries and their references are not the pressure's to compress (`canary.py`), nor is
         # the drift probe's holdout (`drift.py`).
         special = (canary.special_requests(px.ledger) if px.canaries else set()) | px.holdout
-        restricted = px.backoff.restrict(px.effective, px.stats.steps)
+        restricted = px.backoff.restrict(px.policy, px.stats.steps)
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
                               pending_blocks, set(finishing) | special, px.probe_status)
         decision = decide(snap, restricted, px.engine)
@@ -207,12 +206,12 @@ class ProximaKVCacheManager(KVCacheManager):
         for act in actions:
             fmt = act.to_format
             if fmt not in px.formats or not quota.take(fmt.name):
-                continue  # (px.formats: filtered out of the ladders by adopt(); kept as a guard)
+                continue  # (px.formats: the live ladders' formats, which the engine picks from; a guard)
             entry = px.ledger[act.request_id]
             cap = entry.caps.get(act.block_index)
             if cap is not None and cap.pack_ratio < fmt.pack_ratio:
                 # The probe measured this block over the bound in a harsher format: the milder one it accepted.
-                levels = px.effective.fallback.levels
+                levels = px.policy.fallback.levels
                 level = levels[min(px.engine.fallback_level, len(levels) - 1)]
                 if cap not in px.formats or not level.permits(cap) or not quota.take(cap.name):
                     continue
@@ -268,7 +267,7 @@ class ProximaKVCacheManager(KVCacheManager):
                 self._target_done(entry)
                 continue
             entry.target_tries += 1
-            restricted = restricted or px.backoff.restrict(px.effective, px.stats.steps)
+            restricted = restricted or px.backoff.restrict(px.policy, px.stats.steps)
             actions = targets.plan(entry, blocks_of[rid], self.block_size, restricted, px.engine,
                                    px.probe_status, self.px.meta.held_block_bytes)
             if not actions:

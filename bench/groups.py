@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_info  # noqa: E402
 from proxima.compression import attention_errors, compress_blocks, slot_spec  # noqa: E402
-from proxima.compression.synthetic import queries_for, realistic_kv  # noqa: E402
 from proxima.formats import Format  # noqa: E402
+from tests.compression.synthetic import queries_for, realistic_kv  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "experiments" / "groups"
 QUANTS = ("int8", "int4", "int2")

@@ -12,7 +12,7 @@ Writes DIR/kernels-h200.json and DIR/kernels-h200.md (copy them to bench/results
   `scaled_dot_product_attention` on contiguous bf16 KV (`sdpa_time_us`). Both timed as CUDA graph
   replays (median), as vLLM runs decode; bytes = KV data + metadata read.
 - `quality`: attention-output relative error (the compression-time probe) on synthetic KV with
-  outlier key channels (`proxima.compression.synthetic`).
+  outlier key channels (`tests/compression/synthetic.py`).
 
 Every number comes from this run; nothing here is a test (the tests are in tests/compression).
 """
@@ -43,7 +43,7 @@ from proxima.compression import (
     decompress_blocks,
 )
 from proxima.compression import reference as ref
-from proxima.compression.synthetic import queries_for, realistic_kv
+from tests.compression.synthetic import queries_for, realistic_kv
 
 HQ, H, D, B = 32, 8, 128, 64
 FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int4", "cluster(2)+int8"]

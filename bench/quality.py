@@ -49,10 +49,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import quality_suite as suite  # noqa: E402
 from proxima.models import load  # noqa: E402
-from proxima.quality import datasets, harness, methods, report, suite  # noqa: E402
+from proxima.quality import datasets, harness, methods, report  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+EXPERIMENTS = ROOT / "bench" / "policies"
+"""Candidate policies measured here but not shipped (`proxima:<name>@<r>x`)."""
 
 
 FULL = suite.FULL
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         damage.DEFAULT_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
         print(f"[quality] damage model: {fitted['rows']} probe records, R^2 {fitted['r2']:.2f}", flush=True)
     names = args.methods if args.methods else (list(FULL_METHODS) if args.full else None)
-    chosen = methods.select(names)
+    chosen = methods.select(names, EXPERIMENTS)
     settings = tuple(x for x in args.settings.split(",") if x)
     method_batch = args.method_batch or (len(chosen) if device.type == "cuda" else 4)
     print(

@@ -34,10 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from proxima.quality import datasets, suite, vllm_harness  # noqa: E402
+from bench import quality_suite as suite  # noqa: E402
+from proxima.quality import datasets, vllm_harness  # noqa: E402
 from proxima.quality.methods import policy_path  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+EXPERIMENTS = ROOT / "bench" / "policies"
 SHIPPED = ("proxima:conservative@4x", "proxima:balanced@4x", "proxima:aggressive@4x")
 """The shipped policies, as the full suite runs them (`bench/quality.py` FULL_METHODS)."""
 
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return md
 
     for policy, ms in by_policy.items():
-        job = vllm_harness.job_for(str(policy_path(policy)), ms, text, needles, settings, model, engine_args)
+        path = str(policy_path(policy, EXPERIMENTS))
+        job = vllm_harness.job_for(path, ms, text, needles, settings, model, engine_args)
         out = vllm_harness.run_engine(job, args.timeout_s, log=lambda m: print(m, flush=True),
                                       keep_log=args.engine_logs / f"{policy}.log" if args.engine_logs else None)
         got = vllm_harness.rows(out, ms, settings)

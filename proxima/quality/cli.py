@@ -46,6 +46,10 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="Passkey settings: 'after' (compressed before the question), 'inside', or both")
         ] = "after,inside",
         json_out: Annotated[Path | None, typer.Option("--json", help="Write rows as JSON here")] = None,
+        experiments: Annotated[
+            Path | None,
+            typer.Option("--experiments", help="Folder of candidate policy YAMLs to measure too (bench/policies)"),
+        ] = None,
     ) -> None:
         """Evaluate compression methods on SmolLM2 (perplexity, passkey, fidelity, agreement)."""
         from proxima.models import load
@@ -53,8 +57,8 @@ def register(app: typer.Typer) -> None:
         from proxima.quality import methods as registry
 
         try:
-            chosen = registry.select(methods)
-        except ValueError as exc:
+            chosen = registry.select(methods, experiments)
+        except (ValueError, FileNotFoundError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         model, tok = load("smollm2")

@@ -26,6 +26,7 @@ from proxima.compression.blocks import Backend
 from proxima.integration.hf import ProximaCache, enable
 from proxima.quality.datasets import NeedleSample, TextSample
 from proxima.quality.methods import Method
+from proxima.quality.stacking import stacked
 
 Log = Callable[[str], None]
 
@@ -155,7 +156,7 @@ def evaluate(
     Runs wherever `model` is (CPU or CUDA: every tensor is made on `model.device`, and the
     compression calls pick their Triton kernels for CUDA tensors). `method_batch` methods are
     compressed one by one, each on its own copy of the sample's prefill, then decoded together as
-    the rows of one batch (`ProximaCache.stacked`): the same tokens as one forward per method,
+    the rows of one batch (`proxima.quality.stacking.stacked`): the same tokens as one forward per method,
     far fewer kernel launches. `deadline` (a `time.monotonic()` value): a sample whose expected
     duration would end past it is not started (the rows say how many samples each metric saw:
     `needle_n`, `text_n`). `checkpoint` receives the rows so far after every sample. `backend`:
@@ -227,8 +228,8 @@ def evaluate(
         for chunk in _chunks(methods, method_batch):
             caches = compressed(base_cache, chunk, lambda m: text_acc[m.name])
             tm = time.monotonic()
-            batch = ProximaCache.stacked(caches)
-            gen = ProximaCache.stacked(caches) if greedy_tokens else None
+            batch = stacked(caches)
+            gen = stacked(caches) if greedy_tokens else None
             del caches
             logits = model(cont.expand(len(chunk), -1), past_key_values=batch, use_cache=True).logits[:, :-1].float()
             logps = torch.log_softmax(logits, -1)
@@ -277,7 +278,7 @@ def evaluate(
             for chunk in _chunks(methods, method_batch):
                 caches = compressed(prefilled, chunk, lambda m, st=st: accs[(m.name, st)])
                 tm = time.monotonic()
-                batch = ProximaCache.stacked(caches)
+                batch = stacked(caches)
                 del caches
                 answers = _generate(model, batch, rest, len(chunk), 6)
                 del batch

@@ -34,14 +34,21 @@ from proxima.policies import POLICY_DIR
 from proxima.policy.loader import load_policy
 from proxima.policy.schema import Policy
 
-EXPERIMENTS = Path(__file__).resolve().parents[2] / "bench" / "policies"
-"""Candidate policies measured by bench/quality.py but not shipped (`proxima:<name>@<r>x` too)."""
 
+def policy_path(name: str, experiments: Path | None = None) -> Path:
+    """A shipped policy (package data) or, failing that, `<experiments>/<name>.yaml`: candidate
+    policies measured but not shipped live outside the package (bench/quality.py passes
+    bench/policies/), so the product never reads the repository.
 
-def policy_path(name: str) -> Path:
-    """A shipped policy (package data) or an experimental one (bench/policies/)."""
+    Raises `FileNotFoundError` naming `name` and where it looked when it is neither."""
     shipped = POLICY_DIR / f"{name}.yaml"
-    return shipped if shipped.exists() else EXPERIMENTS / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped
+    candidate = experiments / f"{name}.yaml" if experiments is not None else None
+    if candidate is not None and candidate.is_file():
+        return candidate
+    where = f"{POLICY_DIR}" + (f" or {experiments}" if experiments is not None else "")
+    raise FileNotFoundError(f"policy {name!r}: no {name}.yaml in {where}")
 SINKS = 4
 """StreamingLLM's attention sinks (tokens)."""
 SNAP_WINDOW = 32
@@ -90,8 +97,8 @@ def calibrated(policy: Policy, model: dict | None = None, slack: float = PROBE_S
     )
 
 
-def _policy(name: str, ratio: float, calibrate: bool, cache: ProximaCache) -> None:
-    policy = load_policy(policy_path(name))
+def _policy(path: Path, ratio: float, calibrate: bool, cache: ProximaCache) -> None:
+    policy = load_policy(path)
     cache.policy = calibrated(policy) if calibrate else policy
     cache.apply_policy(target_ratio=ratio)
 
@@ -184,7 +191,8 @@ def _h2o(ratio: float, cache: ProximaCache) -> None:
 
 RATIOS = (2, 4, 8)
 EXPERIMENT_RATIOS = (3, 3.5, 4, 8)
-"""Asks for the bench/policies/ candidates (3x and 3.5x: what quantization alone reaches at 1k-2k tokens)."""
+"""Asks for the experimental candidates (bench/policies/): 3x and 3.5x are what quantization alone
+reaches at 1k-2k tokens."""
 GROUP_VARIANTS = (64,)
 """Quantization groups the uniform int4 / int2 rows are also measured at (`<method>:g<G>`; the
 plain rows use the default, 32): bench/results/experiments/groups/."""
@@ -196,25 +204,30 @@ FORMATS_BY_RATIO: dict[int, tuple[str, ...]] = {
 }
 
 
-def all_methods() -> list[Method]:
+def all_methods(experiments: Path | None = None) -> list[Method]:
+    """Every method; `experiments` is a folder of candidate policies (`proxima:<name>@<r>x` for
+    each of its YAML files at EXPERIMENT_RATIOS), None for the shipped ones only."""
     out = [Method("baseline", "baseline", 1.0, _none)]
+    shipped = {p: POLICY_DIR / f"{p}.yaml" for p in POLICIES}
     # Shipped policies exactly as written (their probe bounds included), at 4x ...
-    out += [Method(f"proxima:{p}@4x", "proxima", 4, partial(_policy, p, 4, False)) for p in POLICIES]
+    out += [Method(f"proxima:{p}@4x", "proxima", 4, partial(_policy, shipped[p], 4, False)) for p in POLICIES]
     # ... and aggressive at 8x: the one whose ladder reaches it in bytes (balanced's harshest
     # formats, cluster(2)+int4 and int2, pack 8x but hold 3.7-4.3x with their metadata)
-    out.append(Method("proxima:aggressive@8x", "proxima", 8, partial(_policy, "aggressive", 8, False)))
+    out.append(Method("proxima:aggressive@8x", "proxima", 8, partial(_policy, shipped["aggressive"], 8, False)))
     # ... and with damage table and probe bounds from the calibrated damage model: all three at
     # 4x, the two that can reach 8x (balanced, aggressive) at 2x and 8x.
     for r in RATIOS:
         out += [
-            Method(f"proxima:{p}-cal@{r}x", "proxima", r, partial(_policy, p, r, True))
+            Method(f"proxima:{p}-cal@{r}x", "proxima", r, partial(_policy, shipped[p], r, True))
             for p in POLICIES
             if r == 4 or p != "conservative"
         ]
-    experiments = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")) if EXPERIMENTS.is_dir() else []
-    for p in experiments:
+    if experiments is not None and not experiments.is_dir():
+        raise FileNotFoundError(f"experimental policies: {experiments} is not a directory")
+    for path in sorted(experiments.glob("*.yaml")) if experiments is not None else []:
         out += [
-            Method(f"proxima:{p}@{r:g}x", "proxima", r, partial(_policy, p, r, False)) for r in EXPERIMENT_RATIOS
+            Method(f"proxima:{path.stem}@{r:g}x", "proxima", r, partial(_policy, path, r, False))
+            for r in EXPERIMENT_RATIOS
         ]
     for r in RATIOS:
         out += [Method(f"streaming_llm@{r}x", "reference", r, partial(_streaming, r))]
@@ -234,8 +247,9 @@ def all_methods() -> list[Method]:
     return out
 
 
-def select(names: list[str] | None) -> list[Method]:
-    methods = all_methods()
+def select(names: list[str] | None, experiments: Path | None = None) -> list[Method]:
+    """The methods `names` picks (all when empty) out of `all_methods(experiments)`, baseline first."""
+    methods = all_methods(experiments)
     if not names:
         return methods
     by = {m.name: m for m in methods}

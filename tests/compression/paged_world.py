@@ -23,8 +23,8 @@ from proxima.compression import (
     write_slots,
 )
 from proxima.compression.paged import PagedRow
-from proxima.compression.synthetic import realistic_kv
 from proxima.formats import Format
+from tests.compression.synthetic import realistic_kv
 
 
 @dataclass

@@ -17,9 +17,9 @@ from proxima.compression import (
     decode_attention_reference,
     decompress_blocks,
 )
-from proxima.compression.synthetic import queries_for, realistic_kv
 from proxima.compression.triton_attention import _codes_f16, _crumb_planes_f16, _nibble_planes_f16
 from tests.compression.conftest import rel_err
+from tests.compression.synthetic import queries_for, realistic_kv
 
 
 def _segment(fmt, s, entries, b, h, d, seed, device, partial=True):

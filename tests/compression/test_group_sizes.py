@@ -8,8 +8,8 @@ import torch
 from proxima.compression import compress_blocks, decode_attention, decode_attention_reference, decompress_blocks
 from proxima.compression.segment import KVSegment
 from proxima.compression.spec import slot_spec
-from proxima.compression.synthetic import realistic_kv
 from tests.compression.conftest import rel_err
+from tests.compression.synthetic import realistic_kv
 
 FORMATS = ["int8", "int4", "int2", "cluster(2)+int4"]
 

@@ -16,8 +16,8 @@ from proxima.compression import (
     slot_spec,
     write_slots,
 )
-from proxima.compression.synthetic import realistic_kv
 from tests.compression.conftest import rel_err
+from tests.compression.synthetic import realistic_kv
 
 NB, H, B, D = 4, 2, 32, 64
 

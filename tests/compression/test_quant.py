@@ -7,9 +7,9 @@ import triton.language as tl
 
 from proxima.compression import compress_blocks, decompress_blocks, triton_ops
 from proxima.compression import reference as ref
-from proxima.compression.synthetic import realistic_kv
 from proxima.compression.triton_ops import _floor_code
 from tests.compression.conftest import rel_err
+from tests.compression.synthetic import realistic_kv
 
 QUANTS = ["fp8", "int8", "int4", "int2"]
 

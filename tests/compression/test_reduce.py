@@ -8,9 +8,9 @@ from sklearn.cluster import KMeans
 from proxima.compression import attention_error, compress_block, compress_blocks, decompress_blocks
 from proxima.compression import reference as ref
 from proxima.compression import triton_ops as ops
-from proxima.compression.synthetic import realistic_kv
 from proxima.formats import Format
 from tests.compression.conftest import rel_err
+from tests.compression.synthetic import realistic_kv
 
 
 @pytest.mark.parametrize("t,keep", [(64, 16), (63, 16), (32, 32), (5, 1)])

@@ -7,7 +7,7 @@ import torch
 from hf_helpers import tiny_llama  # type: ignore[import-not-found]
 
 from proxima.integration.hf import ProximaCache, enable
-from proxima.integration.hf import cache as cache_mod
+from proxima.integration.hf import importance as cache_mod
 from proxima.quality import harness, methods, report
 
 T, BLOCK = 300, 32  # 9 full blocks (288 tokens) and a 12-token hot tail

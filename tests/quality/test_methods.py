@@ -16,7 +16,9 @@ from proxima.policy.loader import load_policy
 from proxima.quality import harness, methods, report
 from proxima.quality.datasets import NeedleSample, TextSample
 
-ALL = methods.all_methods()
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "bench" / "policies"
+"""The candidate policies bench/quality.py measures (the product never reads them itself)."""
+ALL = methods.all_methods(EXPERIMENTS)
 CONFIGS = Path(__file__).resolve().parents[2] / "proxima" / "policies"
 
 
@@ -93,7 +95,8 @@ def test_every_method_applies_and_keeps_its_budget(prefilled, method):
     elif method.family == "proxima":
         # The engine compresses (the pool is sized so the target means pressure) and may overshoot
         # the target (one action frees a whole 8x block), but never beyond its formats' ratios.
-        policy = load_policy(methods.policy_path(method.name.split(":")[1].split("@")[0].removesuffix("-cal")))
+        name = method.name.split(":")[1].split("@")[0].removesuffix("-cal")
+        policy = load_policy(methods.policy_path(name, EXPERIMENTS))
         assert 1.2 < ratio <= max(f.pack_ratio for f in policy.all_formats()) + 1e-6
     with torch.no_grad():
         out = model(torch.randint(0, 256, (1, 5)), past_key_values=cache).logits
@@ -232,7 +235,9 @@ def test_the_gpu_kernels_give_the_cpu_rows():
     tensors through the same harness: same formats and bytes, metrics within rounding."""
     model = tiny_llama()
     text, needles = _suite()
-    chosen = methods.select(["proxima:aggressive@4x", "proxima:quantized@4x", "kivi-int4", "format:sparse(4)"])
+    chosen = methods.select(
+        ["proxima:aggressive@4x", "proxima:quantized@4x", "kivi-int4", "format:sparse(4)"], EXPERIMENTS
+    )
     kw = {"block_size": 32, "greedy_tokens": 0, "method_batch": 8, "log": lambda _m: None}
     ref = harness.evaluate(model, _Tok(), chosen, text, needles[:1], backend="torch", **kw)
     tri = harness.evaluate(model, _Tok(), chosen, text, needles[:1], backend="triton", **kw)

@@ -17,7 +17,9 @@ Every patch here is version-checked (`check_vllm_version`) and names the hook it
      `logits_processors` option, filled for the user), idle until a policy enables the probe,
      and takes it out of the built configuration again when vLLM chose Model Runner V2 (its
      processors have another interface; `drop_observer_under_v2`).
-2. The KV manager's class is swapped on the live instance (`adopt_kv_manager`). Missing hook:
+2. The KV manager's class is swapped on the live instance (`scheduler/manager.install`, which
+   runs after `plugin.register` checked the version; kept there so the scheduler side imports
+   no binding module). Missing hook:
    `Scheduler.__init__` constructs `KVCacheManager` directly, with no config option naming its
    class (the connector only receives the built instance, through `bind_kv_cache_manager`).
    Swapping `__class__` to a subclass that adds no `__init__` state of vLLM's keeps every
@@ -56,7 +58,7 @@ import functools
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from proxima.integration.vllm import (
     CONNECTOR_NAME,
@@ -72,9 +74,8 @@ if TYPE_CHECKING:  # (the start-up hook imports this module in every interpreter
 
     from proxima.policy.schema import Policy
 
-M = TypeVar("M")
 PROXIMA_BACKEND = "CUSTOM"
-"""The registry member Proxima's CUDA backend is registered under (`cuda_backend.register_cuda_backend`)."""
+"""The registry member Proxima's CUDA backend is registered under (`attention/triton.register_cuda_backend`)."""
 
 ALIASED_DISTRIBUTION = "vllm"
 """The distribution name vLLM's code looks itself up under."""
@@ -209,17 +210,6 @@ def install(policy: Policy) -> None:
 
     create_engine_config.__proxima_patch__ = True  # type: ignore[attr-defined]
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
-
-
-def adopt_kv_manager(manager: object, cls: type[M]) -> M:
-    """Patch 2: make vLLM's KV manager instance an instance of `cls` (a subclass of its class)."""
-    import vllm
-
-    check_vllm_version(vllm.__version__)
-    if not isinstance(manager, cls.__mro__[1]):
-        raise TypeError(f"{cls.__name__} extends {cls.__mro__[1].__name__}, vLLM built a {type(manager).__name__}")
-    manager.__class__ = cls
-    return manager  # type: ignore[return-value]
 
 
 # -- the `vllm` distribution alias ---------------------------------------------------------------

@@ -14,6 +14,7 @@ from proxima.formats import Format
 from proxima.integration.hf import ProximaCache, enable
 from proxima.integration.hf.attention import proxima_sdpa_attention, set_active
 from proxima.policy.loader import load_policy
+from proxima.quality.stacking import stacked as stack
 
 FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int8", "cluster(2)+int4"]
 
@@ -283,7 +284,7 @@ def test_policy_asked_for_more_recompresses_merged_blocks(model, ids):
 
 @torch.no_grad()
 def test_stacked_caches_decode_as_each_alone(model, ids):
-    """`ProximaCache.stacked` (the quality harness decodes every method's copy in one batch) gives
+    """`proxima.quality.stacking.stacked` (the quality harness decodes every method's copy in one batch) gives
     each row the logits its cache gives alone: exact, quantized, merged (log-count bias) and
     token-evicted blocks, across a block boundary."""
     enable(model)
@@ -299,7 +300,7 @@ def test_stacked_caches_decode_as_each_alone(model, ids):
         elif fmt is not None:
             c.compress_all(fmt, protect_sinks=32)
         caches.append(c)
-    stacked = ProximaCache.stacked(caches)
+    stacked = stack(caches)
     step = ids[:, 250:260]  # 250 -> 260 tokens: a new full block (256) is appended to every row
     alone = [model(step, past_key_values=c).logits for c in caches]
     together = model(step.expand(len(caches), -1), past_key_values=stacked).logits
@@ -313,7 +314,7 @@ def test_stacked_caches_decode_as_each_alone(model, ids):
         for i, a in enumerate(alone):
             assert torch.allclose(together[i], a[0], atol=1e-5), i
     with pytest.raises(ValueError, match="must match"):
-        ProximaCache.stacked([caches[0], base])
+        stack([caches[0], base])
     with pytest.raises(ValueError, match="cannot be forked"):
         stacked.fork()
 
@@ -412,3 +413,35 @@ def test_importance_and_the_probe_read_the_observed_layer_only(model, ids) -> No
     assert not torch.equal(moved.refresh_importance(), ref)
     _, errs = base.fork()._encode_all_layers([2, 3], Format.parse("cluster(4)+int4"), measure=True)
     assert torch.all(errs[other] == 0) and torch.all(errs[seen] > 0)
+
+
+@torch.no_grad()
+def test_a_refused_block_takes_what_the_vllm_worker_would_give_it(model, ids) -> None:
+    """The probe decision is the worker's (`policy.refusal.milder_formats` walked by
+    `probes.choose_within_bound`): int2 refused everywhere, the milder formats at 4x are tried by
+    damage (cluster(4) before int4, though the ladder lists int4 first), and every block lands there."""
+    from proxima.formats import HOT
+    from proxima.policy.loader import parse_policy
+    from proxima.policy.refusal import milder_formats
+
+    policy = parse_policy("""
+schema_version: 1
+name: t
+bands:
+  - {name: high, enter: 0.8, exit: 0.7, target_free: 0.5, ladder: [int2, int4, "cluster(4)"]}
+damage:
+  table: {"cluster(4)": 0.01, int4: 0.5}
+probes:
+  compression: {enabled: true, max_error: {int2: 1.0e-9, int4: 100.0, "cluster(4)": 100.0}}
+""")
+    enable(model)
+    cache = ProximaCache(policy, block_size=32)
+    model(ids, past_key_values=cache)
+    int2 = Format.parse("int2")
+    expected = milder_formats(policy, int2, HOT)[0]
+    rep = cache.compress_blocks([1, 2, 3], int2, ladder=policy.bands[0].ladder, probe=True)
+    assert expected.name == "cluster(4)"
+    assert rep.actions == 3 and rep.formats == {"cluster(4)": 3}
+    assert rep.rejected == 3  # each block refused once, in int2
+    assert [cache.chosen[i].name for i in (1, 2, 3)] == ["cluster(4)"] * 3
+    assert all(layer.formats[2].name == "cluster(4)" for layer in cache.proxima_layers)

@@ -27,19 +27,18 @@ def achieved_pack_ratio(ledger: RequestLedger) -> float | None:
     return count / space if count else None
 
 
-def compressed_footprint(tokens: int, block_size: int, policy: Policy, effective: Policy,
-                         achieved: float | None) -> int:
+def compressed_footprint(tokens: int, block_size: int, policy: Policy, achieved: float | None) -> int:
     """Blocks a request of `tokens` tokens holds once the policy compressed it under pressure:
     its protected blocks (sinks, recent window, hot tail) stay hot, the others compress as the
     resident requests' blocks did (`achieved`, see `achieved_pack_ratio`); before any
     compression, as the first format of the highest band's ladder (what the engine picks first
-    when memory is tightest). `effective`: the policy with ladders restricted to the stored formats."""
+    when memory is tightest)."""
     b, prot = block_size, policy.protect
     n = blocks_for(tokens, b)
     hot = min(n, blocks_for(prot.sink_tokens, b) + blocks_for(prot.recent_tokens, b) + 1)
-    ladder = effective.bands[-1].ladder if effective.bands else []
+    ladder = policy.bands[-1].ladder if policy.bands else []
     if achieved is None:
         ratio: float = ladder[0].pack_ratio if ladder else 1
     else:  # (a policy changed live to milder formats: no more than it can reach now)
-        ratio = min(achieved, max((f.pack_ratio for band in effective.bands for f in band.ladder), default=1))
+        ratio = min(achieved, max((f.pack_ratio for band in policy.bands for f in band.ladder), default=1))
     return hot + math.ceil((n - hot) / ratio - 1e-9)

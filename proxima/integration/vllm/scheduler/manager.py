@@ -2,8 +2,8 @@
 
 `ProximaKVCacheManager` subclasses vLLM's `KVCacheManager`. vLLM constructs its manager inside
 `Scheduler.__init__` with no config option, then hands it to the connector
-(`bind_kv_cache_manager`); `install()` switches that instance's class to ours (the one patch,
-`_patches.adopt_kv_manager`) and attaches one `ProximaState` (`self.px`).
+(`bind_kv_cache_manager`); `install()` switches that instance's class to ours (patch 2 of
+`_patches`' list; vLLM's version was checked by `plugin.register`) and attaches one `ProximaState` (`self.px`).
 
 This module keeps vLLM's hooks (`allocate_slots`, `free`, `pop_blocks_for_free`), planning
 (`build_plan`) and the commit (`apply_report`). What it knows per request is in the ledger
@@ -33,7 +33,6 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from proxima.formats import HOT, Format
-from proxima.integration.vllm import _patches
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.scheduler import admission, canary, drift, pool_usage, targets
 from proxima.integration.vllm.scheduler.ledger import CompressedSlot, RequestEntry, expected_remap
@@ -161,8 +160,7 @@ class ProximaKVCacheManager(KVCacheManager):
     def compressed_footprint(self, tokens: int) -> int:
         """Blocks a prompt of `tokens` tokens holds once compressed (`admission.compressed_footprint`)."""
         px = self.px
-        return admission.compressed_footprint(tokens, self.block_size, px.policy, px.effective,
-                                              self.achieved_pack_ratio())
+        return admission.compressed_footprint(tokens, self.block_size, px.policy, self.achieved_pack_ratio())
 
     def achieved_pack_ratio(self) -> float | None:
         return admission.achieved_pack_ratio(self.px.ledger)
@@ -188,7 +186,7 @@ class ProximaKVCacheManager(KVCacheManager):
         # Canaries and their references are not the pressure's to compress (`canary.py`), nor is
         # the drift probe's holdout (`drift.py`).
         special = (canary.special_requests(px.ledger) if px.canaries else set()) | px.holdout
-        restricted = px.backoff.restrict(px.effective, px.stats.steps)
+        restricted = px.backoff.restrict(px.policy, px.stats.steps)
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
                               pending_blocks, set(finishing) | special, px.probe_status)
         decision = decide(snap, restricted, px.engine)
@@ -208,12 +206,12 @@ class ProximaKVCacheManager(KVCacheManager):
         for act in actions:
             fmt = act.to_format
             if fmt not in px.formats or not quota.take(fmt.name):
-                continue  # (px.formats: filtered out of the ladders by adopt(); kept as a guard)
+                continue  # (px.formats: the live ladders' formats, which the engine picks from; a guard)
             entry = px.ledger[act.request_id]
             cap = entry.caps.get(act.block_index)
             if cap is not None and cap.pack_ratio < fmt.pack_ratio:
                 # The probe measured this block over the bound in a harsher format: the milder one it accepted.
-                levels = px.effective.fallback.levels
+                levels = px.policy.fallback.levels
                 level = levels[min(px.engine.fallback_level, len(levels) - 1)]
                 if cap not in px.formats or not level.permits(cap) or not quota.take(cap.name):
                     continue
@@ -269,7 +267,7 @@ class ProximaKVCacheManager(KVCacheManager):
                 self._target_done(entry)
                 continue
             entry.target_tries += 1
-            restricted = restricted or px.backoff.restrict(px.effective, px.stats.steps)
+            restricted = restricted or px.backoff.restrict(px.policy, px.stats.steps)
             actions = targets.plan(entry, blocks_of[rid], self.block_size, restricted, px.engine,
                                    px.probe_status, self.px.meta.held_block_bytes)
             if not actions:
@@ -448,7 +446,12 @@ def install(manager: KVCacheManager, policy: Policy, ranks: int = 1) -> ProximaK
         logger.warning("proxima: %d KV cache groups (hybrid model); Proxima supports one and stays inactive",
                        len(manager.coordinator.single_type_managers))
         return None
-    m = _patches.adopt_kv_manager(manager, ProximaKVCacheManager)
+    # Patch 2 (see _patches): a subclass that adds no __init__ state of vLLM's, so swapping the
+    # live instance's class keeps every attribute where vLLM put it.
+    if not isinstance(manager, KVCacheManager):
+        raise TypeError(f"ProximaKVCacheManager extends KVCacheManager, vLLM built a {type(manager).__name__}")
+    manager.__class__ = ProximaKVCacheManager
+    m: ProximaKVCacheManager = manager  # type: ignore[assignment]
     m.px = ProximaState.create(policy, m.block_pool, m.kv_cache_config, check=os.environ.get(CHECK_ENV) == "1",
                                 ranks=ranks)
     return m

@@ -1,6 +1,6 @@
 """Everything the Proxima KV manager adds to vLLM's: one typed object (`manager.px`).
 
-`install()` switches vLLM's manager instance to Proxima's class (`_patches.adopt_kv_manager`)
+`install()` switches vLLM's manager instance to Proxima's class (patch 2 of `_patches`)
 and attaches one `ProximaState`, so all of vLLM's own state stays where vLLM put it and all of
 Proxima's sits in one place with its types.
 """
@@ -8,7 +8,6 @@ Proxima's sits in one place with its types.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -28,24 +27,13 @@ from proxima.policy.engine import EngineState
 from proxima.policy.schema import Policy
 from proxima.policy.snapshot import ProbeStatus
 
-logger = logging.getLogger("proxima.vllm")
-
-
-def supported_formats(policy: Policy) -> set[Format]:
-    """Formats the vLLM data path stores: every format of the ladders (quantized, sparse, cluster)."""
-    fmts: set[Format] = set()
-    for band in policy.bands:
-        fmts.update(band.ladder)
-    return fmts
-
 
 @dataclass
 class ProximaState:
     policy: Policy
     """The live policy (blocks already compressed keep their format when it changes)."""
-    effective: Policy
-    """The policy with ladders restricted to the formats this data path stores."""
     formats: set[Format]
+    """Every format of the live policy's ladders (the vLLM data path stores them all)."""
     blocks: VllmBlockSource
     packer: SlotPacker
     """Destination blocks of every request (the placement model)."""
@@ -104,7 +92,7 @@ class ProximaState:
                ) -> ProximaState:
         blocks = VllmBlockSource(pool)
         meta = MetaSizes(config, ranks, policy.storage)
-        st = cls(policy=policy, effective=policy, formats=set(), blocks=blocks, packer=SlotPacker(blocks),
+        st = cls(policy=policy, formats=set(), blocks=blocks, packer=SlotPacker(blocks),
                  meta=meta, charge=SideTableCharge(pool, meta.block_bytes), check=check)
         st.adopt(policy, version=0)  # the worker loaded the same startup policy: nothing to send
         return st
@@ -115,13 +103,7 @@ class ProximaState:
         in-flight actions still commit. `version`: the store's (else the next number)."""
         self.policy = policy
         self.policy_version = self.policy_version + 1 if version is None else version
-        self.formats = supported_formats(policy)
-        self.effective = policy.model_copy(update={"bands": [
-            b.model_copy(update={"ladder": [f for f in b.ladder if f in self.formats]}) for b in policy.bands
-        ]})
-        dropped = {f.name for band in policy.bands for f in band.ladder} - {f.name for f in self.formats}
-        if dropped:
-            logger.warning("proxima: formats %s are not stored by the vLLM path yet and are skipped", sorted(dropped))
+        self.formats = {f for band in policy.bands for f in band.ladder}
 
     def next_action_id(self) -> ActionId:
         return ActionId(next(self.action_ids))

@@ -29,6 +29,7 @@ from proxima.compression.blocks import compress_blocks
 from proxima.formats import Format, recompressible
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.policy.probes import choose_within_bound
+from proxima.policy.refusal import milder_formats  # shared with the transformers cache
 from proxima.policy.schema import CompressionProbe, Policy
 
 if TYPE_CHECKING:
@@ -97,16 +98,6 @@ class ProbeOutcome:
     """Blocks measured in their chosen format."""
     refused: int = 0
     """Of those, over the bound (a milder format, or none, was named for them)."""
-
-
-def milder_formats(policy: Policy | None, fmt: Format, from_fmt: Format) -> list[Format]:
-    """The formats of the policy's ladders that hold more than `fmt` keeps (lower pack ratio) and
-    still shrink the block (above `from_fmt`'s ratio), harshest first: what a refused block tries."""
-    if policy is None:
-        return []
-    seen = {f for band in policy.bands for f in band.ladder}
-    out = [f for f in seen if from_fmt.pack_ratio < f.pack_ratio < fmt.pack_ratio]
-    return sorted(out, key=lambda f: (-f.pack_ratio, policy.damage.of(f), f.name))
 
 
 def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequence[CompressAction],

@@ -1,4 +1,5 @@
-"""Synthetic KV with the statistics that make KV quantization hard, for tests and benchmarks.
+"""Synthetic KV with the statistics that make KV quantization hard, for tests and benchmarks
+(bench/kernels.py and bench/groups.py import it from here with the repository root on sys.path).
 
 Real post-RoPE keys have a few *outlier channels* with magnitudes 10-20x the rest (the reason
 KIVI quantizes keys per channel), plus a per-channel offset; values are closer to Gaussian per

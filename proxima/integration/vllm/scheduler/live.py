@@ -29,6 +29,7 @@ from proxima.integration.vllm.scheduler.pool_usage import total_blocks
 from proxima.policy.loader import Problem
 from proxima.policy.probes import compression_step
 from proxima.policy.schema import Policy
+from proxima.policy.snapshot import pool_pressure
 from proxima.policy.store import PolicyStore
 
 if TYPE_CHECKING:
@@ -92,9 +93,8 @@ class ManagerBackend:
         m = self.manager
         total = total_blocks(m.block_pool)
         free = m.block_pool.get_num_free_blocks()
-        pressure = min(1.0, max(0.0, 1.0 - (free - pending_blocks) / total)) if total else 0.0
         return BackendStats(
-            pressure=pressure,
+            pressure=pool_pressure(free, pending_blocks, total),
             total_blocks=total,
             free_blocks=free,
             owned_blocks=total - free,  # the manager's accounting invariant: free + owned == total

@@ -113,11 +113,21 @@ class Format:
         """How many compressed slots of this format fit in one physical (bf16) block."""
         return self.reduction_ratio * self.quant_ratio
 
+    def kept_count(self, tokens: int) -> int:
+        """Tokens (or centroids) kept from `tokens` tokens of one block: ceil(tokens / R) after a
+        reduction, all of them otherwise. The one kept-token rule: a partial block rounds up (a
+        block's last token is never reduced away), and a full block is the case `tokens == B`."""
+        if tokens < 0:
+            raise FormatError(f"{self.name}: a block holds a non-negative number of tokens, got {tokens}")
+        return -(-tokens // self.reduction_ratio)
+
     def kept_tokens(self, block_size: int) -> int:
-        """Tokens (or centroids) a full block keeps after the reduction."""
+        """Tokens (or centroids) a full block keeps (`kept_count(block_size)`): the rows of one
+        compressed slot. `pack_ratio` slots share one physical block, so a reduction must divide
+        the block size: a full block's count is exact, never rounded."""
         if block_size % self.reduction_ratio:
             raise FormatError(f"{self.name}: block size {block_size} is not divisible by ratio {self.reduction_ratio}")
-        return block_size // self.reduction_ratio
+        return self.kept_count(block_size)
 
     @property
     def attention_uses_counts(self) -> bool:

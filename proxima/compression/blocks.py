@@ -116,7 +116,7 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
 
 def kept_count(fmt: Format, tokens: int) -> int:
     """Tokens (or centroids) kept from a block of `tokens` (partial blocks round up)."""
-    return -(-tokens // fmt.reduction_ratio) if fmt.reduction else tokens
+    return fmt.kept_count(tokens)  # (the rule lives in `proxima.formats`)
 
 
 def _check_inputs(

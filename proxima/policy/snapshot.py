@@ -21,6 +21,15 @@ from proxima.formats import HOT, Format
 ProbeStatus = Literal["ok", "failing"]
 
 
+def pool_pressure(free_blocks: float, pending_blocks: float, total_blocks: int) -> float:
+    """Used fraction of a pool of `total_blocks`, counting the `pending_blocks` that waiting
+    allocations need as used, in [0, 1] (an empty pool: 0). The one definition: the engine's
+    snapshot and the live API's stats both report it."""
+    if total_blocks == 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - (free_blocks - pending_blocks) / total_blocks))
+
+
 @dataclass(frozen=True)
 class RequestBlocks:
     """One request's logical blocks, as the KV manager knows them."""
@@ -84,10 +93,8 @@ class Snapshot:
 
     @property
     def pressure(self) -> float:
-        """Used fraction of the pool, counting blocks that waiting allocations need."""
-        if self.total_blocks == 0:
-            return 0.0
-        return min(1.0, 1.0 - (self.free_blocks - self.pending_blocks) / self.total_blocks)
+        """Used fraction of the pool, counting blocks that waiting allocations need (`pool_pressure`)."""
+        return pool_pressure(self.free_blocks, self.pending_blocks, self.total_blocks)
 
     @classmethod
     def build(

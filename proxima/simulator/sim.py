@@ -29,7 +29,7 @@ from proxima.formats import HOT, Format
 from proxima.placement import DEST_RESERVE_BLOCKS, BlockId, CounterPool, SlotIndex, SlotPacker, check_pool
 from proxima.policy.engine import Decision, EngineState, decide
 from proxima.policy.schema import Policy
-from proxima.policy.snapshot import Snapshot
+from proxima.policy.snapshot import Snapshot, pool_pressure
 from proxima.simulator.workload import RequestSpec
 
 
@@ -232,7 +232,7 @@ class Simulator:
         res.peak_fragmentation_blocks = max(res.peak_fragmentation_blocks, self.packer.fragmentation_blocks())
         self.check()
         if self._record:
-            res.timeline_pressure.append(1.0 - pool.num_free() / cfg.total_blocks)
+            res.timeline_pressure.append(pool_pressure(pool.num_free(), 0, cfg.total_blocks))
             res.timeline_resident.append(resident)
         self.step_no += 1
         res.steps = self.step_no

@@ -7,7 +7,7 @@ from proxima.formats import HOT, Format
 from proxima.policy.engine import EngineState, decide, select_band
 from proxima.policy.loader import parse_policy
 from proxima.policy.schema import Policy
-from proxima.policy.snapshot import RequestBlocks, Snapshot
+from proxima.policy.snapshot import RequestBlocks, Snapshot, pool_pressure
 
 F = Format.parse
 B = 16
@@ -182,6 +182,16 @@ def test_pending_allocations_raise_pressure() -> None:
     d = decide(pending, POLICY, EngineState())
     assert d.band == "high" and d.need_blocks == 10
     assert d.expected_freed == pytest.approx(9 * (1 - 1 / 8))  # every eligible block (1..9) to an 8x format
+
+
+def test_pool_pressure_counts_waiting_blocks_within_zero_and_one() -> None:
+    """The one pressure: used fraction with the waiting blocks counted as used, clamped to [0, 1]."""
+    assert pool_pressure(8, 0, 20) == pytest.approx(0.6)
+    assert pool_pressure(8, 4, 20) == pytest.approx(0.8)
+    assert pool_pressure(8, 30, 20) == 1.0  # more waiting than the pool holds
+    assert pool_pressure(20, 0, 20) == 0.0 and pool_pressure(20, -5, 20) == 0.0  # never below 0
+    assert pool_pressure(0, 0, 0) == 0.0  # an empty pool is under no pressure
+    assert pool_pressure(2.5, 0, 10) == pytest.approx(0.75)  # a virtual pool's fractional free blocks
 
 
 def test_hysteresis() -> None:

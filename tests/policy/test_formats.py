@@ -64,3 +64,19 @@ def test_kept_tokens_and_hot() -> None:
     with pytest.raises(FormatError, match="not divisible"):
         Format.parse("cluster(3)").kept_tokens(16)
     assert HOT.is_hot and not Format.parse("int8").is_hot
+
+
+@given(st.sampled_from(["bf16", "int4", "sparse(4)", "cluster(2)+int8", "sparse(8)+int2"]), st.integers(0, 256))
+def test_kept_count_rounds_a_partial_block_up(text: str, tokens: int) -> None:
+    """One kept-token rule: ceil(tokens / R); a full block divisible by R keeps exactly B / R."""
+    fmt = Format.parse(text)
+    kept = fmt.kept_count(tokens)
+    assert kept * fmt.reduction_ratio >= tokens > (kept - 1) * fmt.reduction_ratio or kept == tokens == 0
+    if tokens and tokens % fmt.reduction_ratio == 0:
+        assert fmt.kept_tokens(tokens) == kept
+
+
+def test_kept_count_refuses_a_negative_count() -> None:
+    assert Format.parse("cluster(3)").kept_count(16) == 6  # a partial reduction rounds up where kept_tokens raises
+    with pytest.raises(FormatError, match="non-negative"):
+        Format.parse("sparse(2)").kept_count(-1)

@@ -96,7 +96,7 @@ class ProximaConnector(KVConnectorBase_V1):
             from proxima.integration.vllm.worker.drift_observer import configured
 
             observer = configured(self._vllm_config)
-            self.manager.px.drift_observer = observer
+            self.manager.px.probes.drift_observer = observer
             self.live = LiveControl.from_env(self.manager, self.policy, self.policy_source, drift_observer=observer,
                                              canary_chunk_tokens=prefill_chunk_tokens(self._vllm_config))
 

@@ -39,7 +39,8 @@ class RequestEntry:
     compressed: dict[int, CompressedSlot] = field(default_factory=dict)
     """Logical block index -> its committed compressed slot."""
     in_flight: dict[int, CompressAction] = field(default_factory=dict)
-    """Logical block index -> the compression planned for it, not yet reported."""
+    """Logical block index -> the compression planned for it, not yet reported (written only by
+    `in_flight.InFlight`, which keeps it equal to its pending actions)."""
     importance: list[float] = field(default_factory=list)
     """Attention mass of each logical block, as the worker last observed it (NaN: never)."""
     caps: dict[int, Format] = field(default_factory=dict)

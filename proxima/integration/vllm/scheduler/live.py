@@ -29,6 +29,7 @@ from proxima.integration.vllm.scheduler.pool_usage import total_blocks
 from proxima.policy.loader import Problem
 from proxima.policy.probes import compression_step
 from proxima.policy.schema import Policy
+from proxima.policy.snapshot import pool_pressure
 from proxima.policy.store import PolicyStore
 
 if TYPE_CHECKING:
@@ -92,9 +93,8 @@ class ManagerBackend:
         m = self.manager
         total = total_blocks(m.block_pool)
         free = m.block_pool.get_num_free_blocks()
-        pressure = min(1.0, max(0.0, 1.0 - (free - pending_blocks) / total)) if total else 0.0
         return BackendStats(
-            pressure=pressure,
+            pressure=pool_pressure(free, pending_blocks, total),
             total_blocks=total,
             free_blocks=free,
             owned_blocks=total - free,  # the manager's accounting invariant: free + owned == total
@@ -163,7 +163,7 @@ class LiveControl:
         self.drift_observer = drift_observer
         """Whether the worker observes tokens (`drift_observer.py`). Without it, a policy enabling
         the drift probe is refused by the API, and the startup one's probe is reported unavailable
-        (the manager then holds no request out: `ProximaState.drift_observer`)."""
+        (the manager then holds no request out: `ProbeState.drift_observer`)."""
         if not drift_observer:
             self.controller.store.requirements = _needs_no_drift
             self.controller.set_progress("drift", {"unavailable": NO_DRIFT_OBSERVER})
@@ -228,13 +228,13 @@ class LiveControl:
             self.applied_version = version.version
         if m.px.engine.fallback_level != level:
             m.px.engine = replace(m.px.engine, fallback_level=level)
-        m.px.probe_status = self.controller.probe_status()
+        m.px.probes.status = self.controller.probe_status()
         # build_plan consumes (resets) the waiting demand; it is part of the pressure we report.
         self._pending_blocks = m.px.waiting_need
 
     def after_plan(self) -> None:
         self._step_unreported = True
-        prompt = self.manager.px.canary_prompt_tokens
+        prompt = self.manager.px.probes.canary_prompt_tokens
         if prompt != self._canary_prompt_tokens and prompt is not None and self.canary_chunk_tokens is not None:
             self._canary_prompt_tokens = prompt
             problem = chunking_problem(prompt, self.canary_chunk_tokens)
@@ -246,8 +246,8 @@ class LiveControl:
 
     def commit(self, report: ProximaReport) -> None:
         """Apply the worker's report to the manager and tell the controller what the step did."""
-        pending = self.manager.px.pending
-        self._committed.update(pending[aid].fmt for aid in report.ok if aid in pending)  # before apply pops them
+        in_flight = self.manager.px.in_flight
+        self._committed.update(a.fmt for aid in report.ok if (a := in_flight.get(aid)) is not None)  # before apply
         self._failed += len(report.failed)
         self._revoke_mismatches += report.revoke_mismatches
         self._kernel_seconds += report.kernel_seconds
@@ -272,7 +272,7 @@ class LiveControl:
             return
         compressed = self._compressed_then[0] if len(self._compressed_then) == 2 else frozenset()
         self._drift_seconds += report.drift_seconds
-        classify(report.drift, px.holdout, compressed, self.drift)
+        classify(report.drift, px.probes.holdout, compressed, self.drift)
         self.drift.close_absent(px.ledger)
         # (canaries are compressed whatever the pressure: they say nothing of the users' requests)
         self._compressed_then.append(frozenset(rid for rid, e in px.ledger.items()

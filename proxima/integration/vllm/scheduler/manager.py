@@ -10,7 +10,8 @@ This module keeps vLLM's hooks (`allocate_slots`, `free`, `pop_blocks_for_free`)
 (`ledger.py`), where compressed blocks live in the placement model (`proxima.placement`, over
 vLLM's block pool: `blocks.py`), what the policy engine sees in `snapshot.py`, admission estimates
 in `admission.py`, counters in `stats.py`, pool usage and the accounting check in `pool_usage.py`,
-the rest of Proxima's per-engine state (in-flight actions, releasing a request) in `state.py`.
+compressions between plan and report in `in_flight.py`, the quality probes' requests in
+`probe_state.py`, the rest of Proxima's per-engine state (releasing a request) in `state.py`.
 
 Physical accounting (the invariants of `proxima.placement.model`, asserted by
 `check_accounting`): every non-null block is either in vLLM's free queue or owned: referenced by
@@ -33,7 +34,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from proxima.formats import HOT, Format
-from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.scheduler import admission, canary, drift, pool_usage, targets
 from proxima.integration.vllm.scheduler.ledger import CompressedSlot, RequestEntry, expected_remap
 from proxima.integration.vllm.scheduler.snapshot import build_snapshot, check_protected, finishing_requests
@@ -79,8 +80,8 @@ class ProximaKVCacheManager(KVCacheManager):
         px, rid = self.px, request.request_id
         # A drift holdout request is never compressed (`drift.py`): it is admitted as vLLM would.
         # Without the observer there is no drift probe, so no request is held out for it.
-        sample = drift.assignment(rid, px.policy.probes.drift) if px.drift_observer and not canary.is_special(rid) \
-            else None
+        sample = drift.assignment(rid, px.policy.probes.drift) \
+            if px.probes.drift_observer and not canary.is_special(rid) else None
         holdout = sample == "holdout"
         if rid not in px.ledger and not px.policy.is_off and not px.disabled:
             if full_sequence_must_fit and not px.policy.protect.prefilling and not holdout:
@@ -94,7 +95,7 @@ class ProximaKVCacheManager(KVCacheManager):
                 full += getattr(self, "watermark_blocks", 0)  # vLLM's own headroom (0 by default)
                 if not self._admits(full):
                     return None
-            if px.emergency and px.pending:
+            if px.emergency and px.in_flight:
                 # Blocks an emergency compression frees belong to the running requests that
                 # needed them: admitting new requests meanwhile would starve those.
                 return None
@@ -118,17 +119,13 @@ class ProximaKVCacheManager(KVCacheManager):
                     entry.target = targets.requested_ratio(request)
                     if entry.target is not None:
                         px.targets.add(rid)
-                px.canaries += canary.is_special(rid)
-                if canary.is_canary(rid):
-                    px.canary_prompt_tokens = request.num_prompt_tokens
+                px.probes.admitted(rid, request.num_prompt_tokens, holdout=holdout)
                 if sample is not None:  # one of the drift probe's two samples: observed
-                    if holdout:
-                        px.holdout.add(rid)
                     drift.tag(request)  # (in this step's scheduler output: before the worker sees it)
             return out
         # The allocation would fail: vLLM would now preempt. Plan an emergency compression;
         # has_pending_block_frees() then tells the scheduler to wait one step instead.
-        if not px.pending and self._plan(pending_blocks=need):
+        if not px.in_flight and self._plan(pending_blocks=need):
             px.stats.emergencies += 1
             px.emergency = True
         return None
@@ -174,7 +171,7 @@ class ProximaKVCacheManager(KVCacheManager):
         return self.coordinator.single_type_managers[0]
 
     def has_pending(self) -> bool:
-        return bool(self.px.pending)
+        return bool(self.px.in_flight)
 
     def _plan(self, pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset(),
               quota: Quota | None = None) -> int:
@@ -185,10 +182,10 @@ class ProximaKVCacheManager(KVCacheManager):
             return 0
         # Canaries and their references are not the pressure's to compress (`canary.py`), nor is
         # the drift probe's holdout (`drift.py`).
-        special = (canary.special_requests(px.ledger) if px.canaries else set()) | px.holdout
+        special = (canary.special_requests(px.ledger) if px.probes.canaries else set()) | px.probes.holdout
         restricted = px.backoff.restrict(px.policy, px.stats.steps)
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
-                              pending_blocks, set(finishing) | special, px.probe_status)
+                              pending_blocks, set(finishing) | special, px.probes.status)
         decision = decide(snap, restricted, px.engine)
         px.engine = decision.state
         actions = decision.actions
@@ -216,6 +213,8 @@ class ProximaKVCacheManager(KVCacheManager):
                 if cap not in px.formats or not level.permits(cap) or not quota.take(cap.name):
                     continue
                 fmt = cap
+            if act.block_index in entry.in_flight:
+                continue  # (one action per block at a time: `InFlight`'s invariant)
             src = blocks_of[act.request_id][act.block_index]
             prev = entry.compressed.get(act.block_index)
             if prev is None and (src.is_null or src.ref_cnt != 1):
@@ -232,17 +231,15 @@ class ProximaKVCacheManager(KVCacheManager):
                 break
             dst, slot = res
             if prev is None:
-                ca = CompressAction(px.next_action_id(), act.request_id, act.block_index, BlockId(src.block_id),
+                ca = CompressAction(px.in_flight.next_id(), act.request_id, act.block_index, BlockId(src.block_id),
                                     dst, slot, fmt.name)
             else:
-                ca = CompressAction(px.next_action_id(), act.request_id, act.block_index, NO_BLOCK,
+                ca = CompressAction(px.in_flight.next_id(), act.request_id, act.block_index, NO_BLOCK,
                                     dst, slot, fmt.name, prev.fmt.name, prev.block, prev.slot)
-            entry.in_flight[act.block_index] = ca
-            px.pending[ca.action_id] = ca
+            in_prefill = entry.request.num_computed_tokens < entry.request.num_prompt_tokens
+            px.in_flight.plan(ca, in_prefill=in_prefill)
             planned += 1
-            if entry.request.num_computed_tokens < entry.request.num_prompt_tokens:
-                px.stats.planned_in_prefill += 1
-                px.prefill_actions.add(ca.action_id)
+            px.stats.planned_in_prefill += in_prefill
         px.stats.planned += planned
         return planned
 
@@ -269,7 +266,7 @@ class ProximaKVCacheManager(KVCacheManager):
             entry.target_tries += 1
             restricted = restricted or px.backoff.restrict(px.policy, px.stats.steps)
             actions = targets.plan(entry, blocks_of[rid], self.block_size, restricted, px.engine,
-                                   px.probe_status, self.px.meta.held_block_bytes)
+                                   px.probes.status, self.px.meta.held_block_bytes)
             if not actions:
                 self._target_done(entry)
             elif self._reserve(actions, quota):
@@ -302,24 +299,23 @@ class ProximaKVCacheManager(KVCacheManager):
         scheduled_req_ids = list(scheduled_req_ids)
         finishing = finishing_requests(px.ledger, scheduled_req_ids)
         quota = px.backoff.quota(px.stats.steps)
-        idle = not px.pending  # (the pressure plans only when nothing is in flight: decided before targets)
+        idle = not px.in_flight  # (the pressure plans only when nothing is in flight: decided before targets)
         self._plan_targets(finishing, quota)
         if idle:
             self._plan(pending_blocks=min(px.waiting_need, pool_usage.total_blocks(self.block_pool)),
                        finishing=finishing, quota=quota)
         px.waiting_need = 0
+        out = px.in_flight.send()
         plan = ProximaPlan(
-            actions=[a for a in px.pending.values() if a.action_id not in px.sent],
-            dropped=px.dropped,
+            actions=out.actions,
+            dropped=out.dropped,
             scrub=list(px.blocks.take_scrub()),
-            revoked=px.revoked,
+            revoked=out.revoked,
             check_remap=expected_remap(px.ledger) if px.check else None,
         )
-        px.sent.update(a.action_id for a in plan.actions)
         plan.policy_version = px.policy_version
         if px.worker_version != px.policy_version:  # the worker applies it before this plan's work
             plan.policy, px.worker_version = px.policy, px.policy_version
-        px.dropped, px.revoked = [], []
         px.charge.settle(self.side_table_bytes())  # with this step's reservations in flight
         b = self.block_size
         blocks_of = self._stm.req_to_blocks
@@ -339,7 +335,7 @@ class ProximaKVCacheManager(KVCacheManager):
         t0 = time.perf_counter()
         for name, seconds in report.timings.items():
             px.stats.add_time(name, seconds)
-        fmt = {aid: ca.fmt for aid, ca in px.pending.items()}  # before the commits below pop them
+        fmt = {a.action_id: a.fmt for a in px.in_flight}  # before the commits below take them
         for ev in px.backoff.observe(px.stats.steps, [fmt[a] for a in report.ok if a in fmt],
                                      [fmt[a] for a in report.failed if a in fmt], (report.errors or [""])[-1],
                                      {f.name for f in px.formats}):
@@ -349,54 +345,25 @@ class ProximaKVCacheManager(KVCacheManager):
             if entry is not None:
                 px.stats.importance_updates += 1
                 entry.observe(imp)
-        blocks_of = self._stm.req_to_blocks
-        null = self.block_pool.null_block
-        to_free: list[KVCacheBlock] = []
-        for aid in report.ok:
-            ca = px.pending.pop(aid, None)
-            px.sent.discard(aid)
-            if ca is None:
-                continue  # its request was freed meanwhile; its blocks went with it
-            entry = px.ledger[ca.req_id]
-            entry.in_flight.pop(ca.index, None)
-            entry.compressed[ca.index] = CompressedSlot(Format.parse(ca.fmt), ca.dst, ca.slot)
-            px.stats.record_commit(ca.fmt, in_prefill=aid in px.prefill_actions)
-            if ca.from_fmt != HOT.name:  # recompression: release the old slot
-                px.packer.release(ca.req_id, ca.from_dst, ca.from_slot)
-                continue
-            blocks = blocks_of[ca.req_id]
-            src = blocks[ca.index]
-            assert src.block_id == ca.src, (
-                f"request {ca.req_id} block {ca.index} moved from {ca.src} to {src.block_id} while being "
-                "compressed: this indicates a bug in Proxima's manager"
-            )
-            blocks[ca.index] = null
-            to_free.append(src)
-        px.prefill_actions.difference_update(report.ok)
-        px.prefill_actions.difference_update(report.failed)
-        failed = [px.pending.pop(aid, None) for aid in report.failed]
+        to_free = [src for aid in report.ok if (src := self._commit(aid)) is not None]
+        # The probe's verdicts are read while their actions are in flight; then every failure leaves
+        # at once, latest slot first (`InFlight.fail`), so an open destination takes its slots back.
         for aid, milder in report.rejected.items():  # the probe refused: the block is as it was
-            ca = px.pending.pop(aid, None)
-            px.sent.discard(aid)
-            px.prefill_actions.discard(aid)
-            if ca is not None:
-                if milder != ca.fmt:  # (its own format: not measured yet, planned again later)
-                    px.ledger[ca.req_id].caps[ca.index] = Format.parse(milder) if milder else HOT
-                failed.append(ca)
+            ca = px.in_flight.get(aid)
+            if ca is not None and aid not in report.failed and milder != ca.fmt:
+                # (its own format: not measured yet, planned again later)
+                px.ledger[ca.req_id].caps[ca.index] = Format.parse(milder) if milder else HOT
+        for ca in px.in_flight.fail([*report.failed, *report.rejected]):
+            # (revoked by the next plan: under tensor parallelism another rank may have written it)
+            px.packer.release(ca.req_id, ca.dst, SlotIndex(ca.slot), undo=True)
         px.stats.rejected += len(report.rejected)
         px.stats.failed += len(report.failed)
-        px.sent.difference_update(report.failed)
-        # Latest slots first, so that an open destination can take its failed slots back.
-        for ca in sorted((c for c in failed if c is not None), key=lambda c: (c.dst, -c.slot)):
-            px.revoked.append(ca)  # (tensor parallelism: another rank may have written it)
-            px.ledger[ca.req_id].in_flight.pop(ca.index, None)
-            px.packer.release(ca.req_id, ca.dst, SlotIndex(ca.slot), undo=True)
         if NO_READER in report.errors and not px.disabled:
             px.disabled = NO_READER
             logger.error("proxima: %s", NO_READER)
         if report.errors:
             px.stats.errors[:] = (px.stats.errors + report.errors)[-5:]  # bounded over any run
-        if not px.pending:
+        if not px.in_flight:
             px.emergency = False
         if to_free:
             self.block_pool.free_blocks(to_free)
@@ -404,12 +371,34 @@ class ProximaKVCacheManager(KVCacheManager):
         self._settle_side_tables()  # the freed sources pay for the new slots' metadata first
         px.stats.add_time("commit_s", time.perf_counter() - t0)
 
+    def _commit(self, aid: ActionId) -> KVCacheBlock | None:
+        """The worker wrote `aid`: its block now lives in its slot. Returns the source block to
+        free (None: a recompression, whose old slot is released here, or its request was freed)."""
+        px = self.px
+        done = px.in_flight.commit(aid)
+        if done is None:
+            return None  # its request was freed meanwhile; its blocks went with it
+        ca = done.action
+        px.ledger[ca.req_id].compressed[ca.index] = CompressedSlot(Format.parse(ca.fmt), ca.dst, ca.slot)
+        px.stats.record_commit(ca.fmt, in_prefill=done.in_prefill)
+        if ca.from_fmt != HOT.name:  # recompression: release the old slot
+            px.packer.release(ca.req_id, ca.from_dst, ca.from_slot)
+            return None
+        blocks = self._stm.req_to_blocks[ca.req_id]
+        src = blocks[ca.index]
+        assert src.block_id == ca.src, (
+            f"request {ca.req_id} block {ca.index} moved from {ca.src} to {src.block_id} while being "
+            "compressed: this indicates a bug in Proxima's manager"
+        )
+        blocks[ca.index] = self.block_pool.null_block
+        return src
+
     def side_table_bytes(self) -> int:
         """Side-table bytes of the committed slots plus the in-flight ones (the worker writes
         their metadata before the report arrives)."""
         px = self.px
         return px.meta.side_table_bytes(px.ledger) + sum(px.meta.per_slot(Format.parse(ca.fmt))
-                                                         for ca in px.pending.values())
+                                                         for ca in px.in_flight)
 
     def _settle_side_tables(self) -> int:
         """Hold back the pool blocks the side tables fill (when charged to the pool); returns their bytes."""
@@ -428,8 +417,10 @@ class ProximaKVCacheManager(KVCacheManager):
         return pool_usage.blocks_by_format(self.px.ledger, self._stm.req_to_blocks)
 
     def check_accounting(self) -> None:
-        """The placement invariants over vLLM's pool (`pool_usage.check_accounting`)."""
+        """The in-flight ledger's invariant (`InFlight.check`) and the placement invariants over
+        vLLM's pool (`pool_usage.check_accounting`)."""
         px = self.px
+        px.in_flight.check()  # (first: a ledger out of step with it would fail the slots' check, less clearly)
         pool_usage.check_accounting(px.ledger, px.packer, self._stm.req_to_blocks, self.block_pool, px.charge.ids())
 
     def summary(self) -> dict[str, object]:

@@ -7,25 +7,23 @@ Proxima's sits in one place with its types.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from proxima.formats import Format
-from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.integration.vllm.scheduler.block_source import VllmBlockSource
-from proxima.integration.vllm.scheduler.canary import is_special
+from proxima.integration.vllm.scheduler.in_flight import InFlight
 from proxima.integration.vllm.scheduler.ledger import RequestLedger
+from proxima.integration.vllm.scheduler.probe_state import ProbeState
 from proxima.integration.vllm.scheduler.side_tables import SideTableCharge
 from proxima.integration.vllm.scheduler.stats import MetaSizes, ProximaStats
 from proxima.placement import BlockId, SlotPacker
 from proxima.policy.backoff import FormatBackoff
 from proxima.policy.engine import EngineState
 from proxima.policy.schema import Policy
-from proxima.policy.snapshot import ProbeStatus
 
 
 @dataclass
@@ -45,17 +43,11 @@ class ProximaState:
     engine: EngineState = field(default_factory=EngineState)
     ledger: RequestLedger = field(default_factory=RequestLedger)
     stats: ProximaStats = field(default_factory=ProximaStats)
-    pending: dict[ActionId, CompressAction] = field(default_factory=dict)
-    """Planned compressions whose report has not arrived (sources still owned, slots reserved)."""
-    sent: set[ActionId] = field(default_factory=set)
-    """Action ids already sent to the worker (not sent again while in flight)."""
-    prefill_actions: set[ActionId] = field(default_factory=set)
-    """Action ids planned while their request was in prefill (counted when they commit)."""
-    dropped: list[str] = field(default_factory=list)
-    """Requests freed since the last plan (the worker forgets their remap)."""
-    revoked: list[CompressAction] = field(default_factory=list)
-    """Actions that failed since the last plan: a rank that wrote one undoes it (`ranks.py`)."""
-    action_ids: Iterator[int] = field(default_factory=itertools.count)
+    in_flight: InFlight = field(init=False)
+    """Compressions between plan and report, and what the next plan owes the worker of them
+    (`in_flight.py`, over `ledger`)."""
+    probes: ProbeState = field(default_factory=ProbeState)
+    """The canary and drift probes' requests and the controller's verdict (`probe_state.py`)."""
     on_change: Callable[[], None] | None = None
     """Called after a request's blocks were freed (the connector dumps its counters)."""
     emergency: bool = False
@@ -68,24 +60,13 @@ class ProximaState:
     """Version of `policy` (0: the startup policy; the runtime API's store numbers the changes)."""
     worker_version: int = 0
     """The policy version last sent to the worker (`ProximaPlan.policy`)."""
-    canaries: int = 0
-    """Resident canary and reference requests (`canary.py`; 0: planning skips looking for them)."""
-    holdout: set[str] = field(default_factory=set)
-    """Resident requests of the drift probe's holdout (`drift.is_holdout`): never compressed, the
-    uncompressed population the compressed requests' tokens are compared with."""
-    canary_prompt_tokens: int | None = None
-    """Prompt tokens of the last live canary admitted (`canary.py`: informative only when vLLM
-    prefills it in more than one step; `live.LiveControl` compares it with the chunk size)."""
-    drift_observer: bool = True
-    """The worker runs the drift probe's observer (`drift_observer.py`; the connector says, from
-    vLLM's configuration). Without it nothing is held out or tagged for the drift probe."""
-    probe_status: ProbeStatus = "ok"
-    """What the quality probes say, for the policy engine (`Snapshot.probe_status`; set each step
-    by `live.LiveControl` from the controller)."""
     targets: set[str] = field(default_factory=set)
     """Resident requests with a compression target still to plan (`targets.py`)."""
     disabled: str | None = None
     """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
+
+    def __post_init__(self) -> None:
+        self.in_flight = InFlight(self.ledger)
 
     @classmethod
     def create(cls, policy: Policy, pool: BlockPool, config: KVCacheConfig, check: bool, ranks: int = 1
@@ -105,19 +86,13 @@ class ProximaState:
         self.policy_version = self.policy_version + 1 if version is None else version
         self.formats = {f for band in policy.bands for f in band.ladder}
 
-    def next_action_id(self) -> ActionId:
-        return ActionId(next(self.action_ids))
-
     def release(self, req_id: str, *, free_now: bool = True) -> list[BlockId]:
         """A request's entry and destinations go (its in-flight actions with them); returns its
         destinations (with `free_now=False` the caller frees them: vLLM's deferred-free path)."""
         entry = self.ledger.pop(req_id, None)
         if entry is None:
             return []
-        self.canaries -= is_special(req_id)
-        self.holdout.discard(req_id)
+        self.probes.released(req_id)
         self.targets.discard(req_id)
-        for ca in entry.in_flight.values():
-            self.pending.pop(ca.action_id, None)
-        self.dropped.append(req_id)
+        self.in_flight.drop(entry)
         return self.packer.release_request(req_id, free_now=free_now)

@@ -75,7 +75,7 @@ def test_a_worker_without_a_reader_turns_compression_off() -> None:
     assert plan.actions  # under pressure: the engine compresses
     m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions], errors=[NO_READER]))
     assert m.px.disabled == NO_READER
-    assert not m.build_plan(["a"]).actions and not m.px.pending  # never planned again
+    assert not m.build_plan(["a"]).actions and not m.px.in_flight  # never planned again
     # ... and admission is vLLM's own again (whole prompt uncompressed).
     assert m.allocate_slots(_request("long", 20 * B), 8 * B, full_sequence_must_fit=True) is None
 

@@ -23,14 +23,14 @@ def test_canaries_are_compressed_without_pressure_and_references_never() -> None
     m = _manager(policy, blocks=64)  # 3 requests of 7 blocks: about 30% used, far below every band
     for rid in ("user-1", f"{canary.REFERENCE_PREFIX}0-x", f"{canary.CANARY_PREFIX}0-x"):
         _prefilled(m, rid, 6 * B)
-    assert m.px.canaries == 2
+    assert m.px.probes.canaries == 2
     plan = m.build_plan(["user-1", f"{canary.REFERENCE_PREFIX}0-x", f"{canary.CANARY_PREFIX}0-x"])
     assert plan.actions and {a.req_id for a in plan.actions} == {f"{canary.CANARY_PREFIX}0-x"}
     # The top band's ladder (conservative's `high`: int4), as if the pool were full.
     assert {a.fmt for a in plan.actions} == {"int4"}
     assert m.px.engine.active_band is None, "a canary does not move the engine's band"
     m.free(m.px.ledger[f"{canary.CANARY_PREFIX}0-x"].request)
-    assert m.px.canaries == 1
+    assert m.px.probes.canaries == 1
     m.check_accounting()
 
 

@@ -80,7 +80,7 @@ def _pressured(drift_observer: bool = True) -> tuple[Any, dict[str, Any], Any, l
     policy = _with_drift(policy.model_copy(update={"protect": policy.protect.model_copy(
         update={"sink_tokens": 0, "recent_tokens": 0})}), QUARTER)
     m = _manager(policy, blocks=44)
-    m.px.drift_observer = drift_observer
+    m.px.probes.drift_observer = drift_observer
     hold, comp, rest = _ids("holdout", 2, QUARTER), _ids("compressible", 2, QUARTER), _ids(None, 1, QUARTER)
     canary = _prefilled(m, f"{CANARY_PREFIX}0-x", B)
     reqs = {rid: _prefilled(m, rid, 6 * B) for rid in [*hold, *comp, *rest]}  # 37 of 43 blocks: a band compresses
@@ -89,7 +89,7 @@ def _pressured(drift_observer: bool = True) -> tuple[Any, dict[str, Any], Any, l
 
 def test_holdout_requests_are_never_compressed_and_only_the_two_samples_are_tagged() -> None:
     m, reqs, canary, hold, comp, rest = _pressured()
-    assert m.px.holdout == set(hold)
+    assert m.px.probes.holdout == set(hold)
     plan = m.build_plan([*reqs, canary.request_id])
     planned = {a.req_id for a in plan.actions}
     # The live canary is compressed regardless (`canary.py`); of the others, only non-holdout ones.
@@ -100,13 +100,13 @@ def test_holdout_requests_are_never_compressed_and_only_the_two_samples_are_tagg
         assert req.sampling_params.extra_args == want, rid
     assert canary.sampling_params is not None and not canary.sampling_params.extra_args
     m.free(reqs[hold[0]])
-    assert m.px.holdout == {hold[1]}
+    assert m.px.probes.holdout == {hold[1]}
     m.check_accounting()
 
 
 def test_without_the_observer_nothing_is_held_out_or_tagged() -> None:
     m, reqs, canary, hold, _comp, _rest = _pressured(drift_observer=False)
-    assert not m.px.holdout
+    assert not m.px.probes.holdout
     planned = {a.req_id for a in m.build_plan([*reqs, canary.request_id]).actions}
     assert planned & set(hold), "a holdout with no observer would be kept uncompressed for nothing"
     assert all(not (r.sampling_params and r.sampling_params.extra_args) for r in reqs.values())

@@ -247,7 +247,7 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     first = len(refused)
     live.commit(ProximaReport(rejected=refused, probe_errors=[("int4", 0.3)] * len(refused) + [("int8", 0.004)],
                               probe_measured_ids=list(refused), probe_refused_ids=list(refused), probe_seconds=0.001))
-    assert m.px.stats.rejected == len(refused) and not m.px.pending and m.px.stats.failed == 0
+    assert m.px.stats.rejected == len(refused) and not m.px.in_flight and m.px.stats.failed == 0
     assert m.summary()["backoff"]["formats"] == {}, "a refusal is not a kernel failure"
     m.check_accounting()
     assert live.controller.fallback_state()["consecutive_failures"] == 1
@@ -280,7 +280,7 @@ def test_a_block_not_measured_yet_is_planned_again_in_its_format() -> None:
     plan = m.build_plan(["a"])
     assert plan.actions
     m.apply_report(ProximaReport(rejected={a.action_id: a.fmt for a in plan.actions}))  # the worker deferred them
-    assert not m.px.ledger["a"].caps and not m.px.pending and m.px.stats.failed == 0
+    assert not m.px.ledger["a"].caps and not m.px.in_flight and m.px.stats.failed == 0
     again = m.build_plan(["a"])
     assert [(a.index, a.fmt) for a in again.actions] == [(a.index, a.fmt) for a in plan.actions]
     m.check_accounting()

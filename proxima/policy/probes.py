@@ -8,12 +8,11 @@ Three probes watch quality (DESIGN.md, "Quality probes and fallback"):
 2. **Canary** (`evaluate_canary`): fixed prompts whose reference log-probs were taken
    uncompressed are rerun under the live policy; mean KL(reference || live) and top-1 agreement
    are compared with the policy's limits.
-3. **Live drift** (`drift_test`): token log-probs and entropies of compressed requests are
+3. **Live drift** (`drift_test`): per-request log-probs and entropies of compressed requests are
    compared with an uncompressed holdout share by a one-sided Mann-Whitney U test each.
 
 Each returns a `ProbeResult` whose `passed` feeds the fallback ladder (`proxima.policy.fallback`).
-Everything is numpy only: scipy is present on some machines, not all, and the tests check the
-U test against scipy where it is.
+The statistics come from `scipy.stats` (scipy arrives with scikit-learn, a declared dependency).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+import scipy.stats
 
 from proxima.formats import Format
 from proxima.policy.schema import CanaryProbe, CompressionProbe, DriftProbe
@@ -205,84 +205,130 @@ def entropy(logprobs: np.ndarray) -> np.ndarray:
     return -np.sum(np.exp(lp) * lp, axis=-1)
 
 
-def _rank_with_ties(x: np.ndarray) -> tuple[np.ndarray, float]:
-    """Average ranks (1-based) and the tie term sum(t^3 - t) used by the variance correction."""
-    order = np.argsort(x, kind="mergesort")
-    sorted_x = x[order]
-    # Boundaries of runs of equal values.
-    starts = np.flatnonzero(np.r_[True, sorted_x[1:] != sorted_x[:-1]])
-    counts = np.diff(np.r_[starts, x.size])
-    avg = starts + (counts + 1) / 2.0  # average of ranks start+1 .. start+count
-    ranks = np.empty(x.size)
-    ranks[order] = np.repeat(avg, counts)
-    return ranks, float(np.sum(counts.astype(np.float64) ** 3 - counts))
+MIN_REQUESTS_PER_SIDE = 10
+"""Fewest requests per side `drift_test` gives a verdict on. Below it a single odd request moves
+the rank sums by a large share, and the smallest p-value the exact tests can give grows towards
+the thresholds in use (n = 10: 1 / C(20, 10) = 5.4e-6 unpaired, 2^-10 = 9.8e-4 paired)."""
+EXACT_MAX_PAIRS = 10_000
+"""Up to n1 * n2 pairs (100 a side) a tie-free comparison uses the exact null distribution of U."""
 
 
 def mann_whitney_less(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """One-sided Mann-Whitney U test of H1 "a tends to be smaller than b".
+    """One-sided Mann-Whitney U test of H1 "a tends to be smaller than b" (scipy's normal
+    approximation with tie and continuity corrections). Returns (U statistic of `a`, p-value).
 
-    Returns (U statistic of `a`, p-value) using the normal approximation with tie correction and
-    continuity correction (as scipy's `method="asymptotic"`); the windows here are >= 10 per side,
-    where it is accurate. Chosen over Welch's t because token log-probs are heavy-tailed.
-    """
+    Chosen over Welch's t because log-probs and entropies are heavy-tailed. All values equal:
+    p = 1 (no evidence either way)."""
     a = np.asarray(a, dtype=np.float64).ravel()
     b = np.asarray(b, dtype=np.float64).ravel()
-    n1, n2 = a.size, b.size
-    if n1 == 0 or n2 == 0:
-        raise ValueError(f"mann_whitney_less: both samples need values, got {n1} and {n2}")
-    ranks, ties = _rank_with_ties(np.concatenate([a, b]))
-    u1 = float(ranks[:n1].sum() - n1 * (n1 + 1) / 2.0)
-    n = n1 + n2
-    mean = n1 * n2 / 2.0
-    var = n1 * n2 / 12.0 * ((n + 1) - ties / (n * (n - 1)))
-    if var <= 0:  # every value equal: no evidence either way
-        return u1, 1.0
-    z = (u1 - mean + 0.5) / math.sqrt(var)  # +0.5: continuity correction towards the null
-    return u1, 0.5 * math.erfc(-z / math.sqrt(2.0))  # P(Z <= z)
+    if a.size == 0 or b.size == 0:
+        raise ValueError(f"mann_whitney_less: both samples need values, got {a.size} and {b.size}")
+    r = scipy.stats.mannwhitneyu(a, b, alternative="less", method="asymptotic", use_continuity=True)
+    p = float(r.pvalue)
+    return float(r.statistic), 1.0 if math.isnan(p) else p
+
+
+def _p_less(a: np.ndarray, b: np.ndarray) -> float:
+    """p-value of "a tends to be smaller than b": exact when there are no ties and the samples are
+    small (the normal approximation's tail is off by tens of percent at 10 a side, exactly where a
+    verdict is decided), the tie-corrected approximation otherwise."""
+    if a.size * b.size <= EXACT_MAX_PAIRS and np.unique(np.concatenate([a, b])).size == a.size + b.size:
+        return float(scipy.stats.mannwhitneyu(a, b, alternative="less", method="exact").pvalue)
+    return mann_whitney_less(a, b)[1]
+
+
+def _p_paired_less(diff: np.ndarray) -> float:
+    """p-value of "the paired differences tend to be negative" (Wilcoxon signed-rank, one-sided):
+    exact below 50 pairs without ties or zeros, scipy's normal approximation otherwise. All
+    differences zero: p = 1."""
+    if not np.any(diff):
+        return 1.0
+    p = float(scipy.stats.wilcoxon(diff, alternative="less").pvalue)
+    return 1.0 if math.isnan(p) else p
+
+
+def smallest_paired_p(pairs: int) -> float:
+    """The smallest one-sided p-value the exact signed-rank test can give for `pairs` pairs: all
+    differences of one sign, 2^-pairs. A level below it could never fail a verdict."""
+    return 0.5 ** pairs
 
 
 @dataclass(frozen=True)
 class DriftSample:
-    """Per-token measurements of one population (compressed requests, or the holdout)."""
+    """One population (compressible requests, or the holdout): ONE value per request, `[N]` each.
+
+    Requests, not tokens, are the units: the tokens of one request share its prompt and its text,
+    so they are not independent and a token-level test would count one odd request many times."""
 
     logprob: np.ndarray
-    """Log-prob of each generated token, `[N]`."""
+    """Each request's mean log-prob of its generated tokens, `[N]`."""
     entropy: np.ndarray
-    """Entropy of the next-token distribution at each generated token, `[N]`."""
+    """Each request's mean entropy of the next-token distributions it sampled from, `[N]`."""
 
 
-def drift_test(compressed: DriftSample, holdout: DriftSample, cfg: DriftProbe) -> ProbeResult:
+def drift_test(compressed: DriftSample, holdout: DriftSample, cfg: DriftProbe, paired: bool = False) -> ProbeResult:
     """Has compression made the model less sure of its own tokens?
 
-    Two one-sided tests: compressed log-probs lower than the holdout's, and compressed entropies
-    higher. Bonferroni: each is run at p_value / 2 so the probe's false-alarm rate stays at the
-    policy's `p_value`. Tokens within a request are correlated, which makes the test somewhat
-    liberal; callers should pass per-request means when requests are long (the ladder also needs
-    `failures_to_step_down` failures in a row, which damps false alarms further).
+    Two one-sided rank tests over per-request values: compressed log-probs lower than the
+    holdout's, and compressed entropies higher. Unpaired: Mann-Whitney U (exact on small tie-free
+    windows). `paired=True`: the i-th request of each side were measured alike (the scheduler
+    averages both over the output positions they share, `DriftWindows.verdict`), so the values of
+    a pair are correlated and only their difference is evidence: Wilcoxon's signed-rank test on the
+    differences (the unpaired test on such values is not valid: on 100 windows resampled from a recorded
+    good run it alarmed once at a level of 2e-4).
+
+    The verdict fails when either test rejects, so the two share the policy's `p_value`
+    (Bonferroni: each at p_value / 2): under the null (which request lands on which side is
+    random) the verdict's false-alarm rate is at most `p_value`, exactly so with the exact tests.
+    Over a run of V verdicts the chance of any false failure is at most V * p_value, and the ladder
+    steps down only after `failures_to_step_down` failures in a row. Needs `MIN_REQUESTS_PER_SIDE`
+    requests per side (and as many on both when paired).
     """
-    _, p_lp = mann_whitney_less(compressed.logprob, holdout.logprob)
-    _, p_ent = mann_whitney_less(-compressed.entropy, -holdout.entropy)
+    sides = {"compressed": compressed, "holdout": holdout}
+    values_of: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, side in sides.items():
+        lp = np.asarray(side.logprob, dtype=np.float64).ravel()
+        ent = np.asarray(side.entropy, dtype=np.float64).ravel()
+        if lp.size != ent.size:
+            raise ValueError(f"drift_test: {name} side has {lp.size} log-probs but {ent.size} entropies")
+        if lp.size < MIN_REQUESTS_PER_SIDE:
+            raise ValueError(f"drift_test: {name} side has {lp.size} requests, fewer than the "
+                             f"{MIN_REQUESTS_PER_SIDE} a verdict needs")
+        if not (np.all(np.isfinite(lp)) and np.all(np.isfinite(ent))):
+            raise ValueError(f"drift_test: {name} side has non-finite values")
+        values_of[name] = (lp, ent)
+    (c_lp, c_ent), (h_lp, h_ent) = values_of["compressed"], values_of["holdout"]
+    if paired:
+        if c_lp.size != h_lp.size:
+            raise ValueError(f"drift_test: paired sides differ in size ({c_lp.size} compressed, {h_lp.size} holdout)")
+        p_lp = _p_paired_less(c_lp - h_lp)
+        p_ent = _p_paired_less(h_ent - c_ent)
+    else:
+        p_lp = _p_less(c_lp, h_lp)
+        p_ent = _p_less(-c_ent, -h_ent)
     alpha = cfg.p_value / 2.0
     why = []
     if p_lp < alpha:
-        why.append(f"token log-prob lower than holdout (p={p_lp:.2g})")
+        why.append(f"request log-prob lower than holdout (p={p_lp:.2g})")
     if p_ent < alpha:
         why.append(f"entropy higher than holdout (p={p_ent:.2g})")
     values = {
         "p_logprob": p_lp,
         "p_entropy": p_ent,
-        "delta_logprob": float(np.mean(compressed.logprob) - np.mean(holdout.logprob)),
-        "delta_entropy": float(np.mean(compressed.entropy) - np.mean(holdout.entropy)),
+        "delta_logprob": float(np.mean(c_lp) - np.mean(h_lp)),
+        "delta_entropy": float(np.mean(c_ent) - np.mean(h_ent)),
+        "threshold": alpha,
     }
     return ProbeResult(
         "drift",
         passed=not why,
         values=values,
-        detail="; ".join(why) or f"no significant drift (p={min(p_lp, p_ent):.2g})",
+        detail="; ".join(why) or f"no significant drift (p={min(p_lp, p_ent):.2g}, threshold {alpha:.2g})",
     )
 
 
 __all__ = [
+    "MIN_REQUESTS_PER_SIDE",
     "CanaryResult",
     "CompressionVerdict",
     "DriftSample",
@@ -296,4 +342,5 @@ __all__ = [
     "kl_per_position",
     "mann_whitney_less",
     "relative_error",
+    "smallest_paired_p",
 ]

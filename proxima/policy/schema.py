@@ -277,7 +277,18 @@ class DriftProbe(_Model):
     window: int = Field(default=200, ge=10)
     """Requests per side compared in one test."""
     p_value: float = Field(default=0.01, gt=0.0, lt=1.0)
-    """Significance level of the regression test on token log-prob and entropy."""
+    """Significance level of one verdict (its false-alarm rate on a good policy): the tests on
+    per-request log-prob and entropy share it, each at p_value / 2 (`probes.drift_test`)."""
+
+    @model_validator(mode="after")
+    def _level_reachable(self) -> DriftProbe:
+        # The verdict's paired signed-rank test can give no p below 2^-window (every pair one
+        # way): a lower level would make the probe unable to ever fail (probes.smallest_paired_p).
+        if self.enabled and self.p_value / 2.0 < 0.5 ** self.window:
+            raise ValueError(f"p_value {self.p_value:g} cannot be reached with window {self.window}: "
+                             f"the smallest p of {self.window} request pairs is {0.5 ** self.window:.3g} "
+                             "per test (p_value / 2); raise the window or the p_value")
+        return self
 
 
 class Probes(_Model):

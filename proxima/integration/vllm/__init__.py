@@ -18,8 +18,11 @@ POLICY_ENV = "PROXIMA_POLICY"
 """The policy file Proxima runs with in every vLLM process; unset, the plugin does nothing."""
 DRIFT_ID_ARG = "proxima_drift_id"
 """`SamplingParams.extra_args` key: the request id the observer reports the request's tokens under."""
-SUPPORTED_VLLM = ("0.32.",)
-"""vLLM versions whose internals this package was written against (prefix match)."""
+SUPPORTED_VLLM = ("0.32.", "0.33.")
+"""vLLM versions whose internals this package was checked against (prefix match); each internal
+and what 0.33 changed: docs/vllm-integration.md, "vLLM versions"."""
+SUPPORTED_VLLM_RANGE = ">=0.32,<0.34"
+"""The same as a requirement specifier (pyproject's `vllm` extra, `proxima version`)."""
 
 
 def kv_transfer_config() -> Any:

@@ -65,6 +65,7 @@ from proxima.integration.vllm import (
     CONNECTOR_ROLE,
     POLICY_ENV,
     SUPPORTED_VLLM,
+    SUPPORTED_VLLM_RANGE,
     kv_transfer_config,
 )
 
@@ -89,11 +90,19 @@ STARTUP_HOOK_LINE = (
 
 
 def check_vllm_version(version: str) -> None:
+    """One line naming the installed and the supported versions when they disagree."""
     if not version.startswith(SUPPORTED_VLLM):
         raise RuntimeError(
-            f"Proxima's vLLM integration supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
-            f"found vLLM {version}. Unset {POLICY_ENV} to run vLLM without Proxima."
+            f"Proxima {_proxima_version()} supports vLLM {' and '.join(v + 'x' for v in SUPPORTED_VLLM)} "
+            f"({SUPPORTED_VLLM_RANGE}); installed: vLLM {version}. "
+            f"Install a supported vLLM, or unset {POLICY_ENV} to run vLLM without Proxima."
         )
+
+
+def _proxima_version() -> str:
+    from proxima import __version__
+
+    return __version__
 
 
 def _chosen_backend(args: Any) -> str | None:

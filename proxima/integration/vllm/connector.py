@@ -77,6 +77,13 @@ class ProximaConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks; 0.32 never calls it): sleep mode frees and remaps the KV tensors,
+        and the worker's compressed slots are views into them and its side tables index them, so
+        what they held would be lost or read from freed memory after a wake-up."""
+        return False
+
     # --- scheduler role ---------------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:

@@ -22,13 +22,19 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
 REQUESTS = 200
+DRIFT_P_VALUE, DRIFT_WINDOW, DRIFT_HOLDOUT = 2e-4, 20, 0.25
+"""The good run's drift probe: a verdict's false-alarm rate is at most its level (exact paired
+tests, `probes.drift_test`), 20 pairs can still reach it (smallest p 2^-20), and a quarter of the
+requests a side gives 2-3 verdicts of 200 requests (`test_a_good_policy_never_steps_down`)."""
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("fallback") / "fallback.json"
     argv = [sys.executable, str(ROOT / "bench" / "fallback.py"), "--requests", str(REQUESTS), "--max-tokens", "4",
-            "--pressure", "8", "--scored", "4", "--skip-probes-off", "--contrast", "--out", str(out)]
+            "--pressure", "8", "--scored", "4", "--skip-probes-off", "--contrast", "--out", str(out),
+            "--drift-p-value", str(DRIFT_P_VALUE), "--drift-window", str(DRIFT_WINDOW),
+            "--drift-holdout", str(DRIFT_HOLDOUT)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"bench/fallback.py failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -82,6 +88,13 @@ def test_canaries_run_compressed_against_their_reference_and_feed_the_controller
 
 
 def test_a_good_policy_never_steps_down(run: dict) -> None:
+    """The chance that this fails on a good policy by the drift probe's chance alone is below
+    1 in 1,000 runs: each verdict's false-alarm rate is at most its level DRIFT_P_VALUE = 2e-4
+    (exact paired signed-rank tests on per-request values, Bonferroni over log-prob and entropy;
+    measured on windows resampled from a recorded run: `bench/results/drift-false-alarms-cpu.md`,
+    0 of 1,000 at this level), and a run has V <= min(holdout, compressible requests) / 20
+    verdicts, E[V] <= 200 * 0.25 / 20 = 2.5, so P(any false failure) <= 2.5 * 2e-4 = 5e-4.
+    (At the previous 10 requests a side and level 0.01, about 2 verdicts a run made it ~2%.)"""
     good = run["runs"]["good"]
     assert good["finished"] == REQUESTS and run["false_alarms"] == 0
     compression = good["probes"]["probes"]["compression"]

@@ -23,9 +23,10 @@ Three parts, in the three places that can see what each needs:
   engine steps after that step's forward, see `LiveControl`), for the side its request was drawn
   into; each compressible-sample token also records whether its request read compressed blocks
   then. With `probes.drift.window` finished requests on each side, `drift_test` gives one verdict
-  for the ladder over per-request means (tokens of one request are correlated), each compressible
-  request paired with a holdout one and both averaged over the output positions they share
-  (`DriftWindows.verdict`).
+  for the ladder over per-request means (tokens of one request are correlated: requests are the
+  units), each compressible request paired with a holdout one and both averaged over the output
+  positions they share (`DriftWindows.verdict`), judged by a paired signed-rank test
+  (`bench/drift_false_alarms.py` measures its false alarms on recorded runs).
 
 Why both sides are random samples (an intention-to-treat comparison): the requests the engine
 happens to compress are not a random sample of the traffic (it compresses the requests resident
@@ -160,7 +161,8 @@ class DriftWindows:
         a, b = m[:, 0:2], m[:, 2:4]
         del comp[:cfg.window], hold[:cfg.window]
         self.verdicts += 1
-        r = drift_test(DriftSample(a[:, 0], a[:, 1]), DriftSample(b[:, 0], b[:, 1]), cfg)
+        # Paired: both values of a pair are means over the same positions (signed-rank test).
+        r = drift_test(DriftSample(a[:, 0], a[:, 1]), DriftSample(b[:, 0], b[:, 1]), cfg, paired=True)
         return ProbeResult(r.kind, r.passed, {**r.values, "requests_per_side": float(cfg.window),
                                               "compressed_share": used_compressed / max(1, used)}, r.detail)
 

@@ -97,7 +97,10 @@ class ManagerBackend:
             pressure=pool_pressure(free, pending_blocks, total),
             total_blocks=total,
             free_blocks=free,
-            owned_blocks=total - free,  # the manager's accounting invariant: free + owned == total
+            # The accounting invariant: free + owned + side-held == total. The blocks held back for
+            # the side tables are their bytes (meta_bytes), not KV: counting them here too would
+            # charge the metadata twice in held_bytes.
+            owned_blocks=total - free - len(m.px.charge.held),
             blocks_by_format=m.blocks_by_format(),
             block_bytes=self.block_bytes,
             fragmentation_blocks=m.px.packer.fragmentation_blocks(),

@@ -144,13 +144,18 @@ class ProximaKVCacheManager(KVCacheManager):
         self._drop_target(request.request_id)
         self.px.release(request.request_id)
         super().free(request)
+        # The request's side-table bytes are gone: their held blocks go back now, not at the next
+        # plan (an idle engine plans no more, and its pool must show nothing held).
+        self._settle_side_tables()
         if self.px.on_change is not None:
             self.px.on_change()
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         self._drop_target(request.request_id)
         dests = self.px.release(request.request_id, free_now=False)
-        return super().pop_blocks_for_free(request) + self.px.blocks.blocks(dests)
+        blocks = super().pop_blocks_for_free(request) + self.px.blocks.blocks(dests)
+        self._settle_side_tables()  # (as in `free`)
+        return blocks
 
     # --- Proxima ------------------------------------------------------------------------------
 
@@ -401,7 +406,7 @@ class ProximaKVCacheManager(KVCacheManager):
                                                          for ca in px.in_flight)
 
     def _settle_side_tables(self) -> int:
-        """Hold back the pool blocks the side tables fill (when charged to the pool); returns their bytes."""
+        """Hold back the pool blocks the side tables fill (`side_tables.py`); returns their bytes."""
         side = self.side_table_bytes()
         self.px.charge.settle(side)
         return side
@@ -411,7 +416,7 @@ class ProximaKVCacheManager(KVCacheManager):
     def pool_usage(self) -> dict[str, float]:
         px = self.px
         return pool_usage.pool_usage(px.ledger, px.packer, self._stm.req_to_blocks, self.block_pool,
-                                     len(px.charge.held) if px.charge.enabled else None)
+                                     len(px.charge.held))
 
     def blocks_by_format(self) -> dict[str, int]:
         return pool_usage.blocks_by_format(self.px.ledger, self._stm.req_to_blocks)

@@ -35,8 +35,8 @@ def hot_blocks(ledger: RequestLedger, blocks_of: BlockLists) -> set[BlockId]:
 def pool_usage(ledger: RequestLedger, packer: SlotPacker, blocks_of: BlockLists, pool: BlockPool,
                side: int | None = None) -> dict[str, float]:
     """Blocks held hot (shared prefix blocks once), in destinations (and the fraction of their
-    slots holding a live compressed block: the rest is packing headroom), free, and (`side`,
-    when the side tables are charged to the pool) held back for the side tables."""
+    slots holding a live compressed block: the rest is packing headroom), free, and (`side`, given
+    by the manager: the side tables are charged to the pool) held back for the side tables."""
     dests = list(packer.all_destinations())
     slots = sum(d.fmt.pack_ratio for d in dests)
     usage = {"resident": len(ledger), "hot": len(hot_blocks(ledger, blocks_of)), "dest": len(dests),

@@ -1,9 +1,11 @@
 """Side tables counted against vLLM's KV pool: blocks held back for the bytes of the metadata.
 
 Compressed slots live in vLLM's pool; their scales, zero points and log-counts live in the
-worker's side tables next to it (`worker.py`). To compare with vLLM's own cache dtypes at equal
-memory, the metadata's bytes must come out of the same budget. With `PROXIMA_SIDE_TABLES_IN_POOL=1`
-the scheduler holds back, at every step, as many of the pool's blocks as the live side tables
+worker's side tables next to it (`worker/store.py`). vLLM sizes its pool to fill its memory budget
+(`gpu_memory_utilization`, or `kv_cache_memory_bytes`), so metadata allocated on top of the pool
+would take the engine past that budget (an out-of-memory at 0.9 on the H200 was seen when this was
+a benchmark-only switch): the metadata's bytes come out of the pool, always. The scheduler holds
+back, at every step, as many of the pool's blocks as the live side tables
 (committed and in-flight slots) fill: those blocks are owned and never written, so admission,
 the destination reserve and vLLM's own allocation all see a pool smaller by exactly the
 metadata. The metadata itself stays in the worker's tensors (moving it into the held blocks
@@ -21,15 +23,10 @@ a block's bytes per r slots), so the shortfall stays small and is reported, not 
 
 from __future__ import annotations
 
-import os
-
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from proxima.placement import BlockId
-
-IN_POOL_ENV = "PROXIMA_SIDE_TABLES_IN_POOL"
-"""`1`: charge the side tables' bytes against vLLM's KV pool (the capacity benchmark sets it)."""
 
 
 def blocks_needed(side_bytes: int, block_bytes: int) -> int:
@@ -42,10 +39,9 @@ def blocks_needed(side_bytes: int, block_bytes: int) -> int:
 class SideTableCharge:
     """Blocks of vLLM's pool held back for the side tables' bytes (see the module docstring)."""
 
-    def __init__(self, pool: BlockPool, block_bytes: int, enabled: bool | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_bytes: int) -> None:
         self.pool = pool
         self.block_bytes = block_bytes
-        self.enabled = os.environ.get(IN_POOL_ENV) == "1" if enabled is None else enabled
         self.held: list[KVCacheBlock] = []
         self.peak_blocks = 0
         self.shortfall_peak_bytes = 0
@@ -56,8 +52,6 @@ class SideTableCharge:
 
     def settle(self, side_bytes: int) -> None:
         """Hold exactly the blocks `side_bytes` need (as many as are free when they grow)."""
-        if not self.enabled:
-            return
         need = blocks_needed(side_bytes, self.block_bytes)
         if need > len(self.held):
             n = min(need - len(self.held), self.pool.get_num_free_blocks())

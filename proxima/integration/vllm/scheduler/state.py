@@ -37,7 +37,7 @@ class ProximaState:
     """Destination blocks of every request (the placement model)."""
     meta: MetaSizes
     charge: SideTableCharge
-    """Pool blocks held back for the side tables' bytes (`PROXIMA_SIDE_TABLES_IN_POOL=1`)."""
+    """Pool blocks held back for the side tables' bytes (`side_tables.py`)."""
     check: bool
     """Assert the placement invariants at every step (tests: PROXIMA_CHECK_ACCOUNTING=1)."""
     engine: EngineState = field(default_factory=EngineState)

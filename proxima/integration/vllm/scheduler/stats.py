@@ -83,8 +83,8 @@ class ProximaStats:
 class MetaSizes:
     """Side-table bytes (scales, zero points, log-counts) per compressed slot and format, all layers.
 
-    They live outside vLLM's KV pool, so an honest capacity comparison adds them to it or
-    charges them against it (`side_tables.py`). With tensor parallelism vLLM's spec describes one
+    They live outside vLLM's KV pool; the scheduler charges them against it, holding back pool
+    blocks for their bytes (`side_tables.py`). With tensor parallelism vLLM's spec describes one
     rank's heads; every rank holds its heads' blocks and side table, so both sizes are the spec's
     times `ranks` (all ranks together)."""
 
@@ -141,7 +141,7 @@ def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool
         "free_blocks": pool.get_num_free_blocks(), "total_blocks": total_blocks(pool),
         "errors": s.errors[-3:],
         "time_split_s": {k: round(v, 4) for k, v in sorted(s.time_s.items())},
-        "side_tables_in_pool": bool(charge and charge.enabled),
+        "side_tables_in_pool": charge is not None,  # (always charged when the manager runs)
         "side_table_held_peak_blocks": charge.peak_blocks if charge else 0,
         "side_table_shortfall_peak_bytes": charge.shortfall_peak_bytes if charge else 0,
         "targets": {rid: {"asked": a, "reached": round(r, 4)} for rid, (a, r) in s.targets.items()},

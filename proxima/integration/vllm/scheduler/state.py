@@ -45,7 +45,7 @@ class ProximaState:
     stats: ProximaStats = field(default_factory=ProximaStats)
     in_flight: InFlight = field(init=False)
     """Compressions between plan and report, and what the next plan owes the worker of them
-    (`in_flight.py`, over `ledger`)."""
+    (`in_flight.py`). It holds `ledger` itself: the ledger is never rebound, only mutated."""
     probes: ProbeState = field(default_factory=ProbeState)
     """The canary and drift probes' requests and the controller's verdict (`probe_state.py`)."""
     on_change: Callable[[], None] | None = None

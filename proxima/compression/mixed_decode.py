@@ -41,6 +41,8 @@ F_KS, F_KZ, F_VS, F_VZ, F_LC = 8, 9, 10, 11, 12
 F_KS_SLOT, F_KS_T, F_KS_H, F_VS_SLOT, F_VS_T, F_VS_H, F_LC_SLOT, F_LC_T, F_LC_H = range(13, 22)
 F_K_DATA = 22
 NUM_FIELDS = 23
+MAX_CODES = 16
+"""Rows of a layer's persistent descriptor table (format codes 1..15; 0 is vLLM's pages)."""
 
 
 def pool_descriptors(pools: Mapping[int, CompressedBlocks], block_size: int, device: torch.device) -> torch.Tensor:
@@ -259,5 +261,5 @@ def block_mass(entry_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(entry_lse - lse.unsqueeze(1)).nan_to_num(0.0)
 
 
-__all__ = ["block_mass", "mixed_decode", "pool_descriptors"]
+__all__ = ["MAX_CODES", "block_mass", "mixed_decode", "pool_descriptors"]
 

@@ -149,16 +149,18 @@ def _mixed_decode_kernel(
             vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
             ks_row = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
             vs_row = sid * _desc(desc_ptr, code, 16) + ot * _desc(desc_ptr, code, 17) + h * _desc(desc_ptr, code, 18)
+            # Names are distinct per branch where their types differ: a compiled `if` may only
+            # carry out names of one type from both sides (the interpreter would not notice).
             if quant == 1:  # fp8: per-token scales on keys and values
-                ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
-                vs_p = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-                ksc = tl.load(ks_p + sid * _desc(desc_ptr, code, 13) + ot * _desc(desc_ptr, code, 14)
-                              + h * _desc(desc_ptr, code, 15), mask=valid, other=0.0)
-                vsc = tl.load(vs_p + vs_row, mask=valid, other=0.0)
-                kc = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                vc = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                k = kc * ksc[:, None]
-                v = vc * vsc[:, None]
+                f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
+                f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+                f8_ksc = tl.load(f8_ks + sid * _desc(desc_ptr, code, 13) + ot * _desc(desc_ptr, code, 14)
+                                 + h * _desc(desc_ptr, code, 15), mask=valid, other=0.0)
+                f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
+                f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                k = f8_k * f8_ksc[:, None]
+                v = f8_v * f8_vsc[:, None]
             else:  # KIVI keys: per channel, a scale / zero row per group of tokens
                 per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
                 bits = 8 // per
@@ -173,16 +175,16 @@ def _mixed_decode_kernel(
                 k = ((kraw >> shift[None, :]) & cmask).to(tl.float32) * ksc + kzp
                 vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
                 if quant == 2:  # int8 values: signed codes, a scale per token
-                    vs_p = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-                    vsc = tl.load(vs_p + vs_row, mask=valid, other=0.0)
-                    v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * vsc[:, None]
+                    i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+                    i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
+                    v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
                 else:  # int4 / int2 values: scale and zero per token and group of channels
-                    vs_p = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
-                    vz_p = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
+                    iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
+                    iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
                     vg = vs_row[:, None] + (od // group)[None, :]
-                    vsc = tl.load(vs_p + vg, mask=vm, other=0.0).to(tl.float32)
-                    vzp = tl.load(vz_p + vg, mask=vm, other=0.0).to(tl.float32)
-                    v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * vsc + vzp
+                    iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
+                    iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
+                    v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
             bias = tl.zeros((BS,), tl.float32)
             lc_addr = _desc(desc_ptr, code, 12)
             if lc_addr != 0:  # centroids: log(count) on each logit

@@ -30,155 +30,40 @@ derives the entry's attention mass after the merge.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from proxima.compression.segment import KVSegment
 from proxima.compression.spec import QUANT_CODE, VALUES_PER_BYTE
+from proxima.compression.triton_codes import (  # noqa: F401 - re-exported: the tests and benchmarks read them here
+    LN2,
+    LN2_C,
+    LOG2E,
+    LOG2E_C,
+    _codes_f16,
+    _crumb_planes_f16,
+    _dequant_plane,
+    _nibble_planes_f16,
+    _planes4,
+    _small_codes_f16,
+)
+from proxima.compression.triton_decode_configs import (  # noqa: F401 - re-exported, as above
+    _DEFAULT_OCCUPANCY,
+    _OCCUPANCY,
+    DECODE_CONFIGS,
+    KERNEL_INFO,
+    DecodeConfig,
+    _entries_per_it,
+    _launch_key,
+    _occupancy_of,
+    _strides3,
+    _uses_planes,
+    choose_splits,
+    parse_decode_spec,
+    plan_splits,
+)
 from proxima.compression.triton_ops import INTERPRET, _p2
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-LN2_C = tl.constexpr(LN2)
-LOG2E_C = tl.constexpr(LOG2E)
-
-
-@triton.jit
-def _small_codes_f16(b, PER: tl.constexpr):
-    """uint8 [..., P] packed int4 / int2 codes -> float16 code * 2^-9 [..., P * PER], channel order.
-
-    A code below 16 placed alone in a byte *is* the float8 e4m3 encoding of code * 2^-9 (e4m3's
-    subnormals and first binade are linear: bits 0..15 encode 0..15 * 2^-9), so each byte of codes
-    becomes float16 by the hardware e4m3 -> f16 convert, two codes per instruction; no integer to
-    float conversion is needed. `tl.join` adds an in-thread axis, so a byte's codes stay in the
-    thread that loaded it and the reshape to channel order (byte j holds channels j*PER ..
-    j*PER+PER-1, lowest bits first) moves no data.
-    """
-    if PER == 2:
-        lo, hi = _nibble_planes_f16(b, False)
-        return tl.reshape(tl.join(lo, hi), *b.shape[:-1], b.shape[-1] * 2)
-    else:
-        c0, c1, c2, c3 = _crumb_planes_f16(b, False)
-        # join(join(c0, c2), join(c1, c3))[..., i, o] = c[2 * i + o]: flattening gives channel order
-        return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), *b.shape[:-1], b.shape[-1] * 4)
-
-
-_PLANES_PTX = tl.constexpr(
-    "{\n.reg .b32 l, h;\n.reg .b16 l0, l1, h0, h1;\n"
-    "and.b32 l, $4, 0x0F0F0F0F;\nshr.u32 h, $4, 4;\nand.b32 h, h, 0x0F0F0F0F;\n"
-    "mov.b32 {l0, l1}, l;\nmov.b32 {h0, h1}, h;\n"
-    "cvt.rn.f16x2.e4m3x2 $0, l0;\ncvt.rn.f16x2.e4m3x2 $1, l1;\n"
-    "cvt.rn.f16x2.e4m3x2 $2, h0;\ncvt.rn.f16x2.e4m3x2 $3, h1;\n}"
-)
-"""Four bytes of packed int4 codes ($4) -> their low nibbles ($0, $1) and high nibbles ($2, $3) as
-f16 code * 2^-9, two per register in byte order: one mask, one shift and mask, four e4m3 -> f16x2
-converts for 8 codes (see `_small_codes_f16` for why a nibble alone in a byte is its e4m3 code)."""
-
-_CRUMB_PLANES_PTX = tl.constexpr(
-    "{\n.reg .b32 c;\n.reg .b16 c0, c1;\n"
-    + "".join(
-        (f"shr.u32 c, $8, {2 * i};\nand.b32 c, c, 0x03030303;\n" if i else "and.b32 c, $8, 0x03030303;\n")
-        + f"mov.b32 {{c0, c1}}, c;\ncvt.rn.f16x2.e4m3x2 ${2 * i}, c0;\ncvt.rn.f16x2.e4m3x2 ${2 * i + 1}, c1;\n"
-        for i in range(4)  # bits 2i, 2i+1 of each byte -> plane i ($2i, $2i+1)
-    )
-    + "}"
-)
-"""Four bytes of packed int2 codes ($8) -> their four planes (bits 2i..2i+1 of every byte, $2i and
-$2i+1) as f16 code * 2^-9: a shift and a mask, then two e4m3 -> f16x2 converts per plane."""
-
-
-@triton.jit
-def _nibble_planes_f16(b, ASM: tl.constexpr):
-    """uint8 [..., P] packed int4 codes -> (plane 0, plane 1), float16 code * 2^-9 [..., P] each:
-    plane i holds channels 2j + i (byte j's low nibble, then its high nibble). No join, no
-    reshape: each plane is elementwise in the loaded bytes, so it stays in the registers and the
-    layout the load gave it, and a decode contracts each plane with its own part of the query
-    channels (`PLANES` in `_decode_kernel`)."""
-    if ASM:  # four bytes per instruction group, packed f16 pairs out: no byte extracts
-        lo, hi = tl.inline_asm_elementwise(
-            _PLANES_PTX, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
-        )
-    else:  # the interpreter runs no PTX (and the compiled variant without it, for the sweep)
-        lo = (b & 15).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        hi = (b >> 4).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return lo, hi
-
-
-@triton.jit
-def _crumb_planes_f16(b, ASM: tl.constexpr):
-    """uint8 [..., P] packed int2 codes -> four planes, float16 code * 2^-9 [..., P] each: plane i
-    holds channels 4j + i (`_nibble_planes_f16` for int4)."""
-    if ASM:
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            _CRUMB_PLANES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float16,) * 4, is_pure=True, pack=4
-        )
-    else:
-        c0 = (b & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c1 = ((b >> 2) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c2 = ((b >> 4) & 3).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c3 = (b >> 6).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def _planes4(x, R: tl.constexpr, J: tl.constexpr):
-    """[R, 4J] -> its four channel planes [R, J] (plane i: columns 4j + i), in registers."""
-    even, odd = tl.split(tl.reshape(x, (R, J, 2, 2)))  # last axis: bit 0 of the column
-    x0, x2 = tl.split(even)
-    x1, x3 = tl.split(odd)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _dequant_plane(c, sc, zp, N: tl.constexpr, NG: tl.constexpr, W: tl.constexpr):
-    """A value plane [N, NG * W] of codes -> codes * scale + zero, per token and group of W plane
-    columns (sc, zp [N, NG], already in the plane's units)."""
-    c = tl.reshape(c, (N, NG, W))
-    return tl.reshape(c * sc[:, :, None] + zp[:, :, None], (N, NG * W))
-
-
-def _bytes_ptx(signed: bool) -> str:
-    """Four bytes ($2) -> four exact f16 ($0, $1, two per register in byte order): a byte permute
-    puts each byte into the low mantissa byte of 1024.0 (0x64XX is 1024 + XX), one packed
-    subtraction removes the 1024 (signed bytes are first offset by 128 with an xor, and 1152 is
-    subtracted). 2-2.5 instructions per 2 codes, no convert."""
-    src, magic = ("w", "0x64806480") if signed else ("$2", "0x64006400")
-    return (
-        "{\n.reg .b32 w, t, m;\n"
-        + ("xor.b32 w, $2, 0x80808080;\n" if signed else "")
-        + f"mov.b32 m, {magic};\n"
-        + f"prmt.b32 t, {src}, 0x64646464, 0x4140;\nsub.f16x2 $0, t, m;\n"
-        + f"prmt.b32 t, {src}, 0x64646464, 0x4342;\nsub.f16x2 $1, t, m;\n}}"
-    )
-
-
-_BYTES_PTX = tl.constexpr(_bytes_ptx(False))
-_SBYTES_PTX = tl.constexpr(_bytes_ptx(True))
-
-
-@triton.jit
-def _codes_f16(b, SIGNED: tl.constexpr, ASM: tl.constexpr):
-    """uint8 codes (SIGNED: int8 codes stored as bytes) -> exact float16, elementwise (same shape
-    and layout). ASM: by PTX four bytes at a time (`_bytes_ptx`); else `_bytes_f16`."""
-    if ASM:
-        if SIGNED:
-            return tl.inline_asm_elementwise(_SBYTES_PTX, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-        return tl.inline_asm_elementwise(_BYTES_PTX, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-    return _bytes_f16(b, 128 if SIGNED else 0)
-
-
-@triton.jit
-def _bytes_f16(b, OFFSET: tl.constexpr):
-    """uint8 / int8 codes -> exact float16 (code + OFFSET must lie in [0, 1024)) without an integer
-    to float conversion: OR code + OFFSET into the mantissa of 1024.0 (bits 0x6400), subtract
-    1024 + OFFSET."""
-    x = (b.to(tl.int16) + OFFSET) & 0x3FF
-    return (x | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFFSET)
 
 
 @triton.jit
@@ -496,175 +381,6 @@ def _decode_kernel(
     row = (split * S + seq) * Hq + qh
     tl.store(o_ptr + row[:, None] * D + od[None, :], o, mask=mg[:, None] & md[None, :])
     tl.store(lse_ptr + row, lse, mask=mg)
-
-
-# ============================================================================================
-# launch configuration
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Launch parameters of `_decode_kernel` for one format."""
-
-    tokens: int
-    """Tokens per iteration (EPT = tokens / slot capacity entries, at least one entry)."""
-    num_warps: int
-    num_stages: int
-    scale_values: bool = False
-    """fp8 / int8: apply per-token value scales to the value rows instead of the probabilities
-    (fewer instructions and registers when compiled; fp8 ships with it, the H200 sweep's fastest)."""
-    planes: bool = False
-    """int4 / int2 with a power-of-two head dim: unpack each tile into PER channel planes (plane i:
-    channels PER j + i, `_nibble_planes_f16` / `_crumb_planes_f16`), one key dot and one value dot
-    with its own accumulator per plane, with no join or reshape of the codes."""
-    unpack_asm: int = 0
-    """Unpack by inline PTX, four bytes at a time, the keys (1) or the keys and the values (2):
-    int4 / int2 with `planes`, and int8 (no planes needed: its codes are whole bytes). Compiled
-    kernels only (the interpreter runs the same arithmetic in plain ops)."""
-    max_registers: int | None = None
-    """Register cap per thread passed to ptxas (`maxnreg`; None: the compiler's choice). A lower cap
-    fits more programs per SM (65,536 registers: 4 programs of 4 warps at <= 128) at the price of
-    spills; chosen by the sweep."""
-
-    @property
-    def variant(self) -> str:
-        """The fields beyond tokens / warps / stages that differ from the defaults, e.g.
-        'planes, unpack_asm=2, max_registers=128' ('' for none): a label for benchmark tables."""
-        out = []
-        for f in dataclasses.fields(self):
-            if f.name in ("tokens", "num_warps", "num_stages"):
-                continue
-            v = getattr(self, f.name)
-            if v != f.default:
-                out.append(f.name if v is True else f"{f.name}={v}")
-        return ", ".join(out)
-
-
-DECODE_CONFIGS: dict[str, DecodeConfig] = {
-    "bf16": DecodeConfig(64, 4, 2),
-    "fp8": DecodeConfig(64, 2, 2, scale_values=True),
-    "int8": DecodeConfig(64, 2, 2, unpack_asm=2),
-    "int4": DecodeConfig(64, 2, 3, planes=True, unpack_asm=2),
-    "int2": DecodeConfig(64, 2, 2, planes=True, unpack_asm=2),
-}
-"""Per quantization, from `bench/kernels.py --sweep` on the H200 at 32k x 8 (us, each against the
-previous shipped config in the same run). 2026-12-04: the compressed formats moved to 2 warps
-with no register cap: int4 269.9 -> 232.1 (2 warps at 2 stages 235.6; 2 warps capped at 168 / 128
-registers 299.3 / 540.4, spills; 1 warp 499.4), int2 296.3 -> 241.4, int8 314.3 -> 260.0 (PTX
-unpacking of the values too; keys only 295.5), fp8 276.9 -> 264.5; bf16 247.1 at 4 warps, 246.7 at
-2. Two warps of 255 registers fit 4 programs (8 warps) per SM, as 4 warps at 128 did, but each
-warp holds twice the tile in registers with no spills, and the softmax reductions cross 2 warps
-instead of 4. Earlier (2026-12-02, 4 warps): int4 344.4 before channel planes, 274.0 with them,
-269.2 with the 128 cap; int2 364.1 before planes; int8 318.5 without PTX unpacking. At vLLM's
-block 16 (`bench/paged_decode.py`, half the blocks compressed, CUDA-graph medians, 2026-12-04) the
-new configs are faster as well: int4 313 vs 342 us, int8 300 vs 378, int2 318 vs 353, fp8 291 vs 314."""
-
-_SPEC_KEYS = {"tokens": "tokens", "warps": "num_warps", "stages": "num_stages", "maxnreg": "max_registers"}
-
-
-def parse_decode_spec(spec: str) -> tuple[str, DecodeConfig]:
-    """`FMT[:key=integer...]` -> (format, its shipped `DecodeConfig` with those fields changed), e.g.
-    `int4:planes=1:unpack_asm=2:maxnreg=128`; keys: tokens, warps, stages, maxnreg and the boolean /
-    integer fields of `DecodeConfig` by name; maxnreg=0 means no register cap. For the benchmarks'
-    command lines."""
-    fmt, *kvs = spec.split(":")
-    if fmt not in DECODE_CONFIGS:
-        raise ValueError(f"{spec!r}: unknown format {fmt!r} (one of {', '.join(DECODE_CONFIGS)})")
-    fields = dict(DECODE_CONFIGS[fmt].__dict__)
-    for kv in kvs:
-        key, _, val = kv.partition("=")
-        name = _SPEC_KEYS.get(key, key)
-        if name not in fields or not val.isdigit():
-            keys = ", ".join(sorted(set(_SPEC_KEYS) | set(fields) - set(_SPEC_KEYS.values())))
-            raise ValueError(f"{spec!r}: {kv!r} is not key=integer with key in {keys}")
-        fields[name] = bool(int(val)) if isinstance(fields[name], bool) else int(val)
-    if not fields["max_registers"]:
-        fields["max_registers"] = None  # maxnreg=0: no cap
-    if fields["unpack_asm"] not in (0, 1, 2):
-        raise ValueError(f"{spec!r}: unpack_asm must be 0, 1 or 2, got {fields['unpack_asm']}")
-    return fmt, DecodeConfig(**fields)
-
-
-KERNEL_INFO: dict[tuple, dict[str, int]] = {}
-"""Registers, spills, shared memory and programs per SM of each compiled decode specialization
-(filled on the GPU after a specialization's first launch; read by bench/kernels.py)."""
-_OCCUPANCY: dict[tuple, int] = {}
-"""Programs per SM of each compiled specialization, read from the compiled kernel after its
-first launch (registers, shared memory, warps); the split count is planned from it."""
-_DEFAULT_OCCUPANCY = 2
-
-
-def _occupancy_of(kernel, num_warps: int, device: torch.device) -> int:  # type: ignore[no-untyped-def]
-    """Resident programs per SM for a compiled Triton kernel (0 if unknown, e.g. interpreter)."""
-    n_regs = getattr(kernel, "n_regs", None)
-    if kernel is None or n_regs is None:
-        return 0
-    props = torch.cuda.get_device_properties(device)
-    threads = 32 * num_warps
-    # registers are allocated per warp in units of 256
-    regs_per_warp = -(-max(int(n_regs), 1) * 32 // 256) * 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * num_warps)
-    by_threads = props.max_threads_per_multi_processor // threads
-    smem = int(kernel.metadata.shared) + 1024  # the driver reserves 1 KiB per block
-    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // smem if smem else 32
-    return max(1, min(by_regs, by_threads, by_smem, 32))
-
-
-def _launch_key(seg: KVSegment, q: torch.Tensor, cfg: DecodeConfig) -> tuple:
-    st = seg.store
-    return (st.fmt.quant, st.slot_tokens, q.shape[-1], q.shape[1] // st.num_kv_heads, st.log_count is not None, cfg)
-
-
-@functools.lru_cache(maxsize=4096)
-def choose_splits(programs_per_split: int, tiles: int, slots: int) -> int:
-    """Split count minimising the modelled time waves x (tiles per program + 2): a program that
-    waits for a second wave costs a whole program's time, and a program's fixed cost (queries in,
-    partials out) is about two tiles. Ties go to fewer splits (less merging).
-
-    Only split counts that just fill a whole number of waves (up to 8) can be optimal, so only
-    those are scored: a few dozen candidates, cached, since the CUDA backend asks once per
-    segment, layer and step.
-    """
-    cands = {1, max(1, tiles)}
-    for waves in range(1, 9):
-        full = waves * slots // max(1, programs_per_split)
-        cands.update(x for x in (full, full + 1) if 1 <= x <= max(1, tiles))
-    best, best_t = 1, None
-    for sp in sorted(cands):
-        waves = -(-(programs_per_split * sp) // slots)
-        cost = waves * (-(-tiles // sp) + 2)
-        if best_t is None or cost < best_t:
-            best, best_t = sp, cost
-    return best
-
-
-def _entries_per_it(seg: KVSegment, cfg: DecodeConfig) -> int:
-    return max(1, cfg.tokens // seg.store.slot_tokens)
-
-
-def plan_splits(q: torch.Tensor, seg: KVSegment, num_splits: int | None) -> int:
-    if num_splits:
-        return num_splits
-    cfg = DECODE_CONFIGS[seg.store.fmt.quant]
-    ept = _entries_per_it(seg, cfg)
-    tiles = -(-max(int(seg.slot_table.shape[1]), 1) // ept)
-    if q.device.type != "cuda":
-        return max(1, min(4, tiles))
-    occ = _OCCUPANCY.get(_launch_key(seg, q, cfg), _DEFAULT_OCCUPANCY)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return choose_splits(q.shape[0] * seg.store.num_kv_heads, tiles, sms * occ)
-
-
-def _uses_planes(cfg: DecodeConfig, quant: str, head_dim: int, group_size: int) -> bool:
-    """Whether a launch takes the channel-plane path: int4 / int2 with `planes`, a power-of-two
-    head dim whose planes are at least 16 channels wide (`tl.dot`'s smallest K on the tensor
-    cores), and value groups that split evenly over the planes."""
-    per = VALUES_PER_BYTE.get(quant, 0)
-    return cfg.planes and per > 0 and _p2(head_dim, 16) == head_dim and head_dim // per >= 16 and group_size % per == 0
-
-
-def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
-    return (0, 0, 0) if t is None else tuple(t.stride()[:3])  # type: ignore[return-value]
 
 
 def segment_partial(

@@ -68,7 +68,9 @@ def _has_weights(model: str) -> bool:
 
 
 def _base_env(engine_args: dict[str, Any]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
+    # The run's own PROXIMA_ settings are not the engines'; the one-pass decode switch is (issue 38:
+    # the same scenarios with `PROXIMA_ONE_PASS_DECODE=1` in the caller's environment).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_") or k == "PROXIMA_ONE_PASS_DECODE"}
     env["PX_ATTENTION_BACKEND"] = ""  # the GPU kit's own backend choice off: Proxima must choose
     env["PROXIMA_ENGINE_ARGS"] = json.dumps({"gpu_memory_utilization": GPU_SLICE, **engine_args})
     return env

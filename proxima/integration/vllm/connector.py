@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from proxima.integration.vllm.scheduler.live import LiveControl
     from proxima.integration.vllm.scheduler.manager import ProximaKVCacheManager
+    from proxima.integration.vllm.worker.block_table import DeviceBlockTable
     from proxima.integration.vllm.worker.store import WorkerStore
 
 logger = logging.getLogger("proxima.vllm")
@@ -66,6 +67,10 @@ class ProximaConnector(KVConnectorBase_V1):
         self.manager: ProximaKVCacheManager | None = None  # scheduler role, set in bind_kv_cache_manager
         self.live: LiveControl | None = None  # scheduler role, only when the runtime API is enabled
         self.store: WorkerStore | None = None  # worker role
+        self.block_table: DeviceBlockTable | None = None
+        """Worker role: the compressed blocks' map on the device (`block_table.py`), kept in step
+        with `store.remap` after each plan; None before the caches are registered, or after an
+        update failed (the attention then plans from the host maps)."""
         self.ranks = int(vllm_config.parallel_config.tensor_parallel_size)
         """Worker ranks of this engine, each with its shard's KV heads (`ranks.py`)."""
         if role == KVConnectorRole.WORKER:
@@ -167,6 +172,7 @@ class ProximaConnector(KVConnectorBase_V1):
 
         store = self._worker_store()
         store.register(kv_caches)
+        self._make_block_table(kv_caches)
         store.require_reader = True  # a real worker: compress only if a Proxima backend reads it
         # The model (and with it every layer's attention implementation) is built before vLLM
         # creates this connector, so the readers are found on the layers, not announced by them.
@@ -186,7 +192,32 @@ class ProximaConnector(KVConnectorBase_V1):
             store = self._worker_store()
             with store.times.span("compress_s", store.device):
                 store.apply(connector_metadata)
+            self._update_block_table(connector_metadata)
             store.times.begin("forward_s", store.device)  # ends in build_connector_worker_meta
+
+    def _make_block_table(self, kv_caches: dict[str, Any]) -> None:
+        from proxima.integration.vllm.worker.block_table import table_for
+
+        model = self._vllm_config.model_config
+        self.block_table = table_for(kv_caches, int(self._vllm_config.scheduler_config.max_num_seqs),
+                                     int(model.max_model_len) if model is not None else None)
+
+    def _update_block_table(self, plan: ProximaPlan) -> None:
+        """The step's changes of `store.remap` into the device table (separate from `apply`, which
+        stays the host map's only writer). A failure here never fails a request: the table is
+        dropped and attention keeps planning from the host maps."""
+        from proxima.integration.vllm.worker.block_table import step_placements
+
+        table, store = self.block_table, self._worker_store()
+        if table is None:
+            return
+        try:
+            table.update(step_placements([*plan.revoked, *plan.actions], store.remap), plan.dropped,
+                         plan.key_blocks)
+        except Exception:
+            logger.exception("proxima: the device block table could not follow this step; attention plans "
+                             "from the host maps from now on")
+            self.block_table = None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
@@ -213,6 +244,15 @@ def _tensor_parallel_rank() -> int:
     if not parallel_state.model_parallel_is_initialized():
         return 0
     return int(parallel_state.get_tensor_model_parallel_rank())
+
+
+def worker_block_table() -> DeviceBlockTable | None:
+    """The device block table of this worker process's connector (None: none, or Proxima not
+    configured in it)."""
+    if not has_kv_transfer_group():
+        return None
+    conn = get_kv_transfer_group()
+    return conn.block_table if isinstance(conn, ProximaConnector) else None
 
 
 def worker_store() -> WorkerStore | None:

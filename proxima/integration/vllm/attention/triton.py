@@ -39,6 +39,7 @@ neither ALiBi, sliding windows, soft-capping, sinks nor an fp8 KV cache (they ra
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -54,9 +55,11 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from proxima.compression.blocks import Backend, CompressedBlocks
 from proxima.compression.layout import KVLayout, hot_store
+from proxima.compression.mixed_decode import MAX_CODES, mixed_decode, pool_descriptors
 from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
 from proxima.formats import Format
-from proxima.integration.vllm.connector import worker_store
+from proxima.integration.vllm.connector import worker_block_table, worker_store
+from proxima.integration.vllm.worker.block_table import DeviceBlockTable
 from proxima.integration.vllm.worker.debug import reads_sources
 from proxima.integration.vllm.worker.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.worker.page_layout import PageLayout, token_interleaved_layout
@@ -64,6 +67,14 @@ from proxima.integration.vllm.worker.store import SlotReader, WorkerStore
 
 logger = logging.getLogger("proxima.vllm")
 BACKEND_PATH = "proxima.integration.vllm.attention.triton.ProximaTritonAttentionBackend"
+ONE_PASS_ENV = "PROXIMA_ONE_PASS_DECODE"
+"""`1`: uniform single-token decode batches run `mixed_decode` (one launch per layer, every row,
+from the device block table) instead of vLLM's kernel plus the per-format split. Off by default
+until the GPU run of issue 38 has compiled and timed it."""
+
+
+def one_pass_decode() -> bool:
+    return os.environ.get(ONE_PASS_ENV) == "1"
 
 
 
@@ -103,6 +114,9 @@ class ProximaTritonMetadata(TritonAttentionMetadata):
     """vLLM's CommonAttentionMetadata of the step, kept for `resolve`."""
     px_store: WorkerStore | None = None
     """The worker's store (an active one: metadata of this type is built only then)."""
+    px_table: DeviceBlockTable | None = None
+    """Set for a uniform single-token decode batch with the one-pass kernel on (`ONE_PASS_ENV`):
+    every row is served by `mixed_decode` from this device table."""
 
 
 def request_of_rows(store: WorkerStore, first_slots: list[int], block_size: int) -> list[str | None]:
@@ -126,14 +140,18 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         # plan saying which rows have compressed blocks): the split waits for the first layer.
         px = ProximaTritonMetadata(**{f.name: getattr(meta, f.name) for f in fields(TritonAttentionMetadata)})
         px.px_builder, px.px_common, px.px_store = self, common_attn_metadata, store
+        if one_pass_decode() and common_attn_metadata.max_query_len == 1:
+            # host ints and device tensors only: nothing read back (the rows are found on the device)
+            px.px_table = worker_block_table()
         return px
 
-    def resolve(self, m: ProximaTritonMetadata) -> None:
+    def resolve(self, m: ProximaTritonMetadata, plan_compressed: bool = True) -> None:
         """Find this step's rows (importance observation, compressed rows) and plan the compressed
-        rows' segments (once per step, first layer)."""
+        rows' segments (once per step, first layer; without `plan_compressed`, the observation only:
+        the one-pass decode reads the device table instead)."""
         cm, store = m.px_common, m.px_store
         m.px_builder = m.px_common = None
-        if store is None or not store.key_blocks or cm is None:
+        if store is None or not store.key_blocks or cm is None or (not plan_compressed and store.observe_layer is None):
             return
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: n + 1].tolist()
@@ -146,7 +164,7 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
             m.px_obs = plan_observation(rids, remaps, qsl, seq_lens_all, cm.block_table_tensor[:n], self.block_size,
                                         store.observation_window)
         rows = [r for r in range(n) if remaps[r]]
-        if not rows:
+        if not rows or not plan_compressed:
             return
         idx = torch.tensor(rows, device=cm.seq_lens.device)
         tables = cm.block_table_tensor.index_select(0, idx).tolist()
@@ -230,13 +248,18 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
         store = m.px_store
         assert store is not None  # set by build() together with the metadata's type
         times, dev = store.times, kv_cache.device
+        one_pass = m.px_table is not None and output_scale is None and self._one_pass_supported()
         if m.px_builder is not None:
             with times.span("row_plan_s"):  # host work (and its small device-to-host copies)
-                m.px_builder.resolve(m)
+                m.px_builder.resolve(m, plan_compressed=not one_pass)
         if m.px_obs is not None and layer.layer_name == store.observe_layer:
             with times.span("importance_s", dev):
                 observe_safely(store, kv_cache, query.view(query.shape[0], self.num_heads, self.head_size),
                                m.px_obs, self.scale)
+        if one_pass:
+            assert m.px_table is not None
+            with times.span("attention_proxima_s", dev):
+                return self._one_pass(layer.layer_name, query, kv_cache, m, store, m.px_table, output)
         with times.span("attention_vllm_s", dev):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                   output_scale, output_block_scale)
@@ -244,6 +267,47 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             return out
         with times.span("attention_proxima_s", dev):
             return self._split_rows(layer, query, kv_cache, m, store, output, output_scale)
+
+    def _one_pass_supported(self) -> bool:
+        try:
+            self._check_compressed_rows_supported()
+        except NotImplementedError:
+            return False
+        return True
+
+    def layer_descriptors(self, layer: str, store: WorkerStore, table: DeviceBlockTable,
+                          device: torch.device) -> torch.Tensor:
+        """This layer's pool descriptor table (`mixed_decode.pool_descriptors`), one persistent
+        tensor per layer (a CUDA graph keeps its address), rewritten in place only when the
+        device table has met a new format."""
+        cache: dict[str, tuple[int, torch.Tensor]] = self.__dict__.setdefault("_px_descriptors", {})
+        seen, desc = cache.get(layer, (-1, None))
+        if desc is None or seen != len(table.formats):
+            if len(table.formats) >= MAX_CODES:
+                raise RuntimeError(f"proxima: {len(table.formats)} formats met, the decode kernel reads "
+                                   f"{MAX_CODES - 1}")
+            pools = {c + 1: slot_pool_of(store, layer, f, device) for c, f in enumerate(table.formats)}
+            new = pool_descriptors(pools, self._block_size(store, layer), device)
+            if desc is None:
+                desc = torch.zeros(MAX_CODES, new.shape[1], dtype=torch.int64, device=device)
+            desc[: new.shape[0]].copy_(new)
+            cache[layer] = (len(table.formats), desc)
+        return desc
+
+    @staticmethod
+    def _block_size(store: WorkerStore, layer: str) -> int:
+        return store.geometry(layer)[2]
+
+    def _one_pass(self, layer: str, query: torch.Tensor, kv_cache: torch.Tensor, m: ProximaTritonMetadata,
+                  store: WorkerStore, table: DeviceBlockTable, output: torch.Tensor) -> torch.Tensor:
+        """Every row of a uniform decode batch in one launch (`mixed_decode`), output in place."""
+        s = m.seq_lens.shape[0]
+        q = query.view(query.shape[0], self.num_heads, self.head_size)[:s]
+        out = output.view(output.shape[0], self.num_heads, self.head_size)[:s]
+        mixed_decode(q, out, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.slot_mapping,
+                     table.owner, table.entries, self.layer_descriptors(layer, store, table, kv_cache.device),
+                     sm_scale=self.scale)
+        return output
 
     def _split_rows(self, layer, query, kv_cache, m, store, output, output_scale):  # type: ignore[no-untyped-def]
         """Overwrite the compressed rows' outputs with Proxima's split path."""

@@ -325,3 +325,33 @@ def test_side_table_on_another_device_is_an_error(worker_connector: ProximaConne
     p.meta = {k: torch.empty(v.shape, device="meta") for k, v in p.meta.items()}
     with pytest.raises(RuntimeError, match="side table"):
         cb.slot_pool_of(store, LAYER, Format.parse("int8"), torch.device("cpu"))
+
+
+def test_the_device_block_table_follows_the_workers_map_and_finds_rows_on_the_device(
+    worker_connector: ProximaConnector,
+) -> None:
+    """After the steps of `_world` (compressions, then a plan with the key blocks) the connector's
+    device table holds every compressed block where the worker wrote it, each batch row finds its
+    table row through vLLM's slot mapping (row 0, all hot, for b), and dropping the requests frees
+    their rows and key blocks."""
+    from proxima.integration.vllm.connector import worker_block_table
+    from proxima.integration.vllm.worker.block_table import rows_of_batch
+
+    store, _, cm = _world(worker_connector)
+    t = worker_block_table()
+    assert t is not None and t is worker_connector.block_table
+    for rid, (_, _, _, comp) in REQUESTS.items():
+        if not comp:
+            assert rid not in t.rows
+            continue
+        row = t.rows[rid]
+        want = torch.zeros(t.max_blocks, 2, dtype=torch.int32)
+        for j, (fmt, dst, slot) in comp.items():
+            f = store.remap[rid][j][0]
+            assert t.formats[t.code_of(f) - 1] == f == Format.parse(fmt)
+            want[j] = torch.tensor([t.code_of(f), dst * f.pack_ratio + slot])
+        assert torch.equal(t.entries[row], want)
+    rows = rows_of_batch(t.owner, cm.slot_mapping, cm.query_start_loc, B)
+    assert rows.tolist() == [t.rows["a"], 0, t.rows["c"]]
+    worker_connector.bind_connector_metadata(ProximaPlan(dropped=["a", "c"], key_blocks=store.key_blocks))
+    assert not t.rows and t.owner.eq(0).all() and t.entries.eq(0).all()

@@ -1,0 +1,189 @@
+"""Per-layer decode attention on a GPU (issue 38): the one-pass kernel vs vLLM's TRITON_ATTN kernel
+and Proxima's split path, nothing compressed and a mixed batch, at the 8B shape.
+
+Rows (each timed as CUDA-graph replays, median of `--iters`, and launches per call counted with
+torch.profiler on one eager call):
+
+* `vllm`: vLLM's `unified_attention` over every row, the whole context in bf16 pages;
+* `one_pass`: `mixed_decode` from the device block table (nothing compressed / `--fraction` of
+  every row's oldest blocks in `--format`);
+* `split` (mixed only): what the backend ran before: vLLM's kernel on every row, then
+  `paged_attention` over the compressed rows (eager: it plans on the host).
+
+    python bench/one_pass_decode.py [--batch 64 --context 4096 --format int4 --fraction 0.5]
+
+Writes bench/results/one-pass-decode-<gpu>.{json,md} (command, commit, machine, versions, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _graph_ms(fn, iters: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def _eager_ms(fn, iters: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def _launches(fn) -> int:  # type: ignore[no-untyped-def]
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--format", default="int4")
+    ap.add_argument("--fraction", type=float, default=0.5)
+    ap.add_argument("--iters", type=int, default=50)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/one_pass_decode.py needs a CUDA GPU")
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    from proxima.compression.blocks import compress_blocks
+    from proxima.compression.layout import KVLayout, hot_store, slot_pool, write_slots
+    from proxima.compression.mixed_decode import mixed_decode, pool_descriptors
+    from proxima.compression.paged import PagedRow, paged_attention, plan_rows
+    from proxima.compression.spec import SlotSpec
+    from proxima.formats import Format
+    from proxima.integration.vllm.worker.block_table import DeviceBlockTable
+
+    dev = torch.device("cuda")
+    bsz, ctx, hq, h, d, bs = a.batch, a.context, a.heads, a.kv_heads, a.head_dim, a.block
+    nblk = -(-ctx // bs)
+    fmt = Format.parse(a.format)
+    ncomp = int(nblk * a.fraction)
+    ndst = -(-bsz * ncomp // fmt.pack_ratio)
+    n_phys = bsz * nblk + ndst + 1
+    torch.manual_seed(0)
+    kv = torch.randn(n_phys, h, bs, 2 * d, device=dev, dtype=torch.bfloat16)
+    tables = (1 + torch.arange(bsz * nblk, device=dev, dtype=torch.int32)).view(bsz, nblk)
+    seq_lens = torch.full((bsz,), ctx, device=dev, dtype=torch.int32)
+    qsl = torch.arange(bsz + 1, device=dev, dtype=torch.int32)
+    slots = (tables[:, -1].long() * bs + (ctx - 1) % bs)
+    q = torch.randn(bsz, hq, d, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    scale = d**-0.5
+    hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=h, head_dim=d)
+    kvt = kv.transpose(1, 2)
+    key_cache, value_cache = kvt.split(d, dim=-1)
+    descale = torch.ones(1, device=dev).expand(bsz, h)
+    seg_out = torch.empty(bsz, hq, 16, d, device=dev, dtype=torch.float32)
+    seg_m = torch.empty(bsz, hq, 16, device=dev, dtype=torch.float32)
+    seg_s = torch.empty_like(seg_m)
+
+    def vllm() -> None:
+        unified_attention(q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=qsl, max_seqlen_q=1,
+                          seqused_k=seq_lens, max_seqlen_k=ctx, softmax_scale=scale, causal=True,
+                          window_size=(-1, -1), block_table=tables, softcap=0, q_descale=None,
+                          k_descale=descale, v_descale=descale, seq_threshold_3D=8, num_par_softmax_segments=16,
+                          softmax_segm_output=seg_out, softmax_segm_max=seg_m, softmax_segm_expsum=seg_s)
+
+    table = DeviceBlockTable(bsz, nblk, n_phys, dev)
+    table.update([], [], {int(b): f"r{i}" for i, b in enumerate(tables[:, -1].tolist())})
+    empty_desc = pool_descriptors({}, bs, dev)
+
+    def one_pass(desc: torch.Tensor) -> None:
+        mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale)
+
+    rows = [{"row": "vllm", "case": "nothing compressed", "ms": _graph_ms(vllm, a.iters), "launches": _launches(vllm)},
+            {"row": "one_pass", "case": "nothing compressed", "ms": _graph_ms(lambda: one_pass(empty_desc), a.iters),
+             "launches": _launches(lambda: one_pass(empty_desc))}]
+    # the mixed batch: every row's oldest `ncomp` blocks in `fmt`, written by the product's kernels
+    spec = SlotSpec(fmt, bs, d, h)
+    pool = slot_pool(kv, spec)
+    placed, remaps = [], []
+    sid0 = (bsz * nblk + 1) * fmt.pack_ratio
+    for r in range(bsz):
+        src = tables[r, :ncomp].long()
+        k, v = hot.k_data[src], hot.v_data[src]
+        imp = torch.ones(ncomp, bs, h, device=dev) if fmt.reduction is not None else None
+        cb = compress_blocks(fmt, k, v, token_importance=imp)
+        ids = sid0 + r * ncomp + torch.arange(ncomp, device=dev)
+        write_slots(pool, ids, cb)
+        rm = {}
+        for j in range(ncomp):
+            sid = int(sid0 + r * ncomp + j)
+            place = (fmt, sid // fmt.pack_ratio, sid % fmt.pack_ratio)
+            placed.append((f"r{r}", j, place))
+            rm[j] = place
+        remaps.append(rm)
+    table.update(placed, [], {int(b): f"r{i}" for i, b in enumerate(tables[:, -1].tolist())})
+    desc = pool_descriptors({1: pool}, bs, dev)
+    plan = plan_rows([PagedRow(tables[r].tolist(), ctx, 1, remaps[r]) for r in range(bsz)], bs).to(dev)
+
+    def split() -> None:
+        vllm()
+        paged_attention(q, plan, hot, {fmt: pool}, sm_scale=scale)
+
+    case = f"{a.fraction:.0%} of blocks {fmt}"
+    rows += [{"row": "one_pass", "case": case, "ms": _graph_ms(lambda: one_pass(desc), a.iters),
+              "launches": _launches(lambda: one_pass(desc))},
+             {"row": "split (eager)", "case": case, "ms": _eager_ms(split, a.iters), "launches": _launches(split)}]
+    gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    import triton
+    import vllm as _vllm
+
+    meta = {"command": " ".join(sys.argv), "commit": commit.strip(), "machine": f"{gpu} {platform.node()}",
+            "versions": {"torch": torch.__version__, "triton": triton.__version__, "vllm": _vllm.__version__},
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "shape": {"batch": bsz, "context": ctx, "heads": hq, "kv_heads": h, "head_dim": d, "block": bs}}
+    lines = ["| row | case | ms per layer (graph replay; split: eager) | launches |", "|---|---|---|---|"]
+    lines += [f"| {r['row']} | {r['case']} | {r['ms']:.3f} | {r['launches']} |" for r in rows]
+    print("\n".join(lines))
+    res = ROOT / "bench" / "results"
+    res.mkdir(parents=True, exist_ok=True)
+    (res / f"one-pass-decode-{gpu}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (res / f"one-pass-decode-{gpu}.md").write_text(f"{json.dumps(meta, indent=1)}\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

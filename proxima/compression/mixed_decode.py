@@ -1,0 +1,267 @@
+"""One decode kernel per layer over blocks of every format, from the device block table.
+
+Each program serves one batch row (one query token) and one KV head, all G query heads of it.
+It finds its request's table row on the device (`owner[slot_mapping[query_start_loc[r]] //
+block_size]`, `worker/block_table.py`), then walks the row's logical blocks once: a block whose
+table entry has code 0 is read in bf16 from vLLM's page (vLLM's block table), any other code
+names a slot pool described by one row of a small descriptor table (`PoolDescriptors`), read and
+dequantized in registers. Every block goes through the same online softmax, so there are no
+partial results and no merge, and the output is written in place into vLLM's output tensor.
+Optionally (`entry_lse`) it also writes each logical block's log-sum-exp, from which the
+observed layer's per-block attention mass follows (`block_mass`) without a second pass.
+
+What it is not yet: fast. Tiles are one block (vLLM's block size) and the products are
+broadcast sums in float32 (no tensor cores, no split of long contexts over programs); the
+per-format fast paths of `triton_attention.py` are the model for that (issue 38, item 5). The
+launch grid is (rows, KV heads) and nothing is read back to the host: capturable in a CUDA graph.
+
+Named dims: S batch rows (one query token each), Hq query heads, H KV heads, G = Hq / H, D head
+dim, BS vLLM's block size, NB logical blocks per request in the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from proxima.compression.blocks import CompressedBlocks, kept_count
+from proxima.compression.spec import QUANT_CODE
+from proxima.compression.triton_ops import _p2
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# descriptor fields (one int64 row per format code; row 0, the hot code, is unused)
+F_QUANT, F_TOKENS, F_REDUCED, F_GROUP = 0, 1, 2, 3
+F_DATA_SLOT, F_DATA_T, F_DATA_H, F_V_DATA = 4, 5, 6, 7
+F_KS, F_KZ, F_VS, F_VZ, F_LC = 8, 9, 10, 11, 12
+F_KS_SLOT, F_KS_T, F_KS_H, F_VS_SLOT, F_VS_T, F_VS_H, F_LC_SLOT, F_LC_T, F_LC_H = range(13, 22)
+F_K_DATA = 22
+NUM_FIELDS = 23
+MAX_CODES = 16
+"""Rows of a layer's persistent descriptor table (format codes 1..15; 0 is vLLM's pages)."""
+
+
+def pool_descriptors(pools: Mapping[int, CompressedBlocks], block_size: int, device: torch.device) -> torch.Tensor:
+    """int64 [max code + 1, NUM_FIELDS]: how the kernel reads the slots of each format code.
+
+    `pools[code]` is that code's slot pool in this layer (`layer.slot_pool`-like views: k_data
+    and v_data alias the KV cache bytes, metadata in side tables). Addresses are raw pointers:
+    the table is valid while the pools' tensors live (the worker's pools live as long as the
+    caches). Build it once per layer and keep it: its contents change only when a new format
+    appears."""
+    rows = max(pools, default=0) + 1
+    d = torch.zeros(rows, NUM_FIELDS, dtype=torch.int64)
+    for code, p in pools.items():
+        if code <= 0:
+            raise ValueError(f"pool code {code}: codes start at 1 (0 is vLLM's bf16 pages)")
+        q = p.fmt.quant
+        if q not in QUANT_CODE or q == "bf16":
+            raise ValueError(f"{p.fmt}: the mixed decode kernel reads fp8, int8, int4 and int2 slots, not {q}")
+        k8, v8 = p.k_data.view(torch.uint8), p.v_data.view(torch.uint8)
+        if k8.stride(-1) != 1 or k8.stride(1) != k8.shape[2] * k8.stride(2):
+            raise ValueError(f"{p.fmt}: slot data must be [slots, C, H, P] with dense tokens, strides {k8.stride()}")
+        if v8.stride()[:3] != k8.stride()[:3]:
+            raise ValueError(f"{p.fmt}: keys and values must share strides, got {k8.stride()} and {v8.stride()}")
+        d[code, F_QUANT] = QUANT_CODE[q]
+        d[code, F_TOKENS] = kept_count(p.fmt, block_size)
+        d[code, F_REDUCED] = int(p.fmt.reduction is not None)
+        d[code, F_GROUP] = p.group_size
+        d[code, F_DATA_SLOT], d[code, F_DATA_T], d[code, F_DATA_H] = k8.stride()[:3]
+        d[code, F_K_DATA], d[code, F_V_DATA] = k8.data_ptr(), v8.data_ptr()
+        for f_ptr, f_str, t in ((F_KS, F_KS_SLOT, p.k_scale), (F_VS, F_VS_SLOT, p.v_scale),
+                                (F_LC, F_LC_SLOT, p.log_count)):
+            if t is not None:
+                d[code, f_ptr] = t.data_ptr()
+                d[code, f_str : f_str + 3] = torch.tensor(t.stride()[:3])
+        for f_ptr, t, like in ((F_KZ, p.k_zero, p.k_scale), (F_VZ, p.v_zero, p.v_scale)):
+            if t is not None:
+                if like is None or t.stride() != like.stride():
+                    raise ValueError(f"{p.fmt}: zero points must share their scales' strides")
+                d[code, f_ptr] = t.data_ptr()
+    return d.to(device)
+
+
+@triton.jit
+def _desc(desc_ptr, code, field: tl.constexpr):
+    return tl.load(desc_ptr + code * 23 + field)
+
+
+@triton.jit
+def _mixed_decode_kernel(
+    q_ptr, sq_s, sq_h,  # [S, Hq, D] queries
+    o_ptr, so_s, so_h,  # [S, Hq, D] output (written in place)
+    kv_ptr, skv_b, skv_h, skv_t,  # vLLM's cache [N, H, BS, 2D] (key channels, then value channels)
+    bt_ptr, sbt,  # vLLM's block table [R, *] int32
+    seq_ptr,  # [R] int32 context lengths (this step's token included)
+    qsl_ptr, slot_ptr,  # query_start_loc [R + 1], slot_mapping [tokens]
+    owner_ptr, ent_ptr, NB,  # device block table: owner [N] int32, entries [rows, NB, 2] int32
+    desc_ptr,  # pool descriptors [codes, NUM_FIELDS = 23] int64
+    ent_out_ptr, NB_OUT,  # [S, NB_OUT, Hq] float32 per-block log-sum-exp (OBSERVE only)
+    lse_ptr,  # [S, Hq] float32 (OBSERVE only)
+    Hq, sm_scale_log2,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+    OBSERVE: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    og = tl.arange(0, G_PAD)
+    od = tl.arange(0, BLOCK_D)
+    ot = tl.arange(0, BS)
+    mg = og < G
+    md = od < D
+    qh = h * G + og
+    q = tl.load(q_ptr + r * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+    q = q.to(tl.float32)
+    # the request's table row: its key block (first query token) -> row; padding rows read row 0
+    first = tl.load(slot_ptr + tl.load(qsl_ptr + r))
+    trow = tl.where(first >= 0, tl.load(owner_ptr + tl.maximum(first, 0) // BS), 0).to(tl.int64)
+    seq_len = tl.load(seq_ptr + r)
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    m2 = md[None, :]
+    for j in range(0, tl.cdiv(seq_len, BS)):
+        code = tl.load(ent_ptr + (trow * NB + j) * 2)
+        seen = tl.minimum(seq_len - j * BS, BS)
+        if code == 0:  # vLLM's bf16 page
+            blk = tl.load(bt_ptr + r * sbt + j).to(tl.int64)
+            valid = ot < seen
+            base = kv_ptr + blk * skv_b + h * skv_h + ot[:, None] * skv_t + od[None, :]
+            k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+            v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+            bias = tl.zeros((BS,), tl.float32)
+        else:
+            sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
+            quant = _desc(desc_ptr, code, 0)
+            tokens = _desc(desc_ptr, code, 1)
+            # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
+            ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
+            valid = ot < ntok
+            vm = valid[:, None] & m2
+            group = _desc(desc_ptr, code, 3)
+            row_off = sid * _desc(desc_ptr, code, 4) + ot[:, None] * _desc(desc_ptr, code, 5) \
+                + h * _desc(desc_ptr, code, 6)
+            kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
+            vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
+            ks_row = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
+            vs_row = sid * _desc(desc_ptr, code, 16) + ot * _desc(desc_ptr, code, 17) + h * _desc(desc_ptr, code, 18)
+            # Names are distinct per branch where their types differ: a compiled `if` may only
+            # carry out names of one type from both sides (the interpreter would not notice).
+            if quant == 1:  # fp8: per-token scales on keys and values
+                f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
+                f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+                f8_ksc = tl.load(f8_ks + sid * _desc(desc_ptr, code, 13) + ot * _desc(desc_ptr, code, 14)
+                                 + h * _desc(desc_ptr, code, 15), mask=valid, other=0.0)
+                f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
+                f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                k = f8_k * f8_ksc[:, None]
+                v = f8_v * f8_vsc[:, None]
+            else:  # KIVI keys: per channel, a scale / zero row per group of tokens
+                per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
+                bits = 8 // per
+                ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
+                kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
+                g_off = ks_row + ((ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
+                ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
+                kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
+                shift = ((od % per) * bits).to(tl.uint8)
+                cmask = ((1 << bits) - 1).to(tl.uint8)
+                kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
+                k = ((kraw >> shift[None, :]) & cmask).to(tl.float32) * ksc + kzp
+                vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
+                if quant == 2:  # int8 values: signed codes, a scale per token
+                    i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+                    i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
+                    v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
+                else:  # int4 / int2 values: scale and zero per token and group of channels
+                    iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
+                    iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
+                    vg = vs_row[:, None] + (od // group)[None, :]
+                    iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
+                    iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
+                    v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
+            bias = tl.zeros((BS,), tl.float32)
+            lc_addr = _desc(desc_ptr, code, 12)
+            if lc_addr != 0:  # centroids: log(count) on each logit
+                lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+                bias = tl.load(lc_p + sid * _desc(desc_ptr, code, 19) + ot * _desc(desc_ptr, code, 20)
+                               + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
+            k = tl.where(vm, k, 0.0)
+            v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        p_sum = tl.sum(p, axis=1)
+        l_i = l_i * alpha + p_sum
+        m_i = m_new
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if OBSERVE:
+            ent = tl.where(p_sum > 0, (tl.math.log2(tl.maximum(p_sum, 1e-30)) + m_use) * 0.6931471805599453,
+                           float("-inf"))
+            tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, ent, mask=mg & ((og * 0 + j) < NB_OUT))
+    if OBSERVE:  # the blocks past this row's end received nothing
+        for j in range(tl.cdiv(seq_len, BS), NB_OUT):
+            tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(o_ptr + r * so_s + qh[:, None] * so_h + od[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=mg[:, None] & md[None, :])
+    if OBSERVE:
+        lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + r * Hq + qh, lse, mask=mg)
+
+
+def mixed_decode(
+    q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
+    descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> None:
+    """Decode attention of S single-token rows over their mixed-format contexts, one launch.
+
+    q [S, Hq, D]; out [S, Hq, D] (written in place, any float dtype); kv_cache vLLM's [N, H, BS,
+    2D] 16-bit cache (block-contiguous); block_table [>= S, *] int32, seq_lens [>= S] int32,
+    query_start_loc [>= S + 1], slot_mapping: vLLM's metadata of the step; owner / entries the
+    device block table's (`worker/block_table.py`); descriptors from `pool_descriptors`. With
+    entry_lse [S, NB_OUT, Hq] and lse [S, Hq] (float32) also the per-block log-sum-exp."""
+    s, hq, d = q.shape
+    _n, h, bs, d2 = kv_cache.shape
+    if d2 != 2 * d or hq % h or out.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)}, out {tuple(out.shape)} and kv_cache {tuple(kv_cache.shape)} "
+                         "do not match ([S, Hq, D], [N, H, BS, 2D])")
+    if bs & (bs - 1) or kv_cache.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("mixed_decode needs a power-of-two block size and rows contiguous in D")
+    if (entry_lse is None) != (lse is None):
+        raise ValueError("entry_lse and lse go together (the observed layer's block mass needs both)")
+    if s == 0:
+        return
+    g = hq // h
+    observe = entry_lse is not None
+    dummy = out
+    _mixed_decode_kernel[(s, h)](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
+        kv_cache, *kv_cache.stride()[:3],
+        block_table, block_table.stride(0), seq_lens, query_start_loc, slot_mapping,
+        owner, entries, entries.shape[1], descriptors,
+        entry_lse if observe else dummy, entry_lse.shape[1] if entry_lse is not None else 0,
+        lse if lse is not None else dummy,
+        hq, sm_scale * LOG2E,
+        G=g, G_PAD=_p2(g, 1), D=d, BLOCK_D=_p2(d, 16), BS=bs, OBSERVE=observe,
+    )  # fmt: skip
+
+
+def block_mass(entry_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """[S, NB, Hq] attention mass of each logical block (0 past a row's end)."""
+    return torch.exp(entry_lse - lse.unsqueeze(1)).nan_to_num(0.0)
+
+
+__all__ = ["MAX_CODES", "block_mass", "mixed_decode", "pool_descriptors"]
+

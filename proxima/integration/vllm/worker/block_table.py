@@ -1,0 +1,173 @@
+"""The persistent block table on the device: where every compressed logical block of every
+running request lives, kept next to vLLM's own block table and updated in place each step.
+
+Why: the CUDA attention used to rebuild this from the host maps in every step (`paged.plan_rows`
+walks every block of every compressed row, with host syncs on the way), which costs more than
+the attention and cannot run inside a CUDA graph. Here the table stays on the device; a step
+sends only what changed (the step's new placements, revocations and dropped requests, and the
+key blocks that moved) as one small host table, copied once without blocking and scattered in
+place. Nothing is walked per block and nothing is read back.
+
+Layout (int32, on the KV cache's device):
+
+* `entries [R + 1, NB, 2]`: per table row (one per request with compressed blocks) and logical
+  block, (format code, slot id). Code 0 is hot: the block is read from vLLM's own block table,
+  the slot id is then unused. Code c > 0 is `formats[c - 1]`, as the worker remembers the block
+  (`remap`: a `StoredFormat` keeps its override epoch), read in each layer from the pool of
+  `WorkerStore.layer_format(layer, formats[c - 1])`; slot id = destination block * the
+  scheduler's pack ratio + slot, the id the slot pools and the writer use. Row 0 is all hot and
+  never assigned: a batch row of a request without compressed blocks reads it.
+* `owner [num_blocks]`: physical block -> table row, for the key block of every scheduled
+  request that has a row (0 elsewhere). The key block is the block receiving the request's first
+  query token this step (`ProximaPlan.key_blocks`, exclusively owned), so a batch row finds its
+  table row on the device as `owner[slot_mapping[query_start_loc[r]] // block_size]`
+  (`rows_of_batch`), from vLLM's own per-step slot mapping: no request ids and no host lookup
+  in the attention metadata.
+
+Invariant relied on: `owner` holds exactly the current step's key blocks of requests with a row
+(blocks of the previous step's map that are not key blocks any more are cleared in the same
+update), so a block reused by another request never points at a stale row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from proxima.formats import Format
+from proxima.integration.vllm.plan import CompressAction
+
+Placement = tuple[Format, int, int]
+"""(format as the worker remembers it, destination block, slot), as in `WorkerStore.remap`."""
+
+HOT_CODE = 0
+NO_ROW = 0
+
+
+class BlockTableFull(RuntimeError):
+    """More requests with compressed blocks, or longer ones, than the table was sized for."""
+
+
+class DeviceBlockTable:
+    def __init__(self, max_requests: int, max_blocks: int, num_physical_blocks: int,
+                 device: torch.device | str) -> None:
+        if min(max_requests, max_blocks, num_physical_blocks) < 1:
+            raise ValueError(f"DeviceBlockTable needs positive sizes, got {max_requests} requests, "
+                             f"{max_blocks} blocks per request, {num_physical_blocks} physical blocks")
+        self.device = torch.device(device)
+        self.max_blocks = max_blocks
+        self.entries = torch.zeros(max_requests + 1, max_blocks, 2, dtype=torch.int32, device=self.device)
+        self.owner = torch.zeros(num_physical_blocks, dtype=torch.int32, device=self.device)
+        self.formats: list[Format] = []
+        """Format of code c at index c - 1 (codes are assigned on first sight, never reused)."""
+        self._codes: dict[Format, int] = {}
+        self.rows: dict[str, int] = {}
+        """request -> its table row (assigned at its first compressed block, freed when dropped)."""
+        self._free = list(range(max_requests, 0, -1))  # pop() hands out the lowest row first
+        self._owned: dict[int, int] = {}
+        """The key blocks `owner` maps now -> their row (what the next update diffs against)."""
+        self.updates = 0
+        """Host-to-device copies made so far (one per update that changed anything)."""
+
+    def code_of(self, fmt: Format) -> int:
+        if fmt.is_hot:
+            return HOT_CODE
+        code = self._codes.get(fmt)
+        if code is None:
+            if len(self.formats) >= torch.iinfo(torch.int32).max:  # pragma: no cover - unreachable size
+                raise BlockTableFull("too many formats")
+            self.formats.append(fmt)
+            code = self._codes[fmt] = len(self.formats)
+        return code
+
+    def _row_for(self, req_id: str) -> int:
+        row = self.rows.get(req_id)
+        if row is None:
+            if not self._free:
+                raise BlockTableFull(f"proxima: the device block table has no row left for request {req_id!r} "
+                                     f"({len(self.rows)} requests hold rows)")
+            row = self.rows[req_id] = self._free.pop()
+        return row
+
+    def update(self, placed: Iterable[tuple[str, int, Placement | None]], dropped: Iterable[str],
+               key_blocks: Mapping[int, str]) -> None:
+        """Apply one step: `placed` (request, logical block, where it lives now; None = hot again)
+        for the blocks this step's plan touched, `dropped` requests (their rows are cleared and
+        freed first), and the step's `key_blocks` (physical block -> request, every scheduled
+        request). Host work is proportional to what changed plus one pass over the key blocks."""
+        freed = [self.rows.pop(rid) for rid in dropped if rid in self.rows]
+        self._free.extend(reversed(freed))
+        writes: list[tuple[int, int, int]] = []  # (flat entry index, code, slot id)
+        for rid, index, place in placed:
+            if index < 0 or index >= self.max_blocks:
+                raise BlockTableFull(f"proxima: request {rid!r} block {index} is past the device block table's "
+                                     f"{self.max_blocks} blocks per request")
+            if place is None:
+                row = self.rows.get(rid)
+                if row is None:  # never compressed here (or dropped): already hot
+                    continue
+                writes.append((row * self.max_blocks + index, HOT_CODE, 0))
+                continue
+            fmt, dst, slot = place
+            writes.append((self._row_for(rid) * self.max_blocks + index, self.code_of(fmt),
+                           dst * fmt.pack_ratio + slot))
+        owned = {blk: row for blk, rid in key_blocks.items() if (row := self.rows.get(rid)) is not None}
+        moved = [(blk, row) for blk, row in owned.items() if self._owned.get(blk) != row]
+        moved += [(blk, NO_ROW) for blk in self._owned.keys() - owned.keys()]
+        self._owned = owned
+        if not (freed or writes or moved):
+            return
+        # One host table: [freed rows | entry writes (3 ints each) | owner changes (2 ints each)].
+        host = torch.tensor(freed + [x for w in writes for x in w] + [x for m in moved for x in m],
+                            dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        nf, nw = len(freed), len(writes)
+        if nf:
+            self.entries.index_fill_(0, dev[:nf], 0)
+        if nw:
+            w = dev[nf : nf + 3 * nw].view(nw, 3)
+            self.entries.view(-1, 2).index_copy_(0, w[:, 0], w[:, 1:].to(torch.int32))
+        if moved:
+            m = dev[nf + 3 * nw :].view(-1, 2)
+            self.owner.index_copy_(0, m[:, 0], m[:, 1].to(torch.int32))
+        self.updates += 1
+
+
+def rows_of_batch(owner: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                  block_size: int) -> torch.Tensor:
+    """int32 [R]: the table row of each batch row (R = len(query_start_loc) - 1), on the device.
+
+    Reference of what the decode kernel computes per program; padding rows (a slot of -1, or a
+    query start past the slot mapping) read row 0 (all hot)."""
+    starts = query_start_loc[:-1].long().clamp_max(max(slot_mapping.shape[0] - 1, 0))
+    first = slot_mapping.index_select(0, starts) if slot_mapping.numel() else starts
+    blk = torch.where(first >= 0, first // block_size, torch.zeros_like(first))
+    return torch.where(first >= 0, owner.index_select(0, blk.long()), torch.zeros_like(blk, dtype=torch.int32))
+
+
+def step_placements(actions: Iterable[CompressAction], remap: Mapping[str, Mapping[int, Placement]]
+                    ) -> list[tuple[str, int, Placement | None]]:
+    """The blocks a plan's actions (and revocations) touched, each where the worker's map says it
+    lives after the plan ran (`remap` is the truth: a failed or refused action left its block as
+    it was, so rewriting it changes nothing). O(actions), no walk over a request's blocks."""
+    return [(a.req_id, a.index, remap.get(a.req_id, {}).get(a.index)) for a in actions]
+
+
+def table_for(kv_caches: Mapping[str, torch.Tensor], max_requests: int, max_model_len: int | None
+              ) -> DeviceBlockTable | None:
+    """A table sized for the engine: rows for twice the running requests (a finished request's
+    row is freed by the plan after the one that admits its successor), a logical block per
+    `block_size` tokens of the longest request (without a model length: one per physical block).
+    None without caches."""
+    if not kv_caches:
+        return None
+    kv = next(iter(kv_caches.values()))
+    nb, b = int(kv.shape[0]), int(kv.shape[2])
+    blocks = -(-max_model_len // b) if max_model_len else nb
+    return DeviceBlockTable(2 * max_requests, blocks, nb, kv.device)
+
+
+__all__ = ["HOT_CODE", "BlockTableFull", "DeviceBlockTable", "rows_of_batch", "step_placements", "table_for"]

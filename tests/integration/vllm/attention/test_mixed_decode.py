@@ -1,0 +1,353 @@
+"""The one-pass decode kernel over mixed blocks, under TRITON_INTERPRET=1 on CPU (compiled on a
+GPU: the kernel tests below run on CUDA there, `DEV`): against dense attention over the worker's
+decompressed blocks and against the existing paged path, over the worker's real slot pools and
+the connector's device block table."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before anything imports triton (vLLM does)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from proxima.compression.mixed_decode import block_mass, mixed_decode, pool_descriptors
+from proxima.compression.paged import PagedRow, paged_attention, plan_rows
+from proxima.formats import Format
+from proxima.integration.vllm.attention import triton as cb
+from proxima.integration.vllm.connector import ProximaConnector
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan
+from proxima.integration.vllm.worker.store import WorkerStore
+from tests.integration.vllm.engine_helpers import compression_probe_off
+
+NB, H, HQ, B, D = 40, 2, 4, 16, 32
+LAYER = "layer.0"
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# request -> (physical blocks, seq_len, {logical block: (fmt, dst, slot)}); one query token each
+REQUESTS = {
+    "a": ([1, 2, 3, 4], 60, {0: ("int8", 20, 0), 1: ("int4", 21, 0), 2: ("fp8", 22, 1)}),
+    "b": ([5, 6], 20, {}),
+    "c": ([7, 8, 9, 10], 55, {0: ("int2", 23, 3), 1: ("cluster(2)+int4", 24, 0), 2: ("int8", 20, 1)}),
+    "d": ([11], 9, {}),
+}
+
+
+def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    kv = torch.randn(NB, H, B, 2 * D).bfloat16().to(DEV)
+    impl = cb.ProximaTritonAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=H,
+                                         alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    connector._vllm_config.compilation_config.static_forward_context[LAYER] = SimpleNamespace(impl=impl)
+    connector.register_kv_caches({LAYER: kv})
+    store = connector.store
+    assert store is not None
+    compression_probe_off(store)
+    todo = [(rid, j, blocks[j], *p) for rid, (blocks, _, comp) in REQUESTS.items() for j, p in comp.items()]
+    acts = [CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=fmt)
+            for i, (rid, j, src, fmt, dst, slot) in enumerate(todo)]
+    connector.bind_connector_metadata(ProximaPlan(actions=acts))
+    rep = connector.build_connector_worker_meta()
+    assert rep is not None and sorted(rep.ok) == list(range(len(acts))), rep
+    tables = torch.zeros(len(REQUESTS), 5, dtype=torch.int32)
+    slots, key_blocks = [], {}
+    for r, (rid, (blocks, n, comp)) in enumerate(REQUESTS.items()):
+        for j, phys in enumerate(blocks):
+            if j in comp:
+                kv[phys] = 1e4  # freed and reused: nothing may read it
+            tables[r, j] = 0 if j in comp else phys
+        slots.append(blocks[(n - 1) // B] * B + (n - 1) % B)
+        key_blocks[blocks[(n - 1) // B]] = rid
+    kv[0] = 1e4  # vLLM's null block
+    connector.bind_connector_metadata(ProximaPlan(key_blocks=key_blocks))
+    meta = {
+        "block_table": tables.to(DEV),
+        "seq_lens": torch.tensor([REQUESTS[r][1] for r in REQUESTS], dtype=torch.int32, device=DEV),
+        "query_start_loc": torch.arange(len(REQUESTS) + 1, dtype=torch.int32, device=DEV),
+        "slot_mapping": torch.tensor(slots, dtype=torch.long, device=DEV),
+    }  # fmt: skip
+    return store, kv, meta
+
+
+def _reference(store: WorkerStore, kv: torch.Tensor, q: torch.Tensor, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of request `rid`'s last token over its decompressed context (centroids
+    weighted by their counts); also the mass of each logical block [NB_r, HQ]."""
+    blocks, n, comp = REQUESTS[rid]
+    ks, vs, lcs, owner = [], [], [], []
+    for j, phys in enumerate(blocks):
+        if j in comp:
+            fmt, dst, slot = comp[j]
+            kh, vh, lc = store.read_with_counts(LAYER, Format.parse(fmt), torch.tensor([dst]), torch.tensor([slot]))
+            kh, vh, lc = kh[0], vh[0], lc[0]
+        else:
+            t = min(B, n - j * B)
+            kh, vh = kv[phys, :, :t, :D].transpose(0, 1), kv[phys, :, :t, D:].transpose(0, 1)
+            lc = torch.zeros(t, H, device=kv.device)
+        ks.append(kh)
+        vs.append(vh)
+        lcs.append(lc)
+        owner += [j] * kh.shape[0]
+    k = torch.cat(ks).float().repeat_interleave(HQ // H, 1)
+    v = torch.cat(vs).float().repeat_interleave(HQ // H, 1)
+    lc = torch.cat(lcs).float().repeat_interleave(HQ // H, 1)
+    logits = torch.einsum("hd,thd->ht", q.float(), k) * D**-0.5 + lc.T
+    p = torch.softmax(logits, -1)
+    mass = torch.zeros(len(blocks), HQ, device=p.device).index_add_(0, torch.tensor(owner, device=p.device), p.T)
+    return torch.einsum("ht,thd->hd", p, v), mass
+
+
+def _pools(connector: ProximaConnector, store: WorkerStore) -> torch.Tensor:
+    t = connector.block_table
+    assert t is not None
+    pools = {c + 1: cb.slot_pool_of(store, LAYER, f, DEV) for c, f in enumerate(t.formats)}
+    return pool_descriptors(pools, B, DEV)
+
+
+def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector) -> None:
+    store, kv, meta = _world(worker_connector)
+    t = worker_connector.block_table
+    assert t is not None and len(t.formats) == 5  # int8, int4, fp8, int2, cluster(2)+int4
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16().to(DEV)
+    out = torch.full_like(q, float("nan"))
+    ent = torch.empty(len(REQUESTS), 5, HQ, device=DEV)
+    lse = torch.empty(len(REQUESTS), HQ, device=DEV)
+    mixed_decode(q, out, kv, meta["block_table"], meta["seq_lens"], meta["query_start_loc"], meta["slot_mapping"],
+                 t.owner, t.entries, _pools(worker_connector, store), sm_scale=D**-0.5, entry_lse=ent, lse=lse)
+    mass = block_mass(ent, lse)
+    for r, rid in enumerate(REQUESTS):
+        want, want_mass = _reference(store, kv, q[r], rid)
+        err = float((out[r].float() - want).norm() / want.norm())
+        assert err < 1e-2, (rid, err)
+        nblk = len(REQUESTS[rid][0])
+        assert torch.allclose(mass[r, :nblk], want_mass, atol=2e-3), rid
+        assert mass[r, nblk:].eq(0).all()
+
+
+def test_it_agrees_with_the_existing_paged_path(worker_connector: ProximaConnector) -> None:
+    store, kv, meta = _world(worker_connector)
+    t = worker_connector.block_table
+    assert t is not None
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16().to(DEV)
+    out = torch.empty_like(q)
+    mixed_decode(q, out, kv, meta["block_table"], meta["seq_lens"], meta["query_start_loc"], meta["slot_mapping"],
+                 t.owner, t.entries, _pools(worker_connector, store), sm_scale=D**-0.5)
+    rows = [PagedRow(meta["block_table"][r].tolist(), n, 1, store.remap.get(rid, {}))
+            for r, (rid, (_, n, _)) in enumerate(REQUESTS.items())]
+    plan = plan_rows(rows, B).to(DEV)
+    from proxima.compression.layout import KVLayout, hot_store
+
+    hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=H, head_dim=D)
+    pools = {s.fmt: cb.slot_pool_of(store, LAYER, s.fmt, kv.device) for s in plan.segments if not s.fmt.is_hot}
+    res = paged_attention(q, plan, hot, pools, sm_scale=D**-0.5, backend="torch" if DEV.type == "cpu" else "auto")
+    assert torch.allclose(out.float(), res.out.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_bad_inputs_are_named() -> None:
+    q = torch.zeros(2, HQ, D)
+    kv = torch.zeros(4, H, B, 2 * D).bfloat16()
+    z = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="do not match"):
+        mixed_decode(q, torch.zeros(2, HQ, D + 1), kv, z, z, z, z.long(), z, z, z, sm_scale=1.0)
+    with pytest.raises(ValueError, match="go together"):
+        mixed_decode(q, q.clone(), kv, z, z, z, z.long(), z, z, z, sm_scale=1.0, lse=torch.zeros(2, HQ))
+    with pytest.raises(ValueError, match="codes start at 1"):
+        pool_descriptors({0: None}, B, torch.device("cpu"))  # type: ignore[dict-item]
+
+
+# ---- the backend: a uniform decode batch in one launch per layer ----------------------------
+
+VIEW_OPS = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "alias",
+            "detach", "unsqueeze", "squeeze", "permute", "reshape", "empty", "empty_strided", "lift_fresh"}
+"""Dispatched ops that launch nothing on a GPU (views and allocations)."""
+HOST_READS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "tolist"}
+
+
+class _Counter:
+    """Kernel launches (Triton launches of the product's kernels, torch ops that would launch a
+    kernel) and reads back to the host, while active."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import triton.runtime.interpreter as interp
+        import triton.runtime.jit as jit
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.triton: list[str] = []
+        self.torch_ops: list[str] = []
+        self.host_reads: list[str] = []
+        self.on = False
+        counter = self
+        for cls in (interp.InterpretedFunction, jit.JITFunction):
+            orig = cls.run
+
+            def run(self, *args, _orig=orig, **kwargs):  # type: ignore[no-untyped-def]
+                if not counter.on:
+                    return _orig(self, *args, **kwargs)
+                counter.triton.append(getattr(self, "__name__", None) or self.fn.__name__)
+                counter.on = False  # the interpreter's own tensor work inside a launch is the launch
+                try:
+                    return _orig(self, *args, **kwargs)
+                finally:
+                    counter.on = True
+
+            monkeypatch.setattr(cls, "run", run)
+        for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+            orig_m = getattr(torch.Tensor, name)
+
+            def read(self, *args, _orig=orig_m, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+                if counter.on:
+                    counter.host_reads.append(_name)
+                return _orig(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, read)
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                name = func.overloadpacket.__name__
+                if counter.on:
+                    if name in HOST_READS:
+                        counter.host_reads.append(name)
+                    elif name not in VIEW_OPS:
+                        counter.torch_ops.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Ops()
+
+    def __enter__(self) -> _Counter:
+        self.triton.clear(), self.torch_ops.clear(), self.host_reads.clear()
+        self.on = True
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.mode.__exit__(*exc)
+        self.on = False
+
+    @property
+    def launches(self) -> int:
+        return len(self.triton) + len(self.torch_ops)
+
+
+def _common(meta: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    n = len(REQUESTS)
+    return CommonAttentionMetadata(
+        query_start_loc=meta["query_start_loc"], query_start_loc_cpu=meta["query_start_loc"].clone(),
+        seq_lens=meta["seq_lens"], num_reqs=n, num_actual_tokens=n, max_query_len=1,
+        max_seq_len=int(meta["seq_lens"].max()), block_table_tensor=meta["block_table"],
+        slot_mapping=meta["slot_mapping"],
+    )  # fmt: skip
+
+
+@pytest.fixture
+def no_parent_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's kernel must not run on a decode batch the one-pass kernel serves."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    def forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("vLLM's kernel ran on a row the one-pass decode serves")
+
+    monkeypatch.setattr(TritonAttentionImpl, "forward", forward)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_decode_batch_is_one_launch_per_layer_and_building_reads_nothing_back(
+    worker_connector: ProximaConnector, no_parent_kernel: None, monkeypatch: pytest.MonkeyPatch, layers: int
+) -> None:
+    """Item 6 of issue 38: one forward of the backend over a batch mixing bf16 pages and five
+    compressed formats launches at most 2 kernels per layer (here 1: the observed layer's
+    importance is still planned on the host, see `importance.py`), and building the step's
+    metadata reads nothing back to the host. Counted on the product's own launches."""
+    from tests.integration.vllm.attention.test_cuda_backend import _builder
+
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
+    store, kv, meta = _world(worker_connector)
+    store.observe_layer = None  # the non-observed layers (the observed one: test below)
+    counter = _Counter(monkeypatch)
+    impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16()
+    cm, builder = _common(meta), _builder()
+    with counter:
+        m = builder.build(0, cm)
+    assert isinstance(m, cb.ProximaTritonMetadata) and m.px_table is worker_connector.block_table
+    assert counter.host_reads == [], counter.host_reads
+    impl.layer_descriptors(LAYER, store, m.px_table, kv.device)  # built once per layer, not per step
+    outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
+    with counter:
+        for out in outs:
+            impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, m, out)
+    assert counter.triton == ["_mixed_decode_kernel"] * layers, counter.triton
+    assert counter.launches <= 2 * layers, (counter.triton, counter.torch_ops)
+    assert counter.host_reads == [], counter.host_reads
+    for r, rid in enumerate(REQUESTS):
+        want, _ = _reference(store, kv, q[r], rid)
+        assert float((outs[-1][r].float() - want).norm() / want.norm()) < 1e-2, rid
+
+
+def test_without_the_switch_or_with_a_prefill_row_the_split_path_runs(worker_connector: ProximaConnector) -> None:
+    from tests.integration.vllm.attention.test_cuda_backend import _builder
+
+    _, _, meta = _world(worker_connector)
+    assert _builder().build(0, _common(meta)).px_table is None  # switch off: the existing path
+    os.environ[cb.ONE_PASS_ENV] = "1"
+    try:
+        cm = _common(meta)
+        cm.max_query_len = 2  # a prefill or verification row: the existing path
+        assert _builder().build(0, cm).px_table is None
+        assert _builder().build(0, _common(meta)).px_table is not None
+    finally:
+        del os.environ[cb.ONE_PASS_ENV]
+
+
+def test_the_observed_layer_on_the_one_pass_path_still_reports_importance(
+    worker_connector: ProximaConnector, no_parent_kernel: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.integration.vllm.attention.test_cuda_backend import _builder
+
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
+    store, kv, meta = _world(worker_connector)
+    assert store.observe_layer == LAYER
+    impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16()
+    out = torch.empty_like(q)
+    impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, _builder().build(0, _common(meta)), out)
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and set(rep.importance) == set(REQUESTS)  # type: ignore[attr-defined]
+    for r, rid in enumerate(REQUESTS):
+        want, _ = _reference(store, kv, q[r], rid)
+        assert float((out[r].float() - want).norm() / want.norm()) < 1e-2, rid
+
+
+COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from proxima.compression import mixed_decode as md
+
+fn = md._mixed_decode_kernel
+ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_ptr": "*i32",
+        "qsl_ptr": "*i32", "slot_ptr": "*i64", "owner_ptr": "*i32", "ent_ptr": "*i32", "desc_ptr": "*i64",
+        "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale_log2": "fp32"}
+consts = {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": sys.argv[1] == "1"}
+names = list(fn.arg_names)
+sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+print(".entry _mixed_decode_kernel" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("observe", [False, True])
+def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool) -> None:
+    """The interpreter runs Python, so it accepts what the compiler refuses (e.g. a runtime `if`
+    whose branches leave one name with two types). Compile the kernel for sm_90 to PTX, in a
+    process without TRITON_INTERPRET (this one's decorators built interpreter wrappers)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", COMPILE, "1" if observe else "0"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("True"), res.stderr[-2000:]

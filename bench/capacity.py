@@ -127,6 +127,8 @@ def versions() -> dict[str, str]:
 
 
 def equal_bytes_main() -> None:
+    from bench.capacity_rows import ROWS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("cpu", "equal-bytes"), default="equal-bytes")
     ap.add_argument("--workload", choices=("throughput", "long_context", "quality"), default="throughput")
@@ -136,7 +138,7 @@ def equal_bytes_main() -> None:
     ap.add_argument("--model", default=os.environ.get(
         "PX_MODEL", str(Path.home() / ".cache/proxima/models/smollm2-135m-instruct")),
         help="quality: the model; throughput, long_context: the tokenizer source of the 8B-shaped model")
-    ap.add_argument("--rows", default=",".join(ROWS_DEFAULT), help="rows in rep 1's order (rep 2 reverses it)")
+    ap.add_argument("--rows", default=",".join(ROWS), help="rows in rep 1's order (rep 2 reverses it)")
     ap.add_argument("--only", default=None, help="run just these rows of the schedule now (the order stays --rows')")
     ap.add_argument("--reps", type=int, default=2, help="repetitions of every row")
     ap.add_argument("--quick", action="store_true", help="shrink the workload (a smoke run)")
@@ -164,10 +166,6 @@ def equal_bytes_main() -> None:
     run_equal_bytes(args)
 
 
-ROWS_DEFAULT = ("vanilla", "vllm_fp8", "vllm_int8_pth", "vllm_int4_pth", "off", "conservative", "balanced",
-                "aggressive")
-
-
 def workload_spec(args: argparse.Namespace) -> dict:
     from bench.capacity_runs import QUICK, WORKLOADS
 
@@ -183,7 +181,7 @@ def workload_spec(args: argparse.Namespace) -> dict:
 
 
 def run_equal_bytes(args: argparse.Namespace) -> None:
-    from bench.capacity_rows import pools, run_row, shaped_model, summarize
+    from bench.capacity_rows import pools, row_env, run_row, shaped_model, summarize
     from bench.capacity_runs import load_runs, new_runs, pending, record, save, source_digest
     from proxima.integration.vllm.serve.demo_workload import Workload
 
@@ -197,6 +195,13 @@ def run_equal_bytes(args: argparse.Namespace) -> None:
     for r in only or []:
         if r not in rows:
             raise SystemExit(f"--only {r}: not one of --rows ({', '.join(rows)})")
+    for r in rows:  # a bad row name stops here, before any engine starts
+        try:
+            row_env(r, {}, "")
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"--rows {r}: {e}") from None
+    if len(set(rows)) != len(rows):
+        raise SystemExit(f"--rows names a row twice: {args.rows}")
     model = args.model
     if spec["shaped"]:
         model = str(shaped_model(Path(args.model), Path(os.environ.get("TMPDIR", "/tmp")) / "px-llama8b-shaped",
@@ -205,7 +210,7 @@ def run_equal_bytes(args: argparse.Namespace) -> None:
                                                   "chunk_tokens", "score_prompts", "deadline_s")},
                   block_size=spec.get("block_size", 32),
                   gpu_memory_utilization=spec.get("gpu_memory_utilization") or 0.0)
-    row_pools = pools(wl, rows)  # a bad row name stops here, before any engine starts
+    row_pools = pools(wl, rows)
     path = args.resume or args.out
     if args.resume and args.resume.exists():
         doc = load_runs(args.resume, args.workload, spec, rows)

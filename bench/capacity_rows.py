@@ -354,6 +354,7 @@ def summarize(row: str, r: dict, pool: Pool) -> dict:
         "wall_s": round(r["wall_s"], 1),
         "engine_build_s": r["build_s"],
         "finished_requests": r["finished_requests"],
+        "started_requests": len(r["ttft_s"]),
         "truncated": r["truncated"],
         "generated_tokens": r["generated_tokens"],
         "steps": len(steps),

@@ -27,17 +27,19 @@ FORMAT = "proxima-capacity-runs/1"
 WORKLOADS: dict[str, dict[str, Any]] = {
     # 1. Llama-3.1-8B-shaped, dummy weights, decode-dominated: a pool of 2 full requests, 8x as many requests.
     "throughput": {"shaped": True, "requests": 16, "prompt_tokens": 2048, "output_tokens": 1024, "pool_requests": 2,
-                   "chunk_tokens": 512, "score_prompts": False, "deadline_s": 45.0},
+                   "chunk_tokens": 512, "score_prompts": False, "deadline_s": 35.0},
     # 2. Long context, 8B shape: KV reads dominate each step.
     "long_context": {"shaped": True, "requests": 8, "prompt_tokens": 16384, "output_tokens": 512, "pool_requests": 2,
                      "chunk_tokens": 2048, "score_prompts": False, "deadline_s": 45.0},
     # 3. Real SmolLM2 weights, memory-bound: teacher-forced prompt NLL and top-1 (vLLM's prompt_logprobs).
     "quality": {"shaped": False, "requests": 32, "prompt_tokens": 1024, "output_tokens": 128, "pool_requests": 2,
-                "chunk_tokens": 256, "score_prompts": True, "deadline_s": 90.0},
+                "chunk_tokens": 256, "score_prompts": True, "deadline_s": 60.0},
 }
 """Sized so that both repetitions of the eight rows fit about 25 minutes of one lease: an engine
-build with CUDA-graph capture takes 30-60 s, and generation stops at `deadline_s` (the run is
-marked truncated and its rates count what ran); 16 runs x (~45 s build + deadline) <= ~25 min."""
+build with compilation and CUDA-graph capture takes ~30-60 s (more on a lease's first), and
+generation stops at `deadline_s` (the run is marked truncated: its rates count what ran, TTFT is
+over the requests that started, `started_requests` says how many); 16 runs x (~50 s + deadline)
+~= 23-27 min. A workload's repetitions belong in one lease (its ratios are taken within it)."""
 
 QUICK = {"throughput": {"requests": 8, "prompt_tokens": 512, "output_tokens": 256, "deadline_s": 20.0},
          "long_context": {"requests": 4, "prompt_tokens": 4096, "output_tokens": 128, "deadline_s": 20.0},
@@ -102,7 +104,7 @@ def save(path: Path, doc: dict[str, Any]) -> None:
 
 MEDIAN_KEYS = ("tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "peak_running",
                "mean_running", "preemptions", "prompt_nll", "prompt_top1", "scored_prompts", "wall_s", "engine_build_s",
-               "generated_tokens", "finished_requests", "graph_replays", "compressions",
+               "generated_tokens", "finished_requests", "started_requests", "graph_replays", "compressions",
                "side_table_peak_bytes", "side_table_held_peak_blocks", "side_table_shortfall_peak_bytes")
 """Measures a row reports as the median over its runs."""
 SAME_KEYS = ("kv_bytes", "pool_blocks", "block_bytes", "kv_cache_dtype", "cudagraph_mode", "async_scheduling",
@@ -210,7 +212,7 @@ def _cell(v: Any) -> str:
 
 
 def markdown_table(results: dict[str, dict[str, Any]], prompt_scores_too: bool) -> str:
-    head = ["row", "KV dtype", "pool blocks", "KV MiB", "graphs", "tokens/s median (min-max)", "runs",
+    head = ["row", "KV dtype", "pool blocks", "KV MiB", "graphs, async", "tokens/s median (min-max)", "runs",
             "TPOT p50/p99 ms", "TTFT p50/p99 ms", "peak / mean running", "preempt"]
     if prompt_scores_too:
         head += ["prompt NLL", "top-1"]
@@ -226,7 +228,8 @@ def markdown_table(results: dict[str, dict[str, Any]], prompt_scores_too: bool) 
                  f"{ms.get('attention_proxima_ms', 0):.1f}, {ms.get('compress_ms', 0):.1f}, "
                  f"{ms.get('planning_ms', 0):.1f}") if ms else "-"
         cells = [name, t["kv_cache_dtype"], t["pool_blocks"], round(t["kv_bytes"] / 2**20, 1),
-                 f"{t['cudagraph_mode']}" if t["cuda_graphs"] else "eager",
+                 (f"{t['cudagraph_mode']}" if t["cuda_graphs"] else "eager")
+                 + (", async" if t["async_scheduling"] else ", sync"),
                  f"{t['tokens_per_s']} ({t['tokens_per_s_min']}-{t['tokens_per_s_max']})"
                  + (" (truncated)" if t["truncated"] else ""),
                  f"{t['runs']}" + (f" ({len(t['errors'])} failed)" if t["errors"] else ""),

@@ -117,6 +117,8 @@ def _median(xs: list[Any]) -> Any:
     if not xs:
         return None
     m = statistics.median(xs)
+    if isinstance(m, float) and m.is_integer() and all(isinstance(x, int) for x in xs):
+        return int(m)  # counts stay counts (the median of two equal peaks is that peak)
     return round(m, 4) if isinstance(m, float) else m
 
 

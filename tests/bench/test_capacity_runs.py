@@ -134,3 +134,15 @@ def test_merge_document_and_step_file(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "step.json").read_text())["rows"]["balanced"]["syncs_per_step"] is None
     assert (tmp_path / "step.md").read_text().count("| balanced |") == 1
     assert step_document(doc)["by_workload"]["quality"] == step["rows"]
+
+
+def test_row_env_gives_proxima_only_to_proxima_rows() -> None:
+    from bench.capacity_rows import row_env
+
+    base = {"PROXIMA_POLICY": "x.yaml", "PROXIMA_TIME_SPLIT": "1", "PATH": "/bin"}
+    vanilla = row_env("vllm_int4_pth", base, "/tmp/s.json")
+    assert "PROXIMA_POLICY" not in vanilla and "PROXIMA_TIME_SPLIT" not in vanilla and vanilla["PATH"] == "/bin"
+    bal = row_env("balanced", base, "/tmp/s.json")
+    assert bal["PROXIMA_POLICY"].endswith("balanced.yaml") and bal["PROXIMA_STATS_FILE"] == "/tmp/s.json"
+    assert bal["PROXIMA_SIDE_TABLES_IN_POOL"] == "1" and bal["PROXIMA_TIME_SPLIT"] == "1"
+    assert "PROXIMA_TIME_SPLIT" not in row_env("balanced", base, "/tmp/s.json", time_split=False)

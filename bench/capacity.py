@@ -220,14 +220,15 @@ def run_equal_bytes(args: argparse.Namespace) -> None:
     else:
         doc = new_runs(args.workload, spec, rows, {})
     cfg = json.loads((Path(model) / "config.json").read_text())
-    doc["meta"] = {"command": " ".join(["bench/capacity.py", *sys.argv[1:]]),
+    doc["meta"] = meta = {"command": " ".join(["bench/capacity.py", *sys.argv[1:]]),
                    "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                    "machine": machine(), "versions": versions(),
                    "source_digest": source_digest(Path(__file__).resolve().parents[1]),
-                   "model": cfg.get("_model_name_or_path") or Path(model).name,
+                   "model": str(cfg.get("_model_name_or_path") or Path(model).name),
                    "weights": "dummy (random)" if spec["shaped"] else "real",
                    "engine": "bfloat16, TRITON_ATTN (vanilla, vLLM dtypes) / CUSTOM (Proxima), vLLM defaults: "
                              + ("enforce_eager (--eager)" if args.eager else "CUDA graphs, async scheduling")}
+    doc.setdefault("calls", []).append(meta)  # every call that added runs to this file, in order
     save(path, doc)
     todo = pending(doc, args.reps, only)
     log(f"{args.workload}: {len(doc['runs'])} runs in {path}, {len(todo)} to run now "

@@ -177,7 +177,7 @@ def document(runs_docs: list[dict[str, Any]], commit: str | None, digest: str, c
         if w["spec"] != d["spec"]:
             raise ValueError(f"workload {d['workload']!r}: files with different sizes ({w['spec']} / {d['spec']})")
         w["runs"] += d["runs"]
-        w["calls"].append(d["meta"])
+        w["calls"] += d.get("calls") or [d["meta"]]
     out: dict[str, Any] = {}
     for name, w in workloads.items():
         meta = w["calls"][0]

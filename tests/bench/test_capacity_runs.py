@@ -146,3 +146,11 @@ def test_row_env_gives_proxima_only_to_proxima_rows() -> None:
     assert bal["PROXIMA_POLICY"].endswith("balanced.yaml") and bal["PROXIMA_STATS_FILE"] == "/tmp/s.json"
     assert bal["PROXIMA_SIDE_TABLES_IN_POOL"] == "1" and bal["PROXIMA_TIME_SPLIT"] == "1"
     assert "PROXIMA_TIME_SPLIT" not in row_env("balanced", base, "/tmp/s.json", time_split=False)
+
+
+def test_a_resumed_file_keeps_every_call() -> None:
+    runs = _two_reps()
+    runs["calls"] = [runs["meta"] | {"command": "call 1", "date": "d1"}, runs["meta"] | {"command": "call 2",
+                                                                                         "date": "d2"}]
+    w = document([runs], "abc1234", "abc", "merge")["workloads"]["quality"]
+    assert w["commands"] == ["call 1", "call 2"] and w["dates"] == ["d1", "d2"]

@@ -30,6 +30,13 @@ workload's call until it prints `complete`; every call copies the runs file back
     source /tmp/gpu-kit/env.sh && timeout 590 python3 bench/capacity.py --mode equal-bytes \
         --workload quality --resume /tmp/pxb/quality.json --logs /tmp/pxb/logs; cp /tmp/pxb/*.json /tmp/pxb/*.md $OUT/
 
+First a smoke run of the path (graphs on, Proxima's backend, ~4 min): `source .gpu/p2/env.sh &&
+timeout 590 python3 bench/capacity.py --mode equal-bytes --workload throughput --quick --reps 1
+--rows vanilla,balanced --out /tmp/pxb/smoke.json --logs /tmp/pxb/logs; cp /tmp/pxb/*.json $OUT/`.
+If the machine went back mid-workload (/tmp is gone), put the runs file that came back into the
+checkout (untracked files travel) and pass that path to `--resume` (and to `cp`). A workload's
+16 runs take ~25 minutes: run them within one lease (its ratios are taken within it).
+
 then on the CPU side, from the files that came back:
 
     python3 bench/capacity.py --merge throughput.json long_context.json quality.json \

@@ -97,6 +97,7 @@ def record(doc: dict[str, Any], rep: int, pos: int, row: str, result: dict[str, 
 
 
 def save(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)  # a call cut off mid-write keeps the previous complete file

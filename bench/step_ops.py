@@ -19,9 +19,11 @@ sees, and runs the apply under `torch.cuda.set_sync_debug_mode("error")` (a sync
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,19 @@ class Workload:
                 acts.append(self._action(rid, dst, from_=first))
             self.plans.append(ProximaPlan(actions=acts))
         self._apply_all(setup)
+        self._setup_remap = copy.deepcopy(self.store.remap)
+
+    def reset(self) -> None:
+        """Point every block back where the setup left it, so a group's plan can be applied again
+        (after an apply, a recompressed block's current format is its target)."""
+        self.store.remap = copy.deepcopy(self._setup_remap)
+        self.store.replaced = {}
+
+    def apply(self, g: int) -> None:
+        """One uncounted apply of group g (warm-up: Triton compiles and autotunes on first use)."""
+        self.reset()
+        self.store.apply(self.plans[g])
+        self.store.take_report()
 
     def _action(self, rid: str, fmt: Format, src: int = -1, from_: CompressAction | None = None) -> CompressAction:
         blk, slot = self.slots.take(fmt)
@@ -147,6 +162,7 @@ class Workload:
             raise RuntimeError(f"step_ops: the setup compressions did not all commit: {rep}")
 
     def apply_counted(self, g: int) -> Counts:
+        self.reset()
         with OpCounter() as c:
             self.store.apply(self.plans[g])
         rep = self.store.take_report()
@@ -161,18 +177,24 @@ def cuda_extras(work: Workload, g: int) -> dict[str, Any]:
 
     plan = work.plans[g]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    work.reset()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
     start.record()
     work.store.apply(plan)
     end.record()
     torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
     work.store.take_report()
+    work.reset()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         work.store.apply(plan)
         torch.cuda.synchronize()
     work.store.take_report()
     kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
     sync_error = ""
+    work.reset()
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         work.store.apply(plan)
@@ -183,16 +205,25 @@ def cuda_extras(work: Workload, g: int) -> dict[str, Any]:
     rep = work.store.take_report()
     if rep is not None and rep.errors and not sync_error:
         sync_error = rep.errors[-1]  # apply catches kernel errors and reports them
-    return {"cuda_ms": start.elapsed_time(end), "cuda_kernels": kernels, "sync_error": sync_error}
+    return {"cuda_ms": start.elapsed_time(end), "wall_ms": wall_ms, "cuda_kernels": kernels, "sync_error": sync_error}
 
 
-def measure(policy_name: str, shape: Shape, device: str, per_group: int) -> list[dict[str, Any]]:
-    work = Workload(accepting_probe(load_policy(policy_name)), shape, device, per_group)
+def without_probe(policy: Policy) -> Policy:
+    """`policy` with its compression probe off (the compression's own work alone)."""
+    probe = policy.probes.compression.model_copy(update={"enabled": False})
+    return policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": probe})})
+
+
+def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: bool = True) -> list[dict[str, Any]]:
+    policy = load_policy(policy_name)
+    work = Workload(accepting_probe(policy) if probe else without_probe(policy), shape, device, per_group)
     rows = []
     for g, (src, dst) in enumerate(work.groups):
+        if device == "cuda":
+            work.apply(g)  # compile and autotune outside the count
         counts = work.apply_counted(g)
         row: dict[str, Any] = {
-            "policy": policy_name, "layers": shape.layers, "group": f"{src.name}->{dst.name}",
+            "policy": policy_name, "probe": probe, "layers": shape.layers, "group": f"{src.name}->{dst.name}",
             "actions": per_group, "ops": counts.total_ops, "launches": counts.total_launches,
             "syncs": counts.total_syncs, "sync_ops": dict(counts.syncs),
             "top_ops": dict(counts.ops.most_common(8)),
@@ -205,12 +236,13 @@ def measure(policy_name: str, shape: Shape, device: str, per_group: int) -> list
 
 def table(rows: list[dict[str, Any]]) -> str:
     cuda = any("cuda_ms" in r for r in rows)
-    head = "| policy | group | layers | actions | torch ops | launches | would-be syncs |"
+    head = "| policy | probe | group | layers | actions | torch ops | launches | would-be syncs |"
     head += " CUDA ms | CUDA kernels | sync check |" if cuda else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        line = (f"| {r['policy']} | {r['group']} | {r['layers']} | {r['actions']} | {r['ops']} | {r['launches']} | "
-                f"{r['syncs']} |")
+        probe = "on" if r["probe"] else "off"
+        line = (f"| {r['policy']} | {probe} | {r['group']} | {r['layers']} | {r['actions']} | {r['ops']} | "
+                f"{r['launches']} | {r['syncs']} |")
         if cuda:
             line += f" {r['cuda_ms']:.2f} | {r['cuda_kernels']} | {r['sync_error'] or 'ok'} |"
         lines.append(line)
@@ -227,13 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--per-group", type=int, default=2, help="actions per group")
+    ap.add_argument("--probe", choices=["on", "off", "both"], default="both",
+                    help="the compression-time probe: on (every block accepted), off, or a row of each")
     ap.add_argument("--name", default=None, help="write bench/results/NAME.{json,md}")
     args = ap.parse_args(argv)
     rows = []
     for name in args.policies:
         for layers in args.layers:
             shape = Shape(layers, args.heads, args.block_size, args.head_dim, args.blocks)
-            rows.extend(measure(name, shape, args.device, args.per_group))
+            for probe in ([True, False] if args.probe == "both" else [args.probe == "on"]):
+                rows.extend(measure(name, shape, args.device, args.per_group, probe))
     md = table(rows)
     print(md)
     if args.name:

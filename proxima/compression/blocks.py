@@ -278,26 +278,6 @@ def _row_counts(fmt: Format, log_count: torch.Tensor | None, shape: tuple[int, i
     return counts
 
 
-def concat_blocks(parts: list[CompressedBlocks]) -> CompressedBlocks:
-    """Several `CompressedBlocks` of one format and slot shape as one, slots in order."""
-    if not parts:
-        raise ValueError("concat_blocks needs at least one part")
-    first = parts[0]
-    if any(p.fmt != first.fmt or p.k_data.shape[1:] != first.k_data.shape[1:] for p in parts):
-        raise ValueError("concat_blocks: parts differ in format or slot shape")
-
-    def cat(name: str) -> torch.Tensor | None:
-        ts = [getattr(p, name) for p in parts]
-        if all(t is None for t in ts):
-            return None
-        if any(t is None for t in ts):
-            raise ValueError(f"concat_blocks: {name} is missing in some parts")
-        return torch.cat(ts, 0)
-
-    names = ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero", "log_count", "token_index")
-    return replace(first, **{name: cat(name) for name in names})  # type: ignore[arg-type]
-
-
 def decompress_blocks(
     cb: CompressedBlocks, *, backend: Backend = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -293,7 +293,7 @@ class WorkerStore:
             t0 = time.perf_counter()
             try:
                 planned = acts
-                acts = self._probe(fmt, from_fmt, acts)
+                acts = self._probe(fmt, from_fmt, acts, tables.get((name, from_fmt)))
                 t1 = time.perf_counter()
                 self.report.probe_seconds += t1 - t0
                 t0 = t1
@@ -356,12 +356,13 @@ class WorkerStore:
         hit = self.remap.get(a.req_id, {}).get(a.index)
         return hit[0] if hit is not None else Format.parse(a.from_fmt)
 
-    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> list[CompressAction]:
+    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction],
+               table: torch.Tensor | None = None) -> list[CompressAction]:
         """The compression-time probe (`worker_probe`): the actions within the error bound; the
         refused ones and every measurement go into the report."""
         if self.policy is None or not self.policy.probes.compression.enabled:
             return acts
-        out = check_batch(self, fmt, from_fmt, acts, self.policy.probes.compression)
+        out = check_batch(self, fmt, from_fmt, acts, self.policy.probes.compression, table)
         # The report counts blocks by action id, so that the ranks' counts merge into the engine's
         # (`merge_reports`). Measured = accepted + refused, unless nothing was measured (no observed
         # layer: all accepted); a verdict in the action's own format is a deferral, not a refusal
@@ -451,13 +452,16 @@ class WorkerStore:
                                backend=_kernels(k), log_count=counts if merged else None, source_tokens=b,
                                check_values=checks_values(), rows_merged=merged if counts is not None else None)
 
-    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction],
+                     table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The actions' blocks in `layer` as they are now: k, v [N, T, H, D] (bf16 pages, or the
         current slots of a recompression) and, when those slots hold reduced (sparse or merged)
-        tokens, their log-counts [N, T, H] (a merge weighs centroids by them); else None."""
-        r_from = from_fmt.pack_ratio
-        table = _upload([[a.src, a.from_dst * r_from + a.from_slot, -1] for a in acts], self.kv_caches[layer].device)
+        tokens, their log-counts [N, T, H] (a merge weighs centroids by them); else None.
+        `table`: the actions' rows of the step table, if the caller has them (else built here)."""
+        if table is None:
+            r_from = from_fmt.pack_ratio
+            rows = [[a.src, a.from_dst * r_from + a.from_slot, -1] for a in acts]
+            table = _upload(rows, self.kv_caches[layer].device)
         return self._read_rows((self.stack.index[layer],), self.layer_format(layer, from_fmt), table)
 
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], table: torch.Tensor) -> None:

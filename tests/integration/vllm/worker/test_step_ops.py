@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from bench.op_counter import OpCounter
-from bench.step_ops import Shape, Workload, accepting_probe, stacked_caches
+from bench.step_ops import Shape, Workload, accepting_probe, stacked_caches, without_probe
 from proxima.formats import Format
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
 from proxima.integration.vllm.worker.layer_stack import stack_view
 from proxima.integration.vllm.worker.store import WorkerStore
 from proxima.policy.loader import load_policy
-from proxima.policy.schema import Policy
 
 SHAPE = dict(heads=1, block_size=16, head_dim=32, blocks=32)
 
@@ -28,10 +27,11 @@ def test_the_counter_sees_ops_and_would_be_syncs() -> None:
         _ = y.sum().item()  # a read back
         _ = torch.tensor([1, 2])  # a host tensor sent to the device
         _ = y[y > 3]  # boolean mask: a value-dependent size
+        _ = y.tolist()  # no dispatch on CPU, still a read back
     assert c.counts.ops["aten.mul"] == 1 and c.counts.ops["aten.add"] == 1
     assert c.counts.syncs["aten._local_scalar_dense"] == 1
     assert c.counts.syncs["aten.lift_fresh"] == 1
-    assert c.counts.syncs["aten.index"] == 1
+    assert c.counts.syncs["aten.index"] == 1 and c.counts.syncs["Tensor.tolist"] == 1
     with OpCounter() as quiet:
         _ = x.index_select(0, torch.zeros(2, dtype=torch.long))
     assert quiet.counts.total_syncs == 0 and quiet.counts.total_ops == 2  # zeros + index_select
@@ -59,15 +59,10 @@ def test_one_apply_dispatches_the_same_at_4_and_8_layers(policy: str) -> None:
         assert (a.total_ops, a.total_launches) == (b.total_ops, b.total_launches), (src, dst, a.ops - b.ops)
 
 
-def _without_probe(policy: Policy) -> Policy:
-    probe = policy.probes.compression.model_copy(update={"enabled": False})
-    return policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": probe})})
-
-
 def test_the_compression_reads_nothing_back() -> None:
     """Without the probe (its verdicts are still read on the host in the step: a known remainder),
     a step's only host-to-device transfer is its action table, and nothing is read back."""
-    work = Workload(_without_probe(load_policy("aggressive")), Shape(layers=4, **SHAPE), "cpu", per_group=2)
+    work = Workload(without_probe(load_policy("aggressive")), Shape(layers=4, **SHAPE), "cpu", per_group=2)
     for g in range(len(work.groups)):
         counts = work.apply_counted(g)
         assert dict(counts.syncs) == {"aten.lift_fresh": 1}, (work.groups[g], counts.syncs)
@@ -81,7 +76,7 @@ def test_stacked_and_per_layer_caches_write_the_same_bytes() -> None:
     stores = []
     for cs in (caches, separate):
         st = WorkerStore()
-        st.register(cs, _without_probe(load_policy("aggressive")))
+        st.register(cs, without_probe(load_policy("aggressive")))
         stores.append(st)
     assert stores[0].stack.kv is not None and stores[1].stack.kv is None
     plans = [

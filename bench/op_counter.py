@@ -24,6 +24,7 @@ those; `bench/step_ops.py --device cuda` runs it.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -138,15 +139,38 @@ def _launch_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
 
 HOST_READS = ("tolist", "numpy", "cpu")
 """Tensor methods that read a tensor back to the host. On a CPU tensor they return without a
-dispatch (`.tolist()` reads memory directly, `.cpu()` returns the tensor), so they are wrapped."""
+dispatch (`.tolist()` reads memory directly, `.cpu()` returns the tensor), so they are wrapped.
+A tensor that `.cpu()` returned is on the host: reading it again is not counted."""
 
 
 def _host_read_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
+    # id -> weak reference (identity, not tensor equality; a dead entry's id may be reused). On CPU
+    # `.cpu()` returns the tensor itself, which is then taken as the host copy a GPU would return.
+    on_host: dict[int, weakref.ref[torch.Tensor]] = {}
     for name in HOST_READS:
-        def host_read(_: Any, name: str = name) -> None:
-            counts.syncs[f"Tensor.{name}"] += 1
+        original = getattr(torch.Tensor, name)
 
-        stack.enter_context(_wrapped(torch.Tensor, name, host_read))
+        def host_read(self: torch.Tensor, *args: Any, name: str = name, original: Any = original,
+                      **kwargs: Any) -> Any:
+            known = on_host.get(id(self))
+            if known is None or known() is not self:
+                counts.syncs[f"Tensor.{name}"] += 1
+            out = original(self, *args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                on_host[id(out)] = weakref.ref(out)
+            return out
+
+        stack.enter_context(_patched(torch.Tensor, name, host_read))
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, attr: str, replacement: Any) -> Iterator[None]:
+    original = getattr(owner, attr)
+    setattr(owner, attr, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
 
 
 class OpCounter:

@@ -135,7 +135,7 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
     for i, q in enumerate(qs):
         assert q is not None
         q_obs[i, : len(q)] = q.to(q_obs.device, torch.float32)
-        valid[i, : len(q)] = True
+        valid[i, : len(q)].fill_(True)  # a fill, not a host scalar tensor copied in
     scale = queries.scale
 
     src_l = store.layer_format(layer, from_fmt)

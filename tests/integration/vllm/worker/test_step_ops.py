@@ -28,10 +28,12 @@ def test_the_counter_sees_ops_and_would_be_syncs() -> None:
         _ = torch.tensor([1, 2])  # a host tensor sent to the device
         _ = y[y > 3]  # boolean mask: a value-dependent size
         _ = y.tolist()  # no dispatch on CPU, still a read back
+        _ = y.cpu().tolist()  # one read back: the second is of a host tensor
     assert c.counts.ops["aten.mul"] == 1 and c.counts.ops["aten.add"] == 1
     assert c.counts.syncs["aten._local_scalar_dense"] == 1
     assert c.counts.syncs["aten.lift_fresh"] == 1
     assert c.counts.syncs["aten.index"] == 1 and c.counts.syncs["Tensor.tolist"] == 1
+    assert c.counts.syncs["Tensor.cpu"] == 1
     with OpCounter() as quiet:
         _ = x.index_select(0, torch.zeros(2, dtype=torch.long))
     assert quiet.counts.total_syncs == 0 and quiet.counts.total_ops == 2  # zeros + index_select
@@ -60,12 +62,18 @@ def test_one_apply_dispatches_the_same_at_4_and_8_layers(policy: str) -> None:
 
 
 def test_the_compression_reads_nothing_back() -> None:
-    """Without the probe (its verdicts are still read on the host in the step: a known remainder),
-    a step's only host-to-device transfer is its action table, and nothing is read back."""
+    """Without the probe, a step's only host-to-device transfer is its action table, and nothing
+    is read back; the probe reads its errors back once per group (a known remainder)."""
     work = Workload(without_probe(load_policy("aggressive")), Shape(layers=4, **SHAPE), "cpu", per_group=2)
     for g in range(len(work.groups)):
         counts = work.apply_counted(g)
         assert dict(counts.syncs) == {"aten.lift_fresh": 1}, (work.groups[g], counts.syncs)
+    # With the probe, every block accepted: one read back per group, its errors (issue 37 item 3
+    # moves it one step later).
+    probed = Workload(accepting_probe(load_policy("aggressive")), Shape(layers=4, **SHAPE), "cpu", per_group=2)
+    for g in range(len(probed.groups)):
+        counts = probed.apply_counted(g)
+        assert dict(counts.syncs) == {"aten.lift_fresh": 1, "Tensor.cpu": 1}, (probed.groups[g], counts.syncs)
 
 
 def test_stacked_and_per_layer_caches_write_the_same_bytes() -> None:

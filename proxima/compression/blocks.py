@@ -126,6 +126,7 @@ def _check_inputs(
     importance: torch.Tensor | None,
     protected: torch.Tensor | None,
     group_size: int,
+    check_values: bool = True,
 ) -> None:
     if k.dim() != 4:
         raise ValueError(f"k must be [N, T, H_kv, D], got shape {tuple(k.shape)}")
@@ -138,7 +139,7 @@ def _check_inputs(
         raise ValueError(f"k must have T, H_kv and D > 0, got shape {tuple(k.shape)}")
     if importance is not None and importance.shape != (n, t, h):
         raise ValueError(f"token_importance must be [N, T, H_kv] = {(n, t, h)}, got {tuple(importance.shape)}")
-    if importance is not None and bool(torch.isnan(importance).any()):
+    if check_values and importance is not None and bool(torch.isnan(importance).any()):
         raise ValueError("token_importance contains NaN")
     if protected is not None:
         if protected.shape != (n, t) or protected.dtype != torch.bool:
@@ -168,6 +169,8 @@ def compress_blocks(
     cluster_iters: int = DEFAULT_CLUSTER_ITERS,
     log_count: torch.Tensor | None = None,
     source_tokens: int | None = None,
+    check_values: bool = True,
+    rows_merged: bool | None = None,
 ) -> CompressedBlocks:
     """Compress N blocks of one format.
 
@@ -181,9 +184,14 @@ def compress_blocks(
     empty centroid) and `source_tokens` the tokens the block stood for originally; the new block
     keeps ceil(source_tokens / R) rows. Centroids merge weighted by importance x count, and the
     merged count is the sum.
+
+    Reads back to the host (a GPU sync), which a caller on a GPU's hot path turns off:
+    `check_values` (NaN in `token_importance` / `log_count` raises); `rows_merged` None finds out
+    from `log_count` whether its rows stand for several tokens (True: they do, a cluster source;
+    False: each is one token, the count is ignored).
     """
     fmt = _as_format(fmt)
-    _check_inputs(fmt, k, v, token_importance, protected, group_size)
+    _check_inputs(fmt, k, v, token_importance, protected, group_size, check_values)
     if cluster_iters < 1:
         raise ValueError(f"cluster_iters must be >= 1, got {cluster_iters}")
     tri = use_triton(backend, k)
@@ -194,7 +202,7 @@ def compress_blocks(
     keep = kept_count(fmt, src_t)
     if src_t < t or keep > t:
         raise ValueError(f"{fmt}: keeps {keep} of source_tokens={src_t}, but {t} rows were given")
-    counts = _row_counts(fmt, log_count, (n, t, h))
+    counts = _row_counts(fmt, log_count if rows_merged is not False else None, (n, t, h), check_values, rows_merged)
     imp = token_importance
     if imp is None:
         # uniform; quantize-only formats never read it (an empty placeholder: no device launch)
@@ -250,42 +258,24 @@ def compress_blocks(
     return out
 
 
-def _row_counts(fmt: Format, log_count: torch.Tensor | None, shape: tuple[int, int, int]) -> torch.Tensor | None:
-    """Tokens each input row stands for, from its log-count; None when every row is one token."""
+def _row_counts(fmt: Format, log_count: torch.Tensor | None, shape: tuple[int, int, int],
+                check_values: bool = True, rows_merged: bool | None = None) -> torch.Tensor | None:
+    """Tokens each input row stands for, from its log-count; None when every row is one token
+    (found out from the counts unless `rows_merged` says so)."""
     if log_count is None:
         return None
     if tuple(log_count.shape) != shape:
         raise ValueError(f"log_count must be [N, T, H_kv] = {shape}, got {tuple(log_count.shape)}")
-    if bool(torch.isnan(log_count).any()):
+    if check_values and bool(torch.isnan(log_count).any()):
         raise ValueError("log_count contains NaN")
     counts = torch.where(torch.isfinite(log_count), log_count.float().exp(), torch.zeros_like(log_count.float()))
-    if bool((counts.round() == 1).all()):
+    if rows_merged is None and bool((counts.round() == 1).all()):
         return None
     if fmt.reduction != "cluster":
         raise ValueError(
             f"{fmt}: rows that stand for several tokens (centroids) can only be merged further by a cluster format"
         )
     return counts
-
-
-def concat_blocks(parts: list[CompressedBlocks]) -> CompressedBlocks:
-    """Several `CompressedBlocks` of one format and slot shape as one, slots in order."""
-    if not parts:
-        raise ValueError("concat_blocks needs at least one part")
-    first = parts[0]
-    if any(p.fmt != first.fmt or p.k_data.shape[1:] != first.k_data.shape[1:] for p in parts):
-        raise ValueError("concat_blocks: parts differ in format or slot shape")
-
-    def cat(name: str) -> torch.Tensor | None:
-        ts = [getattr(p, name) for p in parts]
-        if all(t is None for t in ts):
-            return None
-        if any(t is None for t in ts):
-            raise ValueError(f"concat_blocks: {name} is missing in some parts")
-        return torch.cat(ts, 0)
-
-    names = ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero", "log_count", "token_index")
-    return replace(first, **{name: cat(name) for name in names})  # type: ignore[arg-type]
 
 
 def decompress_blocks(

@@ -1,5 +1,8 @@
 """Diagnostics of the attention split (never on in production).
 
+`PROXIMA_DEBUG=check-values`: the worker's compressions check importance and counts for NaN
+(`checks_values`; each check reads back to the host, so a GPU step has none by default).
+
 `PROXIMA_DEBUG=read-sources`: compressed rows read their freed *source* blocks through Proxima's
 split path instead of their compressed slots (valid only while those blocks are not reused, i.e.
 with a pool much larger than the workload). That isolates the row split, the tables and the
@@ -21,8 +24,18 @@ DEBUG_ENV = "PROXIMA_DEBUG"
 DEBUG_FILE_ENV = "PROXIMA_DEBUG_FILE"
 
 
+def _debug_modes() -> list[str]:
+    return os.environ.get(DEBUG_ENV, "").split(",")
+
+
 def reads_sources() -> bool:
-    return os.environ.get(DEBUG_ENV) == "read-sources"
+    return "read-sources" in _debug_modes()
+
+
+def checks_values() -> bool:
+    """`PROXIMA_DEBUG=check-values` (comma-separated with other modes): the worker's compression
+    checks its inputs for NaN, a read back to the host in every step (a GPU sync), so off by default."""
+    return "check-values" in _debug_modes()
 
 
 @dataclass

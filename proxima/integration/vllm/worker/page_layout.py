@@ -54,7 +54,10 @@ class PageLayout:
 
     def read_blocks(self, kv: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole blocks in canonical order: [N, B, H, D] each."""
-        p = self.pages(kv).index_select(0, blocks)  # [N, H, 2BD]
+        return self.split_pages(self.pages(kv).index_select(0, blocks))
+
+    def split_pages(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of pages [N, H, 2BD] (gathered whole) in canonical order: [N, B, H, D] each."""
         n, h = p.shape[:2]
         b, d = self.block_size, self.head_dim
         k = p[:, :, self.key_pos].view(n, h, b, d).transpose(1, 2)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from proxima.compression.attention import attention_errors
-from proxima.compression.blocks import compress_blocks
+from proxima.compression.blocks import CompressedBlocks
 from proxima.formats import Format, recompressible
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.policy.probes import choose_within_bound
@@ -46,16 +46,13 @@ class ProbedStore(Protocol):
     formats: LayerFormats
     policy: Policy | None
 
-    def group_for(self, fmt: Format) -> int: ...
-
-    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction],
+                     table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
     def layer_format(self, layer: str, fmt: Format) -> Format: ...
 
-    def geometry(self, layer: str) -> tuple[int, int, int, int]: ...
-
-    def importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor: ...
+    def compress_read(self, src_l: Format, dst_l: Format, k: torch.Tensor, v: torch.Tensor,
+                      counts: torch.Tensor | None, acts: list[CompressAction]) -> CompressedBlocks: ...
 
 
 class RecentQueries:
@@ -101,8 +98,14 @@ class ProbeOutcome:
 
 
 def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequence[CompressAction],
-                cfg: CompressionProbe) -> ProbeOutcome:
-    """Measure the batch's blocks in the observed layer; keep those within the bound."""
+                cfg: CompressionProbe, table: torch.Tensor | None = None) -> ProbeOutcome:
+    """Measure the batch's blocks in the observed layer; keep those within the bound.
+
+    `table`: the actions' rows of the step's action table (`WorkerStore._step_tables`), read
+    instead of building indices again when every block is measurable.
+
+    Reads back to the host (GPU syncs): the first measurement of the whole batch once, then one
+    per milder format tried for a refused block."""
     layer = store.observe_layer
     queries = store.recent_queries
     measurable = [a for a in acts if queries.get(a.req_id) is not None]
@@ -114,39 +117,37 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
     if not measurable or queries.scale is None:
         return ProbeOutcome(rejected={a.action_id: fmt.name for a in acts})
     kv = store.kv_caches[layer]
-    k, v, counts = store.read_current(layer, from_fmt, measurable)  # [N, T, H, D], log-counts or None
+    rows = table if table is not None and len(measurable) == len(acts) else None
+    k, v, counts = store.read_current(layer, from_fmt, measurable, rows)  # [N, T, H, D], log-counts or None
     qs = [queries.get(a.req_id) for a in measurable]
     w = max(len(q) for q in qs if q is not None)
     q_obs = torch.zeros(len(qs), w, *qs[0].shape[1:], dtype=torch.float32, device=kv.device)  # type: ignore[union-attr]
-    valid = torch.zeros(len(qs), w, dtype=torch.bool)
+    valid = torch.zeros(len(qs), w, dtype=torch.bool, device=kv.device)  # filled in place: no host copy
     for i, q in enumerate(qs):
         assert q is not None
         q_obs[i, : len(q)] = q.to(q_obs.device, torch.float32)
-        valid[i, : len(q)] = True
+        valid[i, : len(q)].fill_(True)  # a fill, not a host scalar tensor copied in
     scale = queries.scale
 
-    def errors_of(f: Format, idx: list[int]) -> torch.Tensor:
-        sub = [measurable[i] for i in idx]
+    src_l = store.layer_format(layer, from_fmt)
+
+    def errors_of(f: Format, idx: slice) -> torch.Tensor:
+        # slices, not index lists: a list would be a host tensor sent to the device
+        sub = measurable[idx]
         f_l = store.layer_format(layer, store.formats.current(f))
-        _n, h, b, _d = store.geometry(layer)
         lc = counts[idx] if counts is not None else None  # recompressing reduced blocks: weigh by counts
-        imp = None
-        if f_l.reduction is not None:
-            imp = (store.importance_of(sub, b, h) if lc is None else torch.ones(lc.shape)).to(kv.device)
-        cb = compress_blocks(f_l, k[idx], v[idx], token_importance=imp, group_size=store.group_for(f_l),
-                             backend="auto" if kv.is_cuda else "torch", log_count=lc, source_tokens=b)
+        cb = store.compress_read(src_l, f_l, k[idx], v[idx], lc, sub)  # what the executor writes
         return attention_errors(q_obs[idx], k[idx], v[idx], cb, q_valid=valid[idx], sm_scale=scale,
                                 ref_log_count=lc)
 
-    first = errors_of(fmt, list(range(len(measurable))))
+    first = errors_of(fmt, slice(None)).tolist()  # one read back for the whole batch
     out = ProbeOutcome(rejected=deferred, measured=len(measurable))
     milder = milder_formats(store.policy, fmt, from_fmt)
     if not from_fmt.is_hot:  # a recompression: only formats this block can still move into
-        src_l = store.layer_format(layer, from_fmt)
         milder = [f for f in milder if recompressible(src_l, store.layer_format(layer, store.formats.current(f)))]
     for i, a in enumerate(measurable):
         def measure(f: Format, i: int = i) -> float:
-            err = float(first[i]) if f == fmt else float(errors_of(f, [i])[0])
+            err = float(first[i]) if f == fmt else float(errors_of(f, slice(i, i + 1))[0])
             out.errors.append((f.name, err))
             return err
 

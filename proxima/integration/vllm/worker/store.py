@@ -25,9 +25,10 @@ from proxima.compression.blocks import CompressedBlocks, compress_blocks, decomp
 from proxima.compression.spec import SlotSpec, check_group_size
 from proxima.formats import HOT, Format, recompressible
 from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
-from proxima.integration.vllm.worker.debug import SplitErrors
+from proxima.integration.vllm.worker.debug import SplitErrors, checks_values
 from proxima.integration.vllm.worker.faults import FaultInjector
 from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
+from proxima.integration.vllm.worker.layer_stack import LayerStack, SlotPool
 from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.worker.probe import RecentQueries, check_batch
 from proxima.integration.vllm.worker.ranks import check_remap
@@ -36,9 +37,6 @@ from proxima.observation import fold_heads, observed_layer
 from proxima.policy.schema import Policy, Storage
 
 logger = logging.getLogger("proxima.vllm")
-
-_META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
 
 def _startup_policy() -> Policy | None:
     """The policy this process was started with (PROXIMA_POLICY)."""
@@ -71,7 +69,7 @@ def _kernels(t: torch.Tensor) -> Literal["torch", "auto"]:
 
 @dataclass
 class _LayerPool:
-    """One layer's view of the KV tensor as compressed slots of one format, plus its side table."""
+    """One layer's view of a `SlotPool` (`layer_stack`): what the attention backends read."""
 
     spec: SlotSpec
     k: torch.Tensor  # [num_blocks * r, C, H, P] view into vLLM's KV tensor
@@ -106,11 +104,11 @@ class WorkerStore:
         self.rank = rank
         """This worker's tensor-parallel rank (its KV heads are the shard's; `ranks.py`)."""
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self.stack = LayerStack({})
+        """Every layer as one tensor and the slot pools of every stored format (`layer_stack`)."""
         self.pools: dict[tuple[str, Format], _LayerPool] = {}
         self.remap: dict[str, dict[int, tuple[Format, int, int]]] = {}
         """request -> logical block index -> (format, destination block, slot)."""
-        self.sources: dict[str, dict[int, int]] = {}
-        """request -> logical block index -> source physical block (diagnostics only: freed)."""
         self.replaced: dict[str, dict[int, tuple[ActionId, tuple[Format, int, int]]]] = {}
         """request -> logical block index -> (the last recompression this rank wrote of it, the
         `remap` entry it replaced): what a revocation restores. The entry keeps its `StoredFormat`
@@ -121,7 +119,6 @@ class WorkerStore:
         """The quantization groups of the slots this worker writes (`group_for`): the start-up
         policy's `storage` (set in `register`; fixed while serving, as the slots' layout is)."""
         self.report = ProximaReport()
-        self.meta_bytes = 0
         self.faults = FaultInjector(rank=rank)
         """Tests and benchmarks: failures injected into compression batches (`faults`)."""
         self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
@@ -166,6 +163,8 @@ class WorkerStore:
 
     def register(self, kv_caches: dict[str, torch.Tensor], policy: Policy | None = None) -> None:
         self.kv_caches = dict(kv_caches)
+        self.stack = LayerStack(self.kv_caches)
+        self.pools = {}
         names = list(kv_caches)
         self.observe_layer = names[observed_layer(len(names))] if names else None
         policy = policy if policy is not None else _startup_policy()
@@ -204,26 +203,25 @@ class WorkerStore:
         n, h, b, d2 = self.kv_caches[layer].shape
         return n, h, b, d2 // 2
 
+    @property
+    def meta_bytes(self) -> int:
+        """Bytes of the side tables allocated so far (every layer of every stored format used)."""
+        return self.stack.meta_bytes
+
+    def slot_pool(self, fmt: Format) -> SlotPool:
+        """The slots of stored format `fmt` in every layer (`fmt` as a layer stores it: after
+        `layer_format`). Byte views; the element types (which may differ for keys and values) are
+        applied on read and write, from what `compress_blocks` produced."""
+        _n, h, b, d = self.geometry(self.stack.names[0])
+        return self.stack.pool(fmt, SlotSpec(fmt, b, d, h, self.group_for(fmt)))
+
     def pool(self, layer: str, fmt: Format) -> _LayerPool:
+        """Layer `layer`'s view of `fmt`'s slots (`fmt` as the layer stores it)."""
         key = (layer, fmt)
         p = self.pools.get(key)
-        if p is not None:
-            return p
-        kv = self.kv_caches[layer]
-        n, h, b, d = self.geometry(layer)
-        spec = SlotSpec(fmt, b, d, h, self.group_for(fmt))
-        r, c = fmt.pack_ratio, spec.slot_tokens
-        # Byte views; the element types (which may differ for keys and values) are applied on
-        # read and write, from what `compress_blocks` produced.
-        raw = kv.view(torch.uint8).view(n * r, 2, c, h, -1)
-        meta = {}
-        for f in spec.meta_fields():
-            # MetaField shapes exclude the slot and head axes; CompressedBlocks puts heads second.
-            shape = (n * r, f.shape[0], h, *f.shape[1:])
-            meta[f.name] = torch.empty(shape, dtype=_META_DTYPES[f.dtype], device=kv.device)
-            self.meta_bytes += meta[f.name].numel() * meta[f.name].element_size()
-        p = _LayerPool(spec, raw[:, 0], raw[:, 1], meta)
-        self.pools[key] = p
+        if p is None:
+            sp, i = self.slot_pool(fmt), self.stack.index[layer]
+            p = self.pools[key] = _LayerPool(sp.spec, *sp.layer(i), {n: t[i] for n, t in sp.meta.items()})
         return p
 
     def layer_format(self, layer: str, fmt: Format) -> Format:
@@ -273,7 +271,6 @@ class WorkerStore:
                 kv.index_fill_(0, ids, 0)
         for rid in plan.dropped:
             self.remap.pop(rid, None)
-            self.sources.pop(rid, None)
             self.replaced.pop(rid, None)
             self.token_importance.pop(rid, None)
             self.recent_queries.drop(rid)
@@ -290,16 +287,22 @@ class WorkerStore:
         by_fmt: dict[tuple[str, Format], list[CompressAction]] = {}
         for a in plan.actions:
             by_fmt.setdefault((a.fmt, self._current_format(a)), []).append(a)
+        tables = self._step_tables(by_fmt)
         for (name, from_fmt), acts in by_fmt.items():
             fmt = Format.parse(name)
             t0 = time.perf_counter()
             try:
-                acts = self._probe(fmt, from_fmt, acts)
+                planned = acts
+                acts = self._probe(fmt, from_fmt, acts, tables.get((name, from_fmt)))
                 t1 = time.perf_counter()
                 self.report.probe_seconds += t1 - t0
                 t0 = t1
                 if acts:
-                    self._compress(fmt, from_fmt, acts)
+                    table = tables[(name, from_fmt)]
+                    if len(acts) != len(planned):  # the probe refused some: their rows leave the table
+                        kept = {a.action_id for a in acts}
+                        table = table[_upload([i for i, a in enumerate(planned) if a.action_id in kept], table.device)]
+                    self._compress(fmt, from_fmt, acts, table)
             except Exception as e:  # a failure must never fail a request: keep the blocks hot
                 self.report.kernel_seconds += time.perf_counter() - t0
                 self.report.failed.extend(a.action_id for a in acts)
@@ -312,7 +315,6 @@ class WorkerStore:
                 if old is not None and not from_fmt.is_hot:
                     self.replaced.setdefault(a.req_id, {})[a.index] = (a.action_id, old)
                 blocks[a.index] = (stored, a.dst, a.slot)
-                self.sources.setdefault(a.req_id, {})[a.index] = a.src
             self.report.kernel_seconds += time.perf_counter() - t0
             self.report.ok.extend(a.action_id for a in acts)
 
@@ -333,7 +335,6 @@ class WorkerStore:
             before = self.replaced.get(a.req_id, {}).pop(a.index, None)
             if a.from_fmt == HOT.name:
                 del blocks[a.index]
-                self.sources.get(a.req_id, {}).pop(a.index, None)
                 continue
             # A recompression: the old slot was not touched (a new slot is always another one).
             if before is None or before[0] != a.action_id or before[1][1:] != (a.from_dst, a.from_slot):
@@ -355,12 +356,13 @@ class WorkerStore:
         hit = self.remap.get(a.req_id, {}).get(a.index)
         return hit[0] if hit is not None else Format.parse(a.from_fmt)
 
-    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> list[CompressAction]:
+    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction],
+               table: torch.Tensor | None = None) -> list[CompressAction]:
         """The compression-time probe (`worker_probe`): the actions within the error bound; the
         refused ones and every measurement go into the report."""
         if self.policy is None or not self.policy.probes.compression.enabled:
             return acts
-        out = check_batch(self, fmt, from_fmt, acts, self.policy.probes.compression)
+        out = check_batch(self, fmt, from_fmt, acts, self.policy.probes.compression, table)
         # The report counts blocks by action id, so that the ranks' counts merge into the engine's
         # (`merge_reports`). Measured = accepted + refused, unless nothing was measured (no observed
         # layer: all accepted); a verdict in the action's own format is a deferral, not a refusal
@@ -376,52 +378,113 @@ class WorkerStore:
         self.report.probe_refused_ids.extend(refused)
         return out.accepted
 
-    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _step_tables(self, groups: dict[tuple[str, Format], list[CompressAction]]
+                     ) -> dict[tuple[str, Format], torch.Tensor]:
+        """Each group's action table, long [A, 3] on the device: the source page (hot blocks), the
+        source slot row (`from_dst * r + from_slot`, recompressions) and the destination slot row
+        (`dst * r + slot`) of every action, in the group's order. Built on the host and sent in one
+        (pinned, non-blocking) copy for the whole step: no op of the step builds an index per layer."""
+        rows: list[list[int]] = []
+        for (name, from_fmt), acts in groups.items():
+            r, r_from = Format.parse(name).pack_ratio, from_fmt.pack_ratio
+            rows.extend([a.src, a.from_dst * r_from + a.from_slot, a.dst * r + a.slot] for a in acts)
+        if not rows or self.device is None:
+            return {}
+        table = _upload(rows, self.device)
+        out, at = {}, 0
+        for key, acts in groups.items():
+            out[key] = table[at:at + len(acts)]
+            at += len(acts)
+        return out
+
+    def _layer_groups(self, from_fmt: Format, to_fmt: Format, layers: list[str] | None = None
+                      ) -> dict[tuple[Format, Format], tuple[int, ...]]:
+        """Stack rows of `layers` (default all) grouped by what they store: (source, target) after
+        `layer_overrides`. Without overrides, one group of every layer."""
+        out: dict[tuple[Format, Format], list[int]] = {}
+        for name in layers if layers is not None else self.stack.names:
+            key = (self.layer_format(name, from_fmt), self.layer_format(name, to_fmt))
+            out.setdefault(key, []).append(self.stack.index[name])
+        return {k: tuple(v) for k, v in out.items()}
+
+    def _read_rows(self, rows: tuple[int, ...], src_l: Format, table: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The table's blocks in stack rows `rows` as they are now, layer-major: k, v [R * A, T, H, D]
+        and, when the source slots hold reduced tokens, their log-counts [R * A, T, H]; else None."""
+        if src_l.is_hot:
+            kv = self.stack.layers[rows[0]]
+            k, v = self.page_layout(kv).split_pages(self.stack.pages(rows, table[:, 0]))
+            return k.contiguous(), v.contiguous(), None
+        k, v, counts = self._decompress_rows(rows, src_l, table[:, 1])
+        return k, v, (counts if src_l.reduction is not None else None)
+
+    def _decompress_rows(self, rows: tuple[int, ...], fmt: Format, idx: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decompress slot rows `idx` (long [A], device) of stored format `fmt` in stack rows
+        `rows`, layer-major: k_hat, v_hat [R * A, C, H, D] in the cache dtype and log-counts."""
+        sp = self.slot_pool(fmt)
+        spec = sp.spec
+        kdt, vdt = self.dtypes[fmt]
+        k8, v8, meta = self.stack.gather(sp, rows, idx)
+        cb = CompressedBlocks(fmt, k8.view(kdt), v8.view(vdt), head_dim=spec.head_dim,
+                              dtype=self.stack.layers[0].dtype, group_size=spec.group_size,
+                              source_tokens=spec.block_size, **meta)
+        return decompress_blocks(cb, backend=_kernels(k8))
+
+    def compress_read(self, src_l: Format, dst_l: Format, k: torch.Tensor, v: torch.Tensor,
+                      counts: torch.Tensor | None, acts: list[CompressAction]) -> CompressedBlocks:
+        """Compress blocks as `_read_rows` / `read_current` returned them (the actions' blocks in
+        one or more layers, layer-major) from stored format `src_l` into `dst_l`: the one compress
+        call of the executor and the probe."""
+        b = self.stack.layers[0].shape[2]
+        imp = None
+        if dst_l.reduction is not None:
+            # A reduced block's rows are no longer token positions: uniform importance (the
+            # counts still weight the merge), as its per-token history cannot be mapped to them.
+            if counts is not None:
+                imp = torch.ones(counts.shape, device=k.device)
+            else:  # the same per-token importance in every layer
+                imp = self.importance_of(acts, b, k.shape[2]).to(k.device).repeat(k.shape[0] // len(acts), 1, 1)
+        # Only centroids stand for several tokens (sparse rows are one token each): said here, so
+        # compress_blocks need not read the counts back to find out (a sync on a GPU).
+        merged = src_l.reduction == "cluster"
+        return compress_blocks(dst_l, k, v, token_importance=imp, group_size=self.group_for(dst_l),
+                               backend=_kernels(k), log_count=counts if merged else None, source_tokens=b,
+                               check_values=checks_values(), rows_merged=merged if counts is not None else None)
+
+    def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction],
+                     table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The actions' blocks in `layer` as they are now: k, v [N, T, H, D] (bf16 pages, or the
         current slots of a recompression) and, when those slots hold reduced (sparse or merged)
-        tokens, their log-counts [N, T, H] (a merge weighs centroids by them); else None."""
-        kv = self.kv_caches[layer]
-        if from_fmt.is_hot:
-            src = torch.tensor([a.src for a in acts], dtype=torch.long, device=kv.device)
-            k, v = self.page_layout(kv).read_blocks(kv, src)
-            return k.contiguous(), v.contiguous(), None
-        dst = torch.tensor([a.from_dst for a in acts], dtype=torch.long, device=kv.device)
-        slot = torch.tensor([a.from_slot for a in acts], dtype=torch.long, device=kv.device)
-        k, v, counts = self.read_with_counts(layer, from_fmt, dst, slot)
-        return k, v, (counts if self.layer_format(layer, from_fmt).reduction is not None else None)
+        tokens, their log-counts [N, T, H] (a merge weighs centroids by them); else None.
+        `table`: the actions' rows of the step table, if the caller has them (else built here)."""
+        if table is None:
+            r_from = from_fmt.pack_ratio
+            rows = [[a.src, a.from_dst * r_from + a.from_slot, -1] for a in acts]
+            table = _upload(rows, self.kv_caches[layer].device)
+        return self._read_rows((self.stack.index[layer],), self.layer_format(layer, from_fmt), table)
 
-    def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
+    def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], table: torch.Tensor) -> None:
+        """Compress the actions' blocks in every layer, one batched call per (source, target)
+        stored-format group of layers (one group without `layer_overrides`), then write every
+        slot of every layer; `table` is the actions' rows of the step table (`_step_tables`)."""
         self.faults.check()
-        dev = next(iter(self.kv_caches.values())).device
-        r = fmt.pack_ratio
-        slots = torch.tensor([a.dst * r + a.slot for a in acts], dtype=torch.long, device=dev)
-        staged: list[tuple[_LayerPool, CompressedBlocks]] = []
         now = self.formats.current(fmt)  # new blocks use the latest override table
-        for layer, kv in self.kv_caches.items():
-            _n, h, b, _d = self.geometry(layer)
+        staged: list[tuple[tuple[int, ...], SlotPool, CompressedBlocks]] = []
+        for (src_l, dst_l), rows in self._layer_groups(from_fmt, now).items():
             # A recompression starts from the current slot (its loss is kept, not undone).
-            fmt_l = self.layer_format(layer, now)
-            if not from_fmt.is_hot and not recompressible(self.layer_format(layer, from_fmt), fmt_l):
-                raise ValueError(f"cannot recompress {self.layer_format(layer, from_fmt)} into {fmt_l} "
-                                 "(proxima.formats.recompressible)")
-            k, v, counts = self.read_current(layer, from_fmt, acts)  # [N, T, H, D]
-            imp = None
-            if fmt_l.reduction is not None:
-                # A reduced block's rows are no longer token positions: uniform importance (the
-                # counts still weight the merge), as its per-token history cannot be mapped to them.
-                imp = (self.importance_of(acts, b, h) if counts is None else torch.ones(counts.shape)).to(kv.device)
-            cb = compress_blocks(fmt_l, k, v, token_importance=imp, group_size=self.group_for(fmt_l),
-                                 backend=_kernels(kv), log_count=counts, source_tokens=b)
-            staged.append((self.pool(layer, fmt_l), cb))
+            if not src_l.is_hot and not recompressible(src_l, dst_l):
+                raise ValueError(f"cannot recompress {src_l} into {dst_l} (proxima.formats.recompressible)")
+            k, v, counts = self._read_rows(rows, src_l, table)  # [R * A, T, H, D]
+            staged.append((rows, self.slot_pool(dst_l), self.compress_read(src_l, dst_l, k, v, counts, acts)))
         # Writes happen only after every layer compressed: a failure above leaves no partial slot.
-        for p, cb in staged:
-            self.dtypes[p.spec.fmt] = (cb.k_data.dtype, cb.v_data.dtype)
-            p.k[slots] = (
-                cb.k_data.contiguous().view(torch.uint8).reshape(len(slots), *p.k.shape[1:]))
-            p.v[slots] = cb.v_data.contiguous().view(torch.uint8).reshape(len(slots), *p.v.shape[1:])
-            for name, t in p.meta.items():
-                t[slots] = getattr(cb, name).to(t.dtype)
+        idx = table[:, 2]
+        for rows, sp, cb in staged:
+            self.dtypes[sp.spec.fmt] = (cb.k_data.dtype, cb.v_data.dtype)
+            shape = (cb.k_data.shape[0], *sp.layer(0)[0].shape[1:])
+            meta = {name: getattr(cb, name) for name in sp.meta}
+            self.stack.scatter(sp, rows, idx, cb.k_data.contiguous().view(torch.uint8).reshape(shape),
+                               cb.v_data.contiguous().view(torch.uint8).reshape(shape), meta)
 
     @property
     def device(self) -> torch.device | None:
@@ -501,14 +564,14 @@ class WorkerStore:
 
         `fmt` is the format the scheduler chose; this layer's substitute (if any) is read."""
         fmt = self.layer_format(layer, fmt)
-        p = self.pool(layer, fmt)
-        idx = (dst * fmt.pack_ratio + slot).to(p.k.device)
-        spec = p.spec
-        kdt, vdt = self.dtypes[fmt]
-        cb = CompressedBlocks(
-            fmt, p.k.index_select(0, idx).view(kdt), p.v.index_select(0, idx).view(vdt), head_dim=spec.head_dim,
-            dtype=self.kv_caches[layer].dtype, group_size=spec.group_size, source_tokens=spec.block_size,
-            **{name: t.index_select(0, idx) for name, t in p.meta.items()},
-        )
-        return decompress_blocks(cb, backend=_kernels(p.k))
+        idx = (dst * fmt.pack_ratio + slot).to(self.kv_caches[layer].device)
+        return self._decompress_rows((self.stack.index[layer],), fmt, idx)
 
+
+def _upload(rows: list[list[int]] | list[int], device: torch.device) -> torch.Tensor:
+    """A host-built index table on `device`: one pinned, non-blocking copy on a GPU (the only host
+    to device transfer a step's compression makes; the stream orders it before its readers)."""
+    host = torch.tensor(rows, dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,191 @@
+"""Count what one piece of product code dispatches: torch ops, kernel launches, would-be GPU syncs.
+
+`OpCounter` is a context manager around the code to measure (it runs the code itself, never a
+copy of it):
+
+- every aten op that reaches torch's dispatcher is counted (`TorchDispatchMode`, so views and
+  in-place ops count too, as each is a dispatch and, on a GPU, most are a launch);
+- Triton launches are counted by wrapping `JITFunction.run` (what `kernel[grid](...)` calls);
+  work in another runtime counts as launches too: the numba kernels of
+  `worker/cpu_kernels.py` are wrapped the same way;
+- *would-be syncs* are the ops that, with the same tensors on a GPU, wait for the device or send
+  a host tensor to it: reading a value back (`.item()`, `bool(t)`, `int(t)`: all
+  `aten._local_scalar_dense`; `.tolist()`, `.numpy()`, `.cpu()`, wrapped as they do not
+  dispatch on CPU), ops whose output size depends on values (`nonzero`, boolean-mask indexing,
+  `unique`, `masked_select`, `repeat_interleave` without an output size), whole-tensor
+  comparisons returning a Python bool (`equal`, `is_nonzero`), and tensors built from Python data
+  (`torch.tensor(list)`: `aten.lift_fresh`), which on a GPU is a blocking host-to-device copy.
+
+What the CPU count cannot see: a tensor made on the host (`torch.ones(...)`) then moved with
+`.to(cuda)` is a no-op on CPU. The GPU run (`torch.cuda.set_sync_debug_mode("error")`) catches
+those; `bench/step_ops.py --device cuda` runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_OPS = frozenset({
+    "aten._local_scalar_dense",  # .item(), bool(t), int(t), float(t), .tolist()
+    "aten.nonzero", "aten.nonzero_static", "aten.argwhere",
+    "aten.masked_select", "aten.unique", "aten._unique", "aten._unique2", "aten.unique_dim",
+    "aten.unique_consecutive", "aten.equal", "aten.is_nonzero",
+    "aten.lift_fresh", "aten.lift_fresh_copy",  # torch.tensor(python data): host -> device
+})
+"""Packet names (overload stripped) of the ops that would synchronise with a GPU."""
+
+
+def _packet(func: Any) -> str:
+    name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+    return name if name.startswith("aten.") else f"aten.{name}"
+
+
+def _is_sync(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    name = _packet(func)
+    if name in SYNC_OPS:
+        return True
+    if name in ("aten.index", "aten.index_put", "aten.index_put_"):
+        # A boolean mask as an index has a value-dependent size (a hidden nonzero).
+        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (idx or ()))
+    if name == "aten.repeat_interleave":
+        return kwargs.get("output_size") is None
+    return False
+
+
+@dataclass
+class Counts:
+    ops: Counter[str] = field(default_factory=Counter)
+    """aten op packet -> dispatches."""
+    launches: Counter[str] = field(default_factory=Counter)
+    """Triton / numba kernel -> launches."""
+    syncs: Counter[str] = field(default_factory=Counter)
+    """aten op packet -> would-be syncs."""
+
+    @property
+    def total_ops(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def total_launches(self) -> int:
+        return sum(self.launches.values())
+
+    @property
+    def total_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+
+class _DispatchCounter(TorchDispatchMode):
+    def __init__(self, counts: Counts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = _packet(func)
+        self.counts.ops[name] += 1
+        if _is_sync(func, args, kwargs):
+            self.counts.syncs[name] += 1
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _wrapped(owner: Any, attr: str, on_call: Callable[[Any], None]) -> Iterator[None]:
+    original = getattr(owner, attr)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        on_call(args[0] if args else None)
+        return original(*args, **kwargs)
+
+    setattr(owner, attr, counted)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
+
+
+def _launch_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # no Triton: nothing can launch through it
+        pass
+    else:
+        def triton_launch(fn: Any) -> None:
+            counts.launches[f"triton:{getattr(fn, '__name__', fn)}"] += 1
+
+        stack.enter_context(_wrapped(JITFunction, "run", triton_launch))
+    try:
+        from proxima.integration.vllm.worker import cpu_kernels
+    except ImportError:  # no numba
+        return
+    for name in dir(cpu_kernels):
+        obj = getattr(cpu_kernels, name)
+        if type(obj).__name__.endswith("Dispatcher") and not name.startswith("_"):
+            def numba_launch(_: Any, name: str = name) -> None:
+                counts.launches[f"numba:{name}"] += 1
+
+            stack.enter_context(_wrapped(cpu_kernels, name, numba_launch))
+
+
+HOST_READS = ("tolist", "numpy", "cpu")
+"""Tensor methods that read a tensor back to the host. On a CPU tensor they return without a
+dispatch (`.tolist()` reads memory directly, `.cpu()` returns the tensor), so they are wrapped.
+A tensor that `.cpu()` returned is on the host: reading it again is not counted."""
+
+
+def _host_read_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
+    # id -> weak reference (identity, not tensor equality; a dead entry's id may be reused). On CPU
+    # `.cpu()` returns the tensor itself, which is then taken as the host copy a GPU would return.
+    on_host: dict[int, weakref.ref[torch.Tensor]] = {}
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def host_read(self: torch.Tensor, *args: Any, name: str = name, original: Any = original,
+                      **kwargs: Any) -> Any:
+            known = on_host.get(id(self))
+            if known is None or known() is not self:
+                counts.syncs[f"Tensor.{name}"] += 1
+            out = original(self, *args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                on_host[id(out)] = weakref.ref(out)
+            return out
+
+        stack.enter_context(_patched(torch.Tensor, name, host_read))
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, attr: str, replacement: Any) -> Iterator[None]:
+    original = getattr(owner, attr)
+    setattr(owner, attr, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
+
+
+class OpCounter:
+    """`with OpCounter() as c: run(...)`, then `c.counts`."""
+
+    def __init__(self) -> None:
+        self.counts = Counts()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> OpCounter:
+        _launch_hooks(self._stack, self.counts)
+        _host_read_hooks(self._stack, self.counts)
+        self._stack.enter_context(_DispatchCounter(self.counts))
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stack.close()

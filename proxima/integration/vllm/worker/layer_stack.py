@@ -1,0 +1,177 @@
+"""Every KV layer as one tensor, so a step's compression reads and writes all layers in one op.
+
+vLLM 0.32 allocates the KV cache once and views it per layer (`vllm.v1.worker.utils.
+allocate_kv_cache`: layer l of a block at `offset + l * layer_stride`). When the per-layer
+tensors are such views (same shape, strides, dtype and storage, evenly spaced offsets, each
+layer contiguous), `LayerStack.kv` is one strided `[L, N, H, B, 2D]` view over them, built once
+at registration: reading the sources of a step's blocks in every layer is one `index_select`,
+writing the compressed slots one `index_copy_` per tensor. Caches that are not such views
+(stores built by hand in tests, other allocators) fall back to one op per layer, with the same
+results.
+
+A `SlotPool` is the compressed slots of one stored format in every layer: the byte views of the
+KV tensor (`[L, n * r, C, H, P]` uint8, or one such view per layer without a stack) and the
+side table (`[L, n * r, ...]` per metadata field, allocated here, for all layers at once). It is
+the one slot-pool view: the attention backends read a layer of it (`WorkerStore.pool`), the
+executor writes all layers of it, and `compression.layout` tests certify these bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from proxima.compression.spec import SlotSpec
+
+META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def stack_view(layers: list[torch.Tensor]) -> torch.Tensor | None:
+    """One `[L, *shape]` view of `layers` (in this order) when they are evenly spaced contiguous
+    views of one storage; else None."""
+    first = layers[0]
+    if not first.is_contiguous():
+        return None
+    base = first.untyped_storage().data_ptr()
+    for t in layers:
+        if (t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+                or t.device != first.device or t.untyped_storage().data_ptr() != base):
+            return None
+    offsets = [t.storage_offset() for t in layers]
+    step = offsets[1] - offsets[0] if len(layers) > 1 else first.numel()
+    # Layers may interleave only if they never overlap: a step under one layer's extent would.
+    if step < first.numel() or any(b - a != step for a, b in itertools.pairwise(offsets)):
+        return None
+    return torch.as_strided(first, (len(layers), *first.shape), (step, *first.stride()), offsets[0])
+
+
+@dataclass
+class SlotPool:
+    """The slots of one stored format in every layer (see the module docstring)."""
+
+    spec: SlotSpec
+    meta: dict[str, torch.Tensor] = field(default_factory=dict)
+    """name -> [L, n * r, ...] side table (CompressedBlocks' shapes, heads second after the slot)."""
+    k_all: torch.Tensor | None = None
+    """[L, n * r, C, H, P] uint8 view into vLLM's KV tensor over every layer when the caches
+    stack; else None and `k_layers` holds one such view per layer."""
+    v_all: torch.Tensor | None = None
+    k_layers: list[torch.Tensor] = field(default_factory=list)
+    v_layers: list[torch.Tensor] = field(default_factory=list)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of stack row i: [n * r, C, H, P] uint8 each."""
+        if self.k_all is not None and self.v_all is not None:
+            return self.k_all[i], self.v_all[i]
+        return self.k_layers[i], self.v_layers[i]
+
+
+class LayerStack:
+    """The worker's KV layers in stack order, and their pools per stored format."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        named = list(kv_caches.items())
+        # Stack order is storage order (vLLM's allocation order); dict order when they do not stack.
+        by_offset = sorted(named, key=lambda nt: nt[1].storage_offset())
+        kv = stack_view([t for _, t in by_offset]) if named else None
+        order = by_offset if kv is not None else named
+        self.names = [n for n, _ in order]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.layers = [t for _, t in order]
+        self.kv = kv
+        """[L, N, H, B, 2D] over every layer, or None (then `layers` one by one)."""
+        self.pools: dict[object, SlotPool] = {}
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}
+        self.meta_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def rows(self, layers: tuple[int, ...]) -> torch.Tensor | None:
+        """Device tensor of stack rows (built once per distinct set); None for all layers in order."""
+        if layers == tuple(range(len(self))):
+            return None
+        t = self._rows.get(layers)
+        if t is None:
+            t = self._rows[layers] = torch.tensor(layers, dtype=torch.long, device=self.layers[0].device)
+        return t
+
+    # --- bf16 pages -----------------------------------------------------------------------------
+
+    def pages(self, layers: tuple[int, ...], blocks: torch.Tensor) -> torch.Tensor:
+        """[len(layers) * A, H, 2BD] pages of `blocks` (long [A], device) in those layers, layer-major."""
+        n, h = self.layers[0].shape[:2]
+        if self.kv is not None:
+            allp = self.kv.view(len(self), n, h, -1)
+            rows = self.rows(layers)
+            sel = allp.index_select(1, blocks) if rows is None else allp[rows.view(-1, 1), blocks.view(1, -1)]
+            return sel.reshape(-1, h, sel.shape[-1])
+        return torch.cat([self.layers[i].view(n, h, -1).index_select(0, blocks) for i in layers])
+
+    # --- compressed slots -----------------------------------------------------------------------
+
+    def pool(self, key: object, spec: SlotSpec) -> SlotPool:
+        """The pool of the stored format `key` (its `SlotSpec` is the same in every layer)."""
+        p = self.pools.get(key)
+        if p is not None:
+            return p
+        first = self.layers[0]
+        n, h = first.shape[:2]
+        r, c = spec.fmt.pack_ratio, spec.slot_tokens
+        p = SlotPool(spec)
+        if self.kv is not None:
+            raw_all = self.kv.view(torch.uint8).view(len(self), n * r, 2, c, h, -1)
+            p.k_all, p.v_all = raw_all[:, :, 0], raw_all[:, :, 1]
+        for t in self.layers if self.kv is None else ():
+            raw = t.view(torch.uint8).view(n * r, 2, c, h, -1)
+            p.k_layers.append(raw[:, 0])
+            p.v_layers.append(raw[:, 1])
+        for f in spec.meta_fields():
+            # MetaField shapes exclude the slot and head axes; CompressedBlocks puts heads second.
+            shape = (len(self), n * r, f.shape[0], h, *f.shape[1:])
+            t = p.meta[f.name] = torch.empty(shape, dtype=META_DTYPES[f.dtype], device=first.device)
+            self.meta_bytes += t.numel() * t.element_size()
+        self.pools[key] = p
+        return p
+
+    def gather(self, p: SlotPool, layers: tuple[int, ...], idx: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Slots `idx` (long [A], device) of those layers, layer-major: k, v [R * A, C, H, P] uint8
+        and each metadata field [R * A, ...]."""
+        rows = self.rows(layers)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            sel = t.index_select(1, idx) if rows is None else t[rows.view(-1, 1), idx.view(1, -1)]
+            return sel.flatten(0, 1)
+
+        meta = {name: take(t) for name, t in p.meta.items()}
+        if p.k_all is not None and p.v_all is not None:
+            return take(p.k_all), take(p.v_all), meta
+        k = torch.cat([p.k_layers[i].index_select(0, idx) for i in layers])
+        v = torch.cat([p.v_layers[i].index_select(0, idx) for i in layers])
+        return k, v, meta
+
+    def scatter(self, p: SlotPool, layers: tuple[int, ...], idx: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, meta: dict[str, torch.Tensor]) -> None:
+        """Write slots `idx` of those layers from layer-major k, v [R * A, C, H, P] uint8 and metadata."""
+        rows = self.rows(layers)
+        a = idx.shape[0]
+
+        def put(t: torch.Tensor, x: torch.Tensor) -> None:
+            x = x.view(len(layers), a, *x.shape[1:])
+            if rows is None:
+                t.index_copy_(1, idx, x)
+            else:
+                t.index_put_((rows.view(-1, 1), idx.view(1, -1)), x)
+
+        for name, t in p.meta.items():
+            put(t, meta[name].to(t.dtype))
+        if p.k_all is not None and p.v_all is not None:
+            put(p.k_all, k)
+            put(p.v_all, v)
+            return
+        for j, i in enumerate(layers):
+            p.k_layers[i].index_copy_(0, idx, k[j * a:(j + 1) * a])
+            p.v_layers[i].index_copy_(0, idx, v[j * a:(j + 1) * a])

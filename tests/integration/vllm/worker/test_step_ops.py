@@ -1,0 +1,111 @@
+"""The structure of one `WorkerStore.apply` (issue 37): what it dispatches does not grow with the
+number of layers, and its compression reads nothing back to the host.
+
+Counted with `bench/op_counter.py` around the product's `apply` (`bench/step_ops.py` builds the
+caches as vLLM 0.32 allocates them: one backing tensor, a view per layer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.op_counter import OpCounter
+from bench.step_ops import Shape, Workload, accepting_probe, stacked_caches, without_probe
+from proxima.formats import Format
+from proxima.integration.vllm.plan import CompressAction, ProximaPlan
+from proxima.integration.vllm.worker.layer_stack import stack_view
+from proxima.integration.vllm.worker.store import WorkerStore
+from proxima.policy.loader import load_policy
+
+SHAPE = dict(heads=1, block_size=16, head_dim=32, blocks=32)
+
+
+def test_the_counter_sees_ops_and_would_be_syncs() -> None:
+    x = torch.arange(6.0)
+    with OpCounter() as c:
+        y = x * 2 + 1
+        _ = y.sum().item()  # a read back
+        _ = torch.tensor([1, 2])  # a host tensor sent to the device
+        _ = y[y > 3]  # boolean mask: a value-dependent size
+        _ = y.tolist()  # no dispatch on CPU, still a read back
+        _ = y.cpu().tolist()  # one read back: the second is of a host tensor
+    assert c.counts.ops["aten.mul"] == 1 and c.counts.ops["aten.add"] == 1
+    assert c.counts.syncs["aten._local_scalar_dense"] == 1
+    assert c.counts.syncs["aten.lift_fresh"] == 1
+    assert c.counts.syncs["aten.index"] == 1 and c.counts.syncs["Tensor.tolist"] == 1
+    assert c.counts.syncs["Tensor.cpu"] == 1
+    with OpCounter() as quiet:
+        _ = x.index_select(0, torch.zeros(2, dtype=torch.long))
+    assert quiet.counts.total_syncs == 0 and quiet.counts.total_ops == 2  # zeros + index_select
+
+
+def test_vllm_layout_caches_stack_into_one_view() -> None:
+    caches = stacked_caches(Shape(layers=3, **SHAPE), "cpu")
+    layers = list(caches.values())
+    kv = stack_view(layers)
+    assert kv is not None and kv.shape == (3, *layers[0].shape)
+    assert all(kv[i].data_ptr() == t.data_ptr() for i, t in enumerate(layers))
+    assert stack_view([t.clone() for t in layers]) is None  # separate allocations: one op per layer
+
+
+def _work(policy: str, layers: int) -> Workload:
+    return Workload(accepting_probe(load_policy(policy)), Shape(layers=layers, **SHAPE), "cpu", per_group=1)
+
+
+@pytest.mark.parametrize("policy", ["conservative", "aggressive"])
+def test_one_apply_dispatches_the_same_at_4_and_8_layers(policy: str) -> None:
+    small, large = _work(policy, 4), _work(policy, 8)
+    assert small.groups == large.groups and len(small.groups) >= 3
+    for g, (src, dst) in enumerate(small.groups):
+        a, b = small.apply_counted(g), large.apply_counted(g)
+        assert (a.total_ops, a.total_launches) == (b.total_ops, b.total_launches), (src, dst, a.ops - b.ops)
+
+
+def test_the_compression_reads_nothing_back() -> None:
+    """Without the probe, a step's only host-to-device transfer is its action table, and nothing
+    is read back; the probe reads its errors back once per group (a known remainder)."""
+    work = Workload(without_probe(load_policy("aggressive")), Shape(layers=4, **SHAPE), "cpu", per_group=2)
+    for g in range(len(work.groups)):
+        counts = work.apply_counted(g)
+        assert dict(counts.syncs) == {"aten.lift_fresh": 1}, (work.groups[g], counts.syncs)
+    # With the probe, every block accepted: one read back per group, its errors (issue 37 item 3
+    # moves it one step later).
+    probed = Workload(accepting_probe(load_policy("aggressive")), Shape(layers=4, **SHAPE), "cpu", per_group=2)
+    for g in range(len(probed.groups)):
+        counts = probed.apply_counted(g)
+        assert dict(counts.syncs) == {"aten.lift_fresh": 1, "Tensor.cpu": 1}, (probed.groups[g], counts.syncs)
+
+
+def test_stacked_and_per_layer_caches_write_the_same_bytes() -> None:
+    """The one-view path (vLLM's allocation) and the per-layer path (separate tensors) compress
+    and write identical slots, first compressions and merges alike."""
+    caches = stacked_caches(Shape(layers=3, **SHAPE), "cpu")
+    separate = {name: t.clone() for name, t in caches.items()}
+    stores = []
+    for cs in (caches, separate):
+        st = WorkerStore()
+        st.register(cs, without_probe(load_policy("aggressive")))
+        stores.append(st)
+    assert stores[0].stack.kv is not None and stores[1].stack.kv is None
+    plans = [
+        [CompressAction(1, "r", 0, src=1, dst=20, slot=0, fmt="int4"),
+         CompressAction(2, "r", 1, src=2, dst=20, slot=1, fmt="int4")],
+        [CompressAction(3, "r", 0, src=-1, dst=21, slot=0, fmt="cluster(2)+int4", from_fmt="int4", from_dst=20,
+                        from_slot=0)],
+        [CompressAction(4, "r", 0, src=-1, dst=22, slot=0, fmt="cluster(8)+int4", from_fmt="cluster(2)+int4",
+                        from_dst=21, from_slot=0)],
+    ]
+    for acts in plans:
+        for st in stores:
+            st.apply(ProximaPlan(actions=acts))
+            rep = st.take_report()
+            assert rep is not None and rep.ok == [a.action_id for a in acts], rep
+    for name in caches:
+        # as bytes: packed codes may read as NaN in bf16
+        assert torch.equal(caches[name].view(torch.uint8), separate[name].view(torch.uint8))
+        written = {"int4": [20 * 4, 20 * 4 + 1], "cluster(2)+int4": [21 * 8], "cluster(8)+int4": [22 * 32]}
+        for fmt, rows in written.items():
+            pa, pb = stores[0].pool(name, Format.parse(fmt)), stores[1].pool(name, Format.parse(fmt))
+            assert pa.meta and set(pa.meta) == set(pb.meta)
+            for field in pa.meta:  # the side tables' written rows (the rest is never-written memory)
+                assert torch.equal(pa.meta[field][rows], pb.meta[field][rows]), (name, fmt, field)

@@ -87,7 +87,8 @@ def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.devi
     p = store.pool(layer, fmt)
     kdt, vdt = store.dtypes[fmt]
     for name, t in p.meta.items():
-        if t.device != device:
+        # `cuda` names the current device, `cuda:0` one in particular: the same memory when the index matches.
+        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
             # Moving the side table every layer and step would cost more than the attention.
             raise RuntimeError(
                 f"proxima: the {fmt} side table ({name}) of {layer} is on {t.device}, the KV cache on {device}; "

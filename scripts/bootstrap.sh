@@ -4,6 +4,21 @@
 # Idempotent: a stamp of pyproject.toml's hash skips the work when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Prometheus: the monitoring test scrapes the API with a real one (tests/api/test_prometheus_grafana.py).
+# Installed before the stamp check, so an existing .venv gets it too; a present binary skips it.
+if ! command -v prometheus >/dev/null 2>&1; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "[proxima] error: prometheus is not installed and apt-get is unavailable here: install" \
+         "Prometheus 2.x (Debian's 'prometheus' package, or the binary on PATH) and rerun" >&2
+    exit 1
+  fi
+  SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
+  echo "[proxima] installing Debian's prometheus package (apt-get)" >&2
+  if ! { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }; then
+    echo "[proxima] error: 'apt-get install prometheus' failed (see above); install it and rerun" >&2
+    exit 1
+  fi
+fi
 VENV=${PROXIMA_VENV:-.venv}
 PY=${PYTHON:-python3}
 stamp="$VENV/.proxima-stamp"

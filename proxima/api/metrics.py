@@ -12,6 +12,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxima.api.backend import BackendStats
 
+COMPRESSION_ERROR_REASONS = ("kernel", "revoke_mismatch", "pool_exhausted")
+"""The `reason` labels of `proxima_engine_compression_errors_total`: the vLLM engine's (`live.py`:
+a failed kernel, a revoke the worker did not match) and the simulator's (no destination slot)."""
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -78,6 +82,11 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        # Every reason an engine reports, at 0 from the start: rate() over a series that appears
+        # only with its first error has no data before it (the dashboard panel reads "No data"
+        # instead of 0, and a first error is invisible to rate() until its second sample).
+        for reason in COMPRESSION_ERROR_REASONS:
+            self.compression_errors.labels(reason=reason)
         self.compression_backoffs = Counter(
             "proxima_engine_compression_backoffs_total",
             "Pauses of a format after a failed compression batch (each failure pauses it longer).",

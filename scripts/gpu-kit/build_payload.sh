@@ -99,11 +99,21 @@ if [ ! -f "$P1C/done" ]; then
   rm -rf "$C/tree" "$C/C_stable.so"
   touch "$P1C/done"
 fi
-rm -rf .gpu/p1 && mkdir -p .gpu/p1
-cp "$P1C/vllm_py.tar.xz" "$P1C/C_stable.so.xz" .gpu/p1/
-cp "$KIT/stage1.sh" .gpu/p1/
+rm -rf .gpu/p0 .gpu/p1 && mkdir -p .gpu/p1
+cp "$P1C/vllm_py.tar.xz" "$KIT/stage1.sh" .gpu/p1/
 echo "$VLLM_VERSION" > .gpu/p1/VLLM_VERSION
-(cd .gpu/p1 && sha256sum vllm_py.tar.xz C_stable.so.xz > SHA256SUMS)
+(cd "$P1C" && sha256sum vllm_py.tar.xz C_stable.so.xz) > .gpu/p1/SHA256SUMS
+if [ $(( $(stat -c%s "$P1C/vllm_py.tar.xz") + $(stat -c%s "$P1C/C_stable.so.xz") )) -gt $(( 56 * 1048576 )) ]; then
+  # Too big for one call with the checkout (0.33's extension: 61 MiB xz'd): its second half goes
+  # in .gpu/p0, carried by call 0 just before call 1 (stage1.sh joins the halves).
+  mkdir -p .gpu/p0
+  split -n 2 -d -a 1 "$P1C/C_stable.so.xz" .gpu/p1/C_stable.so.xz.part
+  mv .gpu/p1/C_stable.so.xz.part1 .gpu/p0/
+  cp "$KIT/stage1.sh" .gpu/p1/SHA256SUMS .gpu/p1/VLLM_VERSION .gpu/p0/
+  say "the extension is split: call 0 carries .gpu/p0, call 1 .gpu/p1 (README, 'vLLM 0.33')"
+else
+  cp "$P1C/C_stable.so.xz" .gpu/p1/
+fi
 
 # ---- p2: dependency wheels, model config + tokenizer, text, env.sh ---------------------------
 # $LOCK: the vLLM version's CPU-side requirements resolved for cp312, minus what the device image
@@ -164,7 +174,7 @@ fi
 # ---- sizes: each device call carries at most 64 MiB, the checkout's own files included ------
 TREE=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 say "done"
-for d in .gpu/p1 .gpu/p2 .gpu/w1 .gpu/w2; do
+for d in .gpu/p0 .gpu/p1 .gpu/p2 .gpu/w1 .gpu/w2; do
   [ -d "$d" ] || continue
   s=$(du -sb "$d" | cut -f1)
   awk -v d="$d" -v s="$s" -v t="$TREE" 'BEGIN { printf "  %-8s %5.1f MiB (+ checkout %.1f MiB = %.1f MiB of 64)\n", d, s/1048576, t/1048576, (s+t)/1048576 }'

@@ -7,6 +7,25 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 T0=$(date +%s); say() { echo "[stage1 +$(( $(date +%s) - T0 ))s] $*"; }
 cd "$HERE"
+# A payload whose extension is too big for one call (vLLM 0.33: 61 MiB xz'd) comes in two chunks:
+# call 0 carries .gpu/p0 (the extension's second half), call 1 .gpu/p1 (the rest); both run this.
+STASH=/tmp/gpu-kit-stash
+if [ -f C_stable.so.xz.part1 ]; then
+  mkdir -p "$STASH" && cp C_stable.so.xz.part1 SHA256SUMS "$STASH/"
+  say "stashed the extension's second half in $STASH: next call at once, carry .gpu/p1, run 'bash .gpu/p1/stage1.sh'"
+  exit 0
+fi
+if [ -f C_stable.so.xz.part0 ]; then
+  if ! { [ -f "$STASH/C_stable.so.xz.part1" ] && cmp -s SHA256SUMS "$STASH/SHA256SUMS"; }; then
+    echo "gpu-kit: ERROR: this payload comes in two chunks: run call 0 first (carry .gpu/p0," \
+         "'bash .gpu/p0/stage1.sh'), then this call at once on the same warm machine" >&2
+    exit 2
+  fi
+  W=/tmp/gpu-kit-p1 && rm -rf "$W" && mkdir -p "$W"
+  cat C_stable.so.xz.part0 "$STASH/C_stable.so.xz.part1" > "$W/C_stable.so.xz"
+  ln -s "$HERE/vllm_py.tar.xz" "$W/vllm_py.tar.xz" && cp SHA256SUMS "$W/"
+  cd "$W"
+fi
 if [ -f /tmp/site/.gpu-kit-p1 ] && cmp -s SHA256SUMS /tmp/site/.gpu-kit-p1; then
   say "/tmp/site already holds this payload"
 else

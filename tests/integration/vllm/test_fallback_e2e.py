@@ -90,9 +90,12 @@ def test_canaries_run_compressed_against_their_reference_and_feed_the_controller
 def test_a_good_policy_never_steps_down(run: dict) -> None:
     """The chance that this fails on a good policy by the drift probe's chance alone is below
     1 in 1,000 runs: each verdict's false-alarm rate is at most its level DRIFT_P_VALUE = 2e-4
-    (exact paired signed-rank tests on per-request values, Bonferroni over log-prob and entropy;
-    measured on windows resampled from a recorded run: `bench/results/drift-false-alarms-cpu.md`,
-    0 of 1,000 at this level), and a run has V <= min(holdout, compressible requests) / 20
+    (exact paired signed-rank tests on per-request values, Bonferroni over log-prob and entropy: a
+    bound that holds when which request lands on which side is random, as here). Windows resampled
+    from a recorded run (`bench/results/drift-false-alarms-cpu.md`, 20 requests a side at 2e-4)
+    agree as far as 1,000 windows can tell: 0 alarms drawing each side from its own requests, 1
+    pooling them (95% upper bound 0.005), and at 0.01 / 0.05 the rates sit at or under the level.
+    A run has V <= min(holdout, compressible requests) / 20
     verdicts, E[V] <= 200 * 0.25 / 20 = 2.5, so P(any false failure) <= 2.5 * 2e-4 = 5e-4.
     (At the previous 10 requests a side and level 0.01, about 2 verdicts a run made it ~2%.)"""
     good = run["runs"]["good"]

@@ -98,8 +98,8 @@ class CacheCompression:
         then name) it can move into whose attention-output error in the observed layer
         (`proxima.observation`) is within the policy's bound (`choose_within_bound`); with none,
         it stays as it is and is marked ineligible. Errors are measured a format at a time over
-        every block still undecided (one batched encode per format, as before the decision was
-        shared)."""
+        every block still undecided (one batched encode per format, not one per block: kernel
+        launches bound a GPU run). `report.rejected` counts refusals, one per refused attempt."""
         report = CompressionReport()
         self._extend_chosen()
         groups: dict[tuple[tuple[Format, ...], Format], list[int]] = {}

@@ -31,7 +31,7 @@ from proxima.compression import blocks, triton_ops
 T, D = 64, 128
 POINTERS = {
     "k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "imp_ptr": "*fp32", "prot_ptr": "*fp32",
-    "ko_ptr": "*bf16", "vo_ptr": "*bf16", "lc_ptr": "*fp32",
+    "ko_ptr": "*bf16", "vo_ptr": "*bf16", "lc_ptr": "*fp32", "cnt_ptr": "*fp32",
 }  # fmt: skip
 
 
@@ -43,7 +43,7 @@ cross-thread reductions and layout conversions)."""
 def profile(centroids: int, maxnreg: int | None) -> dict:
     kern = triton_ops._cluster_kernel
     consts = {
-        "ITERS": blocks.DEFAULT_CLUSTER_ITERS, "HAS_PROT": False, "D": D, "BLOCK_T": T, "BLOCK_D": D,
+        "ITERS": blocks.DEFAULT_CLUSTER_ITERS, "HAS_PROT": False, "COUNTS": False, "D": D, "BLOCK_T": T, "BLOCK_D": D,
         "BLOCK_C": max(16, centroids), "EXACT16": True, "BF16": triton_ops.CLUSTER_BF16, "PRECISION": "tf32",
         "HW_CVT": True,
     }  # fmt: skip

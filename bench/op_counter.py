@@ -5,7 +5,10 @@ copy of it):
 
 - every aten op that reaches torch's dispatcher is counted (`TorchDispatchMode`, so views and
   in-place ops count too, as each is a dispatch and, on a GPU, most are a launch);
-- Triton launches are counted by wrapping `JITFunction.run` (what `kernel[grid](...)` calls);
+- Triton launches are counted by wrapping `JITFunction.run` (what `kernel[grid](...)` calls)
+  and, under TRITON_INTERPRET=1, `InterpretedFunction.run`: what the interpreter itself
+  dispatches to emulate the kernel (host copies of the arguments, its numpy work) is not
+  counted, as a compiled launch does none of it;
   work in another runtime counts as launches too: the numba kernels of
   `worker/cpu_kernels.py` are wrapped the same way;
 - *would-be syncs* are the ops that, with the same tensors on a GPU, wait for the device or send
@@ -70,6 +73,8 @@ class Counts:
     """Triton / numba kernel -> launches."""
     syncs: Counter[str] = field(default_factory=Counter)
     """aten op packet -> would-be syncs."""
+    paused: int = 0
+    """> 0 while an interpreted Triton launch runs: its emulation is not the product's ops."""
 
     @property
     def total_ops(self) -> int:
@@ -92,6 +97,8 @@ class _DispatchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.counts.paused:
+            return func(*args, **kwargs)
         name = _packet(func)
         self.counts.ops[name] += 1
         if _is_sync(func, args, kwargs):
@@ -114,6 +121,26 @@ def _wrapped(owner: Any, attr: str, on_call: Callable[[Any], None]) -> Iterator[
         setattr(owner, attr, original)
 
 
+@contextlib.contextmanager
+def _interpreted_launches(owner: Any, counts: Counts) -> Iterator[None]:
+    """Count each interpreted launch once and pause the op count while the interpreter emulates it."""
+    original = owner.run
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts.launches[f"triton:{getattr(self, '__name__', self)}"] += 1
+        counts.paused += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            counts.paused -= 1
+
+    owner.run = counted
+    try:
+        yield
+    finally:
+        owner.run = original
+
+
 def _launch_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
     try:
         from triton.runtime.jit import JITFunction
@@ -124,6 +151,12 @@ def _launch_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
             counts.launches[f"triton:{getattr(fn, '__name__', fn)}"] += 1
 
         stack.enter_context(_wrapped(JITFunction, "run", triton_launch))
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        pass
+    else:
+        stack.enter_context(_interpreted_launches(InterpretedFunction, counts))
     try:
         from proxima.integration.vllm.worker import cpu_kernels
     except ImportError:  # no numba
@@ -153,7 +186,9 @@ def _host_read_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
         def host_read(self: torch.Tensor, *args: Any, name: str = name, original: Any = original,
                       **kwargs: Any) -> Any:
             known = on_host.get(id(self))
-            if known is None or known() is not self:
+            if counts.paused:
+                pass  # the interpreter copying a launch's arguments, not the product reading back
+            elif known is None or known() is not self:
                 counts.syncs[f"Tensor.{name}"] += 1
             out = original(self, *args, **kwargs)
             if isinstance(out, torch.Tensor):

@@ -8,7 +8,9 @@ group's source format (not counted), then one `apply` per group runs under `OpCo
 product's code runs, nothing is copied. Issue 37's target: the same count at both layer counts,
 <= 64 ops + launches per group, no would-be sync.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/step_ops.py                      # CPU, writes step-ops-cpu
+    PYTHONPATH=$PWD .venv/bin/python bench/step_ops.py --name step-ops-cpu  # CPU, torch reference
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD .venv/bin/python bench/step_ops.py --kernels triton \
+        --name step-ops-cpu-triton                                           # CPU, the Triton kernels
     PYTHONPATH=$PWD python bench/step_ops.py --device cuda --layers 32 --heads 8 --block-size 32 \
         --head-dim 128 --name step-ops-h200                                  # the 8B shape, on a GPU
 
@@ -22,11 +24,12 @@ import argparse
 import copy
 import itertools
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -105,8 +108,10 @@ class _Slots:
 class Workload:
     """A store over stacked caches and, per group, one plan of `per_group` actions ready to apply."""
 
-    def __init__(self, policy: Policy, shape: Shape, device: str, per_group: int) -> None:
+    def __init__(self, policy: Policy, shape: Shape, device: str, per_group: int,
+                 kernels: Literal["torch", "triton"] = "torch") -> None:
         self.store = WorkerStore()
+        self.store.cpu_kernels = kernels  # (CUDA always runs the Triton kernels)
         self.caches = stacked_caches(shape, device)
         self.store.register(self.caches, policy)
         self.store.adopt(policy, 1)
@@ -214,16 +219,18 @@ def without_probe(policy: Policy) -> Policy:
     return policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": probe})})
 
 
-def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: bool = True) -> list[dict[str, Any]]:
+def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: bool = True,
+            kernels: Literal["torch", "triton"] = "torch") -> list[dict[str, Any]]:
     policy = load_policy(policy_name)
-    work = Workload(accepting_probe(policy) if probe else without_probe(policy), shape, device, per_group)
+    work = Workload(accepting_probe(policy) if probe else without_probe(policy), shape, device, per_group, kernels)
     rows = []
     for g, (src, dst) in enumerate(work.groups):
         if device == "cuda":
             work.apply(g)  # compile and autotune outside the count
         counts = work.apply_counted(g)
         row: dict[str, Any] = {
-            "policy": policy_name, "probe": probe, "layers": shape.layers, "group": f"{src.name}->{dst.name}",
+            "policy": policy_name, "probe": probe, "kernels": "triton" if device == "cuda" else kernels,
+            "layers": shape.layers, "group": f"{src.name}->{dst.name}",
             "actions": per_group, "ops": counts.total_ops, "launches": counts.total_launches,
             "syncs": counts.total_syncs, "sync_ops": dict(counts.syncs),
             "top_ops": dict(counts.ops.most_common(8)),
@@ -236,12 +243,13 @@ def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: 
 
 def table(rows: list[dict[str, Any]]) -> str:
     cuda = any("cuda_ms" in r for r in rows)
-    head = "| policy | probe | group | layers | actions | torch ops | launches | would-be syncs |"
+    head = "| policy | probe | kernels | group | layers | actions | torch ops | launches | would-be syncs |"
     head += " CUDA ms | CUDA kernels | sync check |" if cuda else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         probe = "on" if r["probe"] else "off"
-        line = (f"| {r['policy']} | {probe} | {r['group']} | {r['layers']} | {r['actions']} | {r['ops']} | "
+        line = (f"| {r['policy']} | {probe} | {r.get('kernels', 'torch')} | {r['group']} | {r['layers']} | "
+                f"{r['actions']} | {r['ops']} | "
                 f"{r['launches']} | {r['syncs']} |")
         if cuda:
             line += f" {r['cuda_ms']:.2f} | {r['cuda_kernels']} | {r['sync_error'] or 'ok'} |"
@@ -261,14 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-group", type=int, default=2, help="actions per group")
     ap.add_argument("--probe", choices=["on", "off", "both"], default="both",
                     help="the compression-time probe: on (every block accepted), off, or a row of each")
+    ap.add_argument("--kernels", choices=["torch", "triton"], default="torch",
+                    help="compression kernels on CPU: the torch reference, or Triton (needs TRITON_INTERPRET=1)")
     ap.add_argument("--name", default=None, help="write bench/results/NAME.{json,md}")
     args = ap.parse_args(argv)
+    if args.device == "cpu" and args.kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--kernels triton on CPU runs the Triton interpreter: set TRITON_INTERPRET=1 before starting")
     rows = []
     for name in args.policies:
         for layers in args.layers:
             shape = Shape(layers, args.heads, args.block_size, args.head_dim, args.blocks)
             for probe in ([True, False] if args.probe == "both" else [args.probe == "on"]):
-                rows.extend(measure(name, shape, args.device, args.per_group, probe))
+                rows.extend(measure(name, shape, args.device, args.per_group, probe, args.kernels))
     md = table(rows)
     print(md)
     if args.name:

@@ -1,7 +1,7 @@
 """Compress and decompress KV blocks: the public entry points and the `CompressedBlocks` record.
 
 Every op exists twice with identical semantics: a torch reference (`reference.py`) and a Triton
-kernel (`triton_ops.py`). `backend="auto"` picks Triton for CUDA tensors and the reference
+kernel (`kernels/`, imported through `triton_ops.py`). `backend="auto"` picks Triton for CUDA tensors and the reference
 otherwise; "triton" forces Triton (the interpreter on CPU when TRITON_INTERPRET=1); "torch"
 forces the reference.
 """
@@ -215,11 +215,18 @@ def compress_blocks(
         if fmt.reduction == "cluster":
             out.log_count = torch.zeros(n, t, h, device=k.device) if log_count is None else log_count.float()
     elif fmt.reduction == "cluster" and counts is not None:
-        # Re-merging rows that stand for several tokens (or none): the reference takes the counts.
+        # Re-merging rows that stand for several tokens (or none): weights carry the counts, empty
+        # rows (count 0) rank last, and the new counts are sums of the old (same rule both backends).
         w = imp.float().clamp_min(1e-6) * counts
-        ranks = ref.token_ranks(torch.where(counts > 0, imp.float(), torch.full_like(w, -1.0)), protected)
-        kc, vc, out.log_count, _ = ref.cluster(k, v, w, ranks, keep, cluster_iters, counts=counts)
-        kr, vr = kc.to(k.dtype), vc.to(k.dtype)
+        rank_imp = torch.where(counts > 0, imp.float(), torch.full_like(w, -1.0))
+        if tri:
+            kr, vr, out.log_count = ops.cluster(
+                k, v, w, protected, keep, cluster_iters, importance=rank_imp, out_dtype=k.dtype, counts=counts
+            )
+        else:
+            ranks = ref.token_ranks(rank_imp, protected)
+            kc, vc, out.log_count, _ = ref.cluster(k, v, w, ranks, keep, cluster_iters, counts=counts)
+            kr, vr = kc.to(k.dtype), vc.to(k.dtype)
     elif fmt.reduction == "sparse":
         if tri:
             kr, vr, out.token_index = ops.sparsify(k, v, imp, protected, keep)

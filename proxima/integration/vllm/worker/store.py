@@ -62,9 +62,10 @@ def layer_index(name: str, position: int) -> int:
     return int(m[1]) if m else position
 
 
-def _kernels(t: torch.Tensor) -> Literal["torch", "auto"]:
-    """Proxima's Triton kernels on a GPU; on CPU the torch reference (Triton there is the interpreter)."""
-    return "auto" if t.is_cuda else "torch"
+def _kernels(t: torch.Tensor, cpu: Literal["torch", "triton"] = "torch") -> Literal["torch", "triton", "auto"]:
+    """Proxima's Triton kernels on a GPU; on CPU the torch reference (Triton there is the
+    interpreter), unless `cpu` asks for the Triton kernels (`WorkerStore.cpu_kernels`)."""
+    return "auto" if t.is_cuda else cpu
 
 
 @dataclass
@@ -119,6 +120,9 @@ class WorkerStore:
         """The quantization groups of the slots this worker writes (`group_for`): the start-up
         policy's `storage` (set in `register`; fixed while serving, as the slots' layout is)."""
         self.report = ProximaReport()
+        self.cpu_kernels: Literal["torch", "triton"] = "torch"
+        """The compression kernels on a CPU device: the torch reference (serving), or the Triton
+        kernels under TRITON_INTERPRET=1 (benchmarks and tests that count what a GPU would launch)."""
         self.faults = FaultInjector(rank=rank)
         """Tests and benchmarks: failures injected into compression batches (`faults`)."""
         self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
@@ -429,7 +433,7 @@ class WorkerStore:
         cb = CompressedBlocks(fmt, k8.view(kdt), v8.view(vdt), head_dim=spec.head_dim,
                               dtype=self.stack.layers[0].dtype, group_size=spec.group_size,
                               source_tokens=spec.block_size, **meta)
-        return decompress_blocks(cb, backend=_kernels(k8))
+        return decompress_blocks(cb, backend=_kernels(k8, self.cpu_kernels))
 
     def compress_read(self, src_l: Format, dst_l: Format, k: torch.Tensor, v: torch.Tensor,
                       counts: torch.Tensor | None, acts: list[CompressAction]) -> CompressedBlocks:
@@ -449,7 +453,8 @@ class WorkerStore:
         # compress_blocks need not read the counts back to find out (a sync on a GPU).
         merged = src_l.reduction == "cluster"
         return compress_blocks(dst_l, k, v, token_importance=imp, group_size=self.group_for(dst_l),
-                               backend=_kernels(k), log_count=counts if merged else None, source_tokens=b,
+                               backend=_kernels(k, self.cpu_kernels), log_count=counts if merged else None,
+                               source_tokens=b,
                                check_values=checks_values(), rows_merged=merged if counts is not None else None)
 
     def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction],

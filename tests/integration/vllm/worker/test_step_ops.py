@@ -76,6 +76,24 @@ def test_the_compression_reads_nothing_back() -> None:
         assert dict(counts.syncs) == {"aten.lift_fresh": 1, "Tensor.cpu": 1}, (probed.groups[g], counts.syncs)
 
 
+def test_on_the_triton_kernels_a_group_is_a_few_launches_whatever_the_layers() -> None:
+    """The Triton path (`WorkerStore.cpu_kernels`, the interpreter here; CUDA's path): per group,
+    the launches are the format's kernels once for every layer (keys and values quantized: 2;
+    a merge adds the sources' dequantization, 2, and one k-means launch, first merges and
+    recompressions alike), the same at 2 and 4 layers, and nothing is read back."""
+    policy = without_probe(load_policy("aggressive"))
+    works = [Workload(policy, Shape(layers=n, **SHAPE), "cpu", per_group=2, kernels="triton") for n in (2, 4)]
+    expected = {"bf16->int4": 2, "int4->cluster(2)+int4": 5, "cluster(2)+int4->cluster(4)+int4": 5,
+                "cluster(4)+int4->cluster(8)+int4": 5}
+    assert [f"{s.name}->{d.name}" for s, d in works[0].groups] == list(expected)
+    for g, want in enumerate(expected.values()):
+        a, b = (w.apply_counted(g) for w in works)
+        assert (a.total_ops, a.ops, a.launches) == (b.total_ops, b.ops, b.launches), works[0].groups[g]
+        assert a.total_launches == want, (works[0].groups[g], a.launches)
+        assert a.launches["triton:_cluster_kernel"] == (want == 5)
+        assert dict(a.syncs) == {"aten.lift_fresh": 1}, (works[0].groups[g], a.syncs)
+
+
 def test_stacked_and_per_layer_caches_write_the_same_bytes() -> None:
     """The one-view path (vLLM's allocation) and the per-layer path (separate tensors) compress
     and write identical slots, first compressions and merges alike."""

@@ -258,10 +258,74 @@ def mixed_decode(
     )  # fmt: skip
 
 
+@triton.jit
+def _block_importance_kernel(
+    ent_ptr, NB_OUT, lse_ptr,  # [S, NB_OUT, Hq] per-block and [S, Hq] per-row log-sum-exp (natural log)
+    seq_ptr, qsl_ptr, slot_ptr,  # vLLM's seq_lens, query_start_loc, slot_mapping
+    owner_ptr, ent_tab_ptr, NB,  # device block table: owner [N], entries [rows, NB, 2]
+    imp_owner_ptr, imp_ptr,  # importance rows: owner [N], importance [rows, NB, H] float32
+    Hq, H, decay,
+    G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, FOLD_MAX: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    og = tl.arange(0, G_PAD)
+    mg = og < G
+    qh = h * G + og
+    first = tl.load(slot_ptr + tl.load(qsl_ptr + r))
+    key = tl.maximum(first, 0) // BS
+    trow = tl.where(first >= 0, tl.load(owner_ptr + key), 0).to(tl.int64)
+    irow = tl.where(first >= 0, tl.load(imp_owner_ptr + key), 0).to(tl.int64)
+    if irow != 0:  # row 0: padding, or a request that got no importance row
+        lse = tl.load(lse_ptr + r * Hq + qh, mask=mg, other=0.0)
+        seq_len = tl.load(seq_ptr + r)
+        for j in range(0, tl.minimum(tl.cdiv(seq_len, BS), NB_OUT)):
+            ent = tl.load(ent_ptr + (r * NB_OUT + j) * Hq + qh, mask=mg, other=float("-inf"))
+            mass = tl.where(ent > float("-inf"), tl.exp(ent - lse), 0.0)
+            if FOLD_MAX:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+                folded = tl.max(tl.where(mg, mass, float("-inf")), axis=0)
+            else:
+                folded = tl.sum(mass, axis=0) / G
+            old = tl.load(imp_ptr + (irow * NB + j) * H + h)
+            new = tl.where(old != old, folded, decay * old + (1.0 - decay) * folded)  # NaN: first sight
+            code = tl.load(ent_tab_ptr + (trow * NB + j) * 2)
+            tl.store(imp_ptr + (irow * NB + j) * H + h, new, mask=code == 0)
+
+
+def update_block_importance(
+    entry_lse: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor, imp_owner: torch.Tensor,
+    importance: torch.Tensor, *, decay: float, aggregate: str, block_size: int,
+) -> None:
+    """Fold one observed step into the device importance (`DeviceBlockTable.importance`), one launch.
+
+    entry_lse [S, NB_OUT, Hq] and lse [S, Hq]: what `mixed_decode` wrote for the observed layer.
+    Each row's blocks get mass = exp(entry_lse - lse) (as `block_mass`), folded over the KV head's
+    query heads by `aggregate` ("max" or "mean", `observation.fold_heads`), then
+    importance = decay * importance + (1 - decay) * mass, or mass where it was NaN (first sight).
+    Only hot blocks (code 0) are updated: a compressed block keeps the value it had when it was
+    compressed, as the torch observation (which cannot see compressed blocks) leaves it."""
+    if aggregate not in ("max", "mean"):
+        raise ValueError(f"importance.aggregate is 'max' or 'mean', got {aggregate!r}")
+    s, nb_out, hq = entry_lse.shape
+    h = importance.shape[2]
+    if lse.shape != (s, hq) or hq % h or importance.shape[1] != entries.shape[1]:
+        raise ValueError(f"entry_lse {tuple(entry_lse.shape)}, lse {tuple(lse.shape)}, importance "
+                         f"{tuple(importance.shape)} and entries {tuple(entries.shape)} do not match")
+    if s == 0:
+        return
+    g = hq // h
+    _block_importance_kernel[(s, h)](
+        entry_lse, nb_out, lse, seq_lens, query_start_loc, slot_mapping,
+        owner, entries, entries.shape[1], imp_owner, importance,
+        hq, h, decay, G=g, G_PAD=_p2(g, 1), BS=block_size, FOLD_MAX=aggregate == "max",
+    )  # fmt: skip
+
+
 def block_mass(entry_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """[S, NB, Hq] attention mass of each logical block (0 past a row's end)."""
     return torch.exp(entry_lse - lse.unsqueeze(1)).nan_to_num(0.0)
 
 
-__all__ = ["MAX_CODES", "block_mass", "mixed_decode", "pool_descriptors"]
+__all__ = ["MAX_CODES", "block_mass", "mixed_decode", "pool_descriptors", "update_block_importance"]
 

@@ -286,19 +286,18 @@ def test_a_decode_batch_is_one_launch_per_layer_and_building_reads_nothing_back(
         assert float((outs[-1][r].float() - want).norm() / want.norm()) < 1e-2, rid
 
 
-def test_without_the_switch_or_with_a_prefill_row_the_split_path_runs(worker_connector: ProximaConnector) -> None:
+def test_without_the_switch_or_with_a_prefill_row_the_split_path_runs(worker_connector: ProximaConnector,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.integration.vllm.attention.test_cuda_backend import _builder
 
     _, _, meta = _world(worker_connector)
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "0")
     assert _builder().build(0, _common(meta)).px_table is None  # switch off: the existing path
-    os.environ[cb.ONE_PASS_ENV] = "1"
-    try:
-        cm = _common(meta)
-        cm.max_query_len = 2  # a prefill or verification row: the existing path
-        assert _builder().build(0, cm).px_table is None
-        assert _builder().build(0, _common(meta)).px_table is not None
-    finally:
-        del os.environ[cb.ONE_PASS_ENV]
+    monkeypatch.delenv(cb.ONE_PASS_ENV)  # the default: on
+    cm = _common(meta)
+    cm.max_query_len = 2  # a prefill or verification row: the existing path
+    assert _builder().build(0, cm).px_table is None
+    assert _builder().build(0, _common(meta)).px_table is not None
 
 
 def test_the_observed_layer_on_the_one_pass_path_still_reports_importance(

@@ -20,6 +20,22 @@ from proxima.integration.vllm.worker.block_table import DeviceBlockTable
 from proxima.observation import fold_heads
 
 
+def seed_from_host(table: DeviceBlockTable, rid: str, token_importance: torch.Tensor, block_size: int) -> None:
+    """Continue the device average from a host observation (a prefill window, or a decode step
+    on the split path): `rid`'s row becomes its token importance [tokens, H] summed per block
+    (the torch path's block mass before the KV-head fold). Host work only in steps the host
+    observed; one small copy per such request."""
+    row = table.imp_rows.get(rid)
+    if row is None:
+        return
+    n, h = token_importance.shape
+    nb = min(-(-n // block_size), table.max_blocks)
+    pad = torch.zeros(nb * block_size, h)
+    pad[: min(n, nb * block_size)] = token_importance[: nb * block_size]
+    per_block = pad.view(nb, block_size, h).sum(1)
+    table.importance[row, :nb].copy_(per_block, non_blocking=True)
+
+
 class ImportanceReadback:
     def __init__(self) -> None:
         self._pending: tuple[list[str], torch.Tensor, torch.cuda.Event | None, str] | None = None

@@ -10,10 +10,13 @@ partial results and no merge, and the output is written in place into vLLM's out
 Optionally (`entry_lse`) it also writes each logical block's log-sum-exp, from which the
 observed layer's per-block attention mass follows (`block_mass`) without a second pass.
 
-What it is not yet: fast. Tiles are one block (vLLM's block size) and the products are
-broadcast sums in float32 (no tensor cores, no split of long contexts over programs); the
-per-format fast paths of `triton_attention.py` are the model for that (issue 38, item 5). The
-launch grid is (rows, KV heads) and nothing is read back to the host: capturable in a CUDA graph.
+Speed (issue 38, item 5), where it stands: tiles are one block (vLLM's block size); both
+products run on tensor cores (`tl.dot`, the KV head's G query heads as M padded to 16, operands
+in the query's 16-bit dtype, fp32 accumulation) once the block and head dim reach 16; the
+dequantization stays in registers per format. Not yet: a split of long contexts over programs
+(one program walks a row's whole context). The launch grid is (rows, KV heads) and nothing is
+read back to the host: capturable in a CUDA graph. In the observed layer a second small launch
+(`update_block_importance`) folds the per-block log-sum-exp into the device importance.
 
 Named dims: S batch rows (one query token each), Hq query heads, H KV heads, G = Hq / H, D head
 dim, BS vLLM's block size, NB logical blocks per request in the table.
@@ -21,6 +24,7 @@ dim, BS vLLM's block size, NB logical blocks per request in the table.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -104,7 +108,7 @@ def _mixed_decode_kernel(
     lse_ptr,  # [S, Hq] float32 (OBSERVE only)
     Hq, sm_scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    OBSERVE: tl.constexpr,
+    OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -193,7 +197,15 @@ def _mixed_decode_kernel(
                                + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
             k = tl.where(vm, k, 0.0)
             v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
+        if DOT:  # tensor cores: the group's query heads are M (padded to 16), operands in the
+            # query's 16-bit dtype (the model's), fp32 sums
+            if DOT_16BIT:
+                qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+            else:
+                qk = tl.dot(q, tl.trans(k))
+        else:
+            qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        s = qk * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -202,7 +214,14 @@ def _mixed_decode_kernel(
         p_sum = tl.sum(p, axis=1)
         l_i = l_i * alpha + p_sum
         m_i = m_new
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if DOT:
+            if DOT_16BIT:  # noqa: SIM108 (constexpr: one branch is compiled)
+                pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+            else:
+                pv = tl.dot(p, v)
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         if OBSERVE:
             ent = tl.where(p_sum > 0, (tl.math.log2(tl.maximum(p_sum, 1e-30)) + m_use) * 0.6931471805599453,
                            float("-inf"))
@@ -246,6 +265,12 @@ def mixed_decode(
     g = hq // h
     observe = entry_lse is not None
     dummy = out
+    # tl.dot needs every dimension >= 16: the query heads are padded to 16 rows (masked), the
+    # block (BS tokens) and head dim must reach 16 themselves; smaller shapes keep fp32 broadcasts.
+    dot = bs >= 16 and _p2(d, 16) >= 16
+    # 16-bit operands on a GPU; the interpreter multiplies bf16 dots wrongly (numpy has no bf16: a
+    # 16 x 16 bf16 tl.dot is off by 1e10 in Triton 3.x's interpreter), so there it dots in fp32.
+    dot_16bit = os.environ.get("TRITON_INTERPRET") != "1"
     _mixed_decode_kernel[(s, h)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
         kv_cache, *kv_cache.stride()[:3],
@@ -254,7 +279,8 @@ def mixed_decode(
         entry_lse if observe else dummy, entry_lse.shape[1] if entry_lse is not None else 0,
         lse if lse is not None else dummy,
         hq, sm_scale * LOG2E,
-        G=g, G_PAD=_p2(g, 1), D=d, BLOCK_D=_p2(d, 16), BS=bs, OBSERVE=observe,
+        G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=_p2(d, 16), BS=bs, OBSERVE=observe,
+        DOT=dot, DOT_16BIT=dot_16bit,
     )  # fmt: skip
 
 

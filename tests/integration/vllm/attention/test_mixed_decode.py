@@ -330,7 +330,8 @@ fn = md._mixed_decode_kernel
 ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_ptr": "*i32",
         "qsl_ptr": "*i32", "slot_ptr": "*i64", "owner_ptr": "*i32", "ent_ptr": "*i32", "desc_ptr": "*i64",
         "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale_log2": "fp32"}
-consts = {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": sys.argv[1] == "1"}
+consts = {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": sys.argv[1] == "1", "DOT": True,
+          "DOT_16BIT": True}
 names = list(fn.arg_names)
 sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
 src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})

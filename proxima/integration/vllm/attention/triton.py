@@ -115,8 +115,15 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         single-token decode batch is served from device tensors only, with buffers of fixed
         addresses (vLLM's persistent ones, the device block table, its importance and scratch,
         the pool descriptors) and a grid fixed by the batch size: capturable. Mixed and prefill
-        batches keep the host-planned split path, so they stay eager (vLLM's piecewise graphs)."""
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if one_pass_decode() else AttentionCGSupport.NEVER
+        batches keep the host-planned split path, so they stay eager (vLLM's piecewise graphs).
+        A sliding window or a non-16-bit cache (what the one-pass kernel does not read, seen here
+        in the cache spec) keeps NEVER; the impl-level limits (ALiBi, sinks, soft-capping) are
+        refused at capture by the forward, with a clear error."""
+        window = getattr(kv_cache_spec, "sliding_window", None)
+        dtype = getattr(kv_cache_spec, "dtype", torch.bfloat16)
+        if one_pass_decode() and window is None and dtype in (torch.bfloat16, torch.float16):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # type: ignore[no-untyped-def]
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -243,6 +250,12 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             assert m.px_table is not None
             with times.span("attention_proxima_s", dev):
                 return self._one_pass(layer.layer_name, query, kv_cache, m, store, m.px_table, output)
+        if m.px_table is not None and kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a graph of this path would replay without its host plan: compressed rows read garbage
+            raise NotImplementedError(
+                "proxima: this layer cannot run the one-pass decode (ALiBi, sinks, soft-capping or fused "
+                "output quantization) and its split path cannot be captured in a CUDA graph; set "
+                f"{ONE_PASS_ENV}=0 (graphs for decode off) or run eagerly")
         if m.px_builder is not None:
             with times.span("row_plan_s"):  # host work (and its small device-to-host copies)
                 m.px_builder.resolve(m)

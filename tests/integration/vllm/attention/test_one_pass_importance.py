@@ -43,8 +43,15 @@ def test_graph_support_is_declared_only_with_the_one_pass_path(monkeypatch: pyte
     builder = cb.ProximaTritonAttentionBackend.get_builder_cls()
     monkeypatch.delenv(cb.ONE_PASS_ENV, raising=False)  # the default: on
     assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    full = SimpleNamespace(sliding_window=None, dtype=torch.float16)
+    assert builder.get_cudagraph_support(None, full) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE  # type: ignore[arg-type]
+    # what the one-pass kernel does not read stays eager
+    for spec in (SimpleNamespace(sliding_window=128, dtype=torch.bfloat16),
+                 SimpleNamespace(sliding_window=None, dtype=torch.float8_e4m3fn)):
+        assert builder.get_cudagraph_support(None, spec) == AttentionCGSupport.NEVER  # type: ignore[arg-type]
     monkeypatch.setenv(cb.ONE_PASS_ENV, "0")
     assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    assert builder.get_cudagraph_support(None, full) == AttentionCGSupport.NEVER  # type: ignore[arg-type]
 
 
 def _expected_report(masses: list[torch.Tensor], comp: dict, decay: float = 0.9) -> list[float]:  # type: ignore[type-arg]

@@ -7,6 +7,8 @@ torch.profiler on one eager call):
 * `vllm`: vLLM's `unified_attention` over every row, the whole context in bf16 pages;
 * `one_pass`: `mixed_decode` from the device block table (nothing compressed / `--fraction` of
   every row's oldest blocks in `--format`);
+* `one_pass, observed layer` (mixed only): the same with the block log-sum-exp and the device
+  importance update (`update_block_importance`), the observed layer's two launches;
 * `split` (mixed only): what the backend ran before: vLLM's kernel on every row, then
   `paged_attention` over the compressed rows (eager: it plans on the host).
 
@@ -89,7 +91,7 @@ def main() -> None:
 
     from proxima.compression.blocks import compress_blocks
     from proxima.compression.layout import KVLayout, hot_store, slot_pool, write_slots
-    from proxima.compression.mixed_decode import mixed_decode, pool_descriptors
+    from proxima.compression.mixed_decode import mixed_decode, pool_descriptors, update_block_importance
     from proxima.compression.paged import PagedRow, paged_attention, plan_rows
     from proxima.compression.spec import SlotSpec
     from proxima.formats import Format
@@ -126,7 +128,7 @@ def main() -> None:
                           k_descale=descale, v_descale=descale, seq_threshold_3D=8, num_par_softmax_segments=16,
                           softmax_segm_output=seg_out, softmax_segm_max=seg_m, softmax_segm_expsum=seg_s)
 
-    table = DeviceBlockTable(bsz, nblk, n_phys, dev)
+    table = DeviceBlockTable(bsz, nblk, n_phys, dev, kv_heads=h, max_batch=bsz)
     table.update([], [], {int(b): f"r{i}" for i, b in enumerate(tables[:, -1].tolist())})
     empty_desc = pool_descriptors({}, bs, dev)
 
@@ -159,6 +161,14 @@ def main() -> None:
     desc = pool_descriptors({1: pool}, bs, dev)
     plan = plan_rows([PagedRow(tables[r].tolist(), ctx, 1, remaps[r]) for r in range(bsz)], bs).to(dev)
 
+    ent, lse = table.observe_scratch(hq)
+
+    def observed() -> None:  # the observed layer: the kernel with block log-sum-exp, then the average
+        mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale,
+                     entry_lse=ent[:bsz], lse=lse[:bsz])
+        update_block_importance(ent[:bsz], lse[:bsz], seq_lens, qsl, slots, table.owner, table.entries,
+                                table.imp_owner, table.importance, decay=0.9, aggregate="max", block_size=bs)
+
     def split() -> None:
         vllm()
         paged_attention(q, plan, hot, {fmt: pool}, sm_scale=scale)
@@ -166,6 +176,8 @@ def main() -> None:
     case = f"{a.fraction:.0%} of blocks {fmt}"
     rows += [{"row": "one_pass", "case": case, "ms": _graph_ms(lambda: one_pass(desc), a.iters),
               "launches": _launches(lambda: one_pass(desc))},
+             {"row": "one_pass, observed layer", "case": case, "ms": _graph_ms(observed, a.iters),
+              "launches": _launches(observed)},
              {"row": "split (eager)", "case": case, "ms": _eager_ms(split, a.iters), "launches": _launches(split)}]
     gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout

@@ -10,10 +10,13 @@ partial results and no merge, and the output is written in place into vLLM's out
 Optionally (`entry_lse`) it also writes each logical block's log-sum-exp, from which the
 observed layer's per-block attention mass follows (`block_mass`) without a second pass.
 
-What it is not yet: fast. Tiles are one block (vLLM's block size) and the products are
-broadcast sums in float32 (no tensor cores, no split of long contexts over programs); the
-per-format fast paths of `triton_attention.py` are the model for that (issue 38, item 5). The
-launch grid is (rows, KV heads) and nothing is read back to the host: capturable in a CUDA graph.
+Speed (issue 38, item 5), where it stands: tiles are one block (vLLM's block size); both
+products run on tensor cores (`tl.dot`, the KV head's G query heads as M padded to 16, operands
+in the query's 16-bit dtype, fp32 accumulation) once the block and head dim reach 16; the
+dequantization stays in registers per format. Not yet: a split of long contexts over programs
+(one program walks a row's whole context). The launch grid is (rows, KV heads) and nothing is
+read back to the host: capturable in a CUDA graph. In the observed layer a second small launch
+(`update_block_importance`) folds the per-block log-sum-exp into the device importance.
 
 Named dims: S batch rows (one query token each), Hq query heads, H KV heads, G = Hq / H, D head
 dim, BS vLLM's block size, NB logical blocks per request in the table.
@@ -21,6 +24,7 @@ dim, BS vLLM's block size, NB logical blocks per request in the table.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -104,7 +108,7 @@ def _mixed_decode_kernel(
     lse_ptr,  # [S, Hq] float32 (OBSERVE only)
     Hq, sm_scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    OBSERVE: tl.constexpr,
+    OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -193,7 +197,15 @@ def _mixed_decode_kernel(
                                + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
             k = tl.where(vm, k, 0.0)
             v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
+        if DOT:  # tensor cores: the group's query heads are M (padded to 16), operands in the
+            # query's 16-bit dtype (the model's), fp32 sums
+            if DOT_16BIT:
+                qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+            else:
+                qk = tl.dot(q, tl.trans(k))
+        else:
+            qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        s = qk * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -202,7 +214,14 @@ def _mixed_decode_kernel(
         p_sum = tl.sum(p, axis=1)
         l_i = l_i * alpha + p_sum
         m_i = m_new
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if DOT:
+            if DOT_16BIT:  # noqa: SIM108 (constexpr: one branch is compiled)
+                pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+            else:
+                pv = tl.dot(p, v)
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         if OBSERVE:
             ent = tl.where(p_sum > 0, (tl.math.log2(tl.maximum(p_sum, 1e-30)) + m_use) * 0.6931471805599453,
                            float("-inf"))
@@ -246,6 +265,12 @@ def mixed_decode(
     g = hq // h
     observe = entry_lse is not None
     dummy = out
+    # tl.dot needs every dimension >= 16: the query heads are padded to 16 rows (masked), the
+    # block (BS tokens) and head dim must reach 16 themselves; smaller shapes keep fp32 broadcasts.
+    dot = bs >= 16 and _p2(d, 16) >= 16
+    # 16-bit operands on a GPU; the interpreter multiplies bf16 dots wrongly (numpy has no bf16: a
+    # 16 x 16 bf16 tl.dot is off by 1e10 in Triton 3.x's interpreter), so there it dots in fp32.
+    dot_16bit = os.environ.get("TRITON_INTERPRET") != "1"
     _mixed_decode_kernel[(s, h)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
         kv_cache, *kv_cache.stride()[:3],
@@ -254,7 +279,72 @@ def mixed_decode(
         entry_lse if observe else dummy, entry_lse.shape[1] if entry_lse is not None else 0,
         lse if lse is not None else dummy,
         hq, sm_scale * LOG2E,
-        G=g, G_PAD=_p2(g, 1), D=d, BLOCK_D=_p2(d, 16), BS=bs, OBSERVE=observe,
+        G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=_p2(d, 16), BS=bs, OBSERVE=observe,
+        DOT=dot, DOT_16BIT=dot_16bit,
+    )  # fmt: skip
+
+
+@triton.jit
+def _block_importance_kernel(
+    ent_ptr, NB_OUT, lse_ptr,  # [S, NB_OUT, Hq] per-block and [S, Hq] per-row log-sum-exp (natural log)
+    seq_ptr, qsl_ptr, slot_ptr,  # vLLM's seq_lens, query_start_loc, slot_mapping
+    owner_ptr, ent_tab_ptr, NB,  # device block table: owner [N], entries [rows, NB, 2]
+    imp_owner_ptr, imp_ptr,  # importance rows: owner [N], importance [rows, NB, H] float32
+    Hq, H, decay,
+    G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, FOLD_MAX: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    og = tl.arange(0, G_PAD)
+    mg = og < G
+    qh = h * G + og
+    first = tl.load(slot_ptr + tl.load(qsl_ptr + r))
+    key = tl.maximum(first, 0) // BS
+    trow = tl.where(first >= 0, tl.load(owner_ptr + key), 0).to(tl.int64)
+    irow = tl.where(first >= 0, tl.load(imp_owner_ptr + key), 0).to(tl.int64)
+    if irow != 0:  # row 0: padding, or a request that got no importance row
+        lse = tl.load(lse_ptr + r * Hq + qh, mask=mg, other=0.0)
+        seq_len = tl.load(seq_ptr + r)
+        for j in range(0, tl.minimum(tl.cdiv(seq_len, BS), NB_OUT)):
+            ent = tl.load(ent_ptr + (r * NB_OUT + j) * Hq + qh, mask=mg, other=float("-inf"))
+            mass = tl.where(ent > float("-inf"), tl.exp(ent - lse), 0.0)
+            if FOLD_MAX:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+                folded = tl.max(tl.where(mg, mass, float("-inf")), axis=0)
+            else:
+                folded = tl.sum(mass, axis=0) / G
+            old = tl.load(imp_ptr + (irow * NB + j) * H + h)
+            new = tl.where(old != old, folded, decay * old + (1.0 - decay) * folded)  # NaN: first sight
+            code = tl.load(ent_tab_ptr + (trow * NB + j) * 2)
+            tl.store(imp_ptr + (irow * NB + j) * H + h, new, mask=code == 0)
+
+
+def update_block_importance(
+    entry_lse: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor, imp_owner: torch.Tensor,
+    importance: torch.Tensor, *, decay: float, aggregate: str, block_size: int,
+) -> None:
+    """Fold one observed step into the device importance (`DeviceBlockTable.importance`), one launch.
+
+    entry_lse [S, NB_OUT, Hq] and lse [S, Hq]: what `mixed_decode` wrote for the observed layer.
+    Each row's blocks get mass = exp(entry_lse - lse) (as `block_mass`), folded over the KV head's
+    query heads by `aggregate` ("max" or "mean", `observation.fold_heads`), then
+    importance = decay * importance + (1 - decay) * mass, or mass where it was NaN (first sight).
+    Only hot blocks (code 0) are updated: a compressed block keeps the value it had when it was
+    compressed, as the torch observation (which cannot see compressed blocks) leaves it."""
+    if aggregate not in ("max", "mean"):
+        raise ValueError(f"importance.aggregate is 'max' or 'mean', got {aggregate!r}")
+    s, nb_out, hq = entry_lse.shape
+    h = importance.shape[2]
+    if lse.shape != (s, hq) or hq % h or importance.shape[1] != entries.shape[1]:
+        raise ValueError(f"entry_lse {tuple(entry_lse.shape)}, lse {tuple(lse.shape)}, importance "
+                         f"{tuple(importance.shape)} and entries {tuple(entries.shape)} do not match")
+    if s == 0:
+        return
+    g = hq // h
+    _block_importance_kernel[(s, h)](
+        entry_lse, nb_out, lse, seq_lens, query_start_loc, slot_mapping,
+        owner, entries, entries.shape[1], imp_owner, importance,
+        hq, h, decay, G=g, G_PAD=_p2(g, 1), BS=block_size, FOLD_MAX=aggregate == "max",
     )  # fmt: skip
 
 
@@ -263,5 +353,5 @@ def block_mass(entry_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(entry_lse - lse.unsqueeze(1)).nan_to_num(0.0)
 
 
-__all__ = ["MAX_CODES", "block_mass", "mixed_decode", "pool_descriptors"]
+__all__ = ["MAX_CODES", "block_mass", "mixed_decode", "pool_descriptors", "update_block_importance"]
 

@@ -73,10 +73,15 @@ class ProximaConnector(KVConnectorBase_V1):
         update failed (the attention then plans from the host maps)."""
         self.ranks = int(vllm_config.parallel_config.tensor_parallel_size)
         """Worker ranks of this engine, each with its shard's KV heads (`ranks.py`)."""
+        self._importance_readback: Any = None
+        """Worker role: `device_importance.ImportanceReadback` (the device-observed importance's
+        way into the next step's report)."""
         if role == KVConnectorRole.WORKER:
+            from proxima.integration.vllm.worker.device_importance import ImportanceReadback
             from proxima.integration.vllm.worker.store import WorkerStore
 
             self.store = WorkerStore(rank=_tensor_parallel_rank())
+            self._importance_readback = ImportanceReadback()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -201,6 +206,7 @@ class ProximaConnector(KVConnectorBase_V1):
         model = self._vllm_config.model_config
         self.block_table = table_for(kv_caches, int(self._vllm_config.scheduler_config.max_num_seqs),
                                      int(model.max_model_len) if model is not None else None)
+        self._refresh_descriptors()  # allocated now, before any CUDA graph captures their addresses
 
     def _update_block_table(self, plan: ProximaPlan) -> None:
         """The step's changes of `store.remap` into the device table (separate from `apply`, which
@@ -218,6 +224,21 @@ class ProximaConnector(KVConnectorBase_V1):
             logger.exception("proxima: the device block table could not follow this step; attention plans "
                              "from the host maps from now on")
             self.block_table = None
+        self._refresh_descriptors()
+
+    def _refresh_descriptors(self) -> None:
+        """The one-pass decode's pool descriptors, current with the table's formats, here (every
+        step, outside any CUDA graph) rather than in the forward, which a graph replay skips."""
+        from proxima.integration.vllm.worker.decode_descriptors import refresh_descriptors
+
+        if self.block_table is None or self.store is None:
+            return
+        try:
+            refresh_descriptors(self.store, self.block_table)
+        except Exception:
+            logger.exception("proxima: the one-pass decode's pool descriptors could not be built; attention "
+                             "plans from the host maps from now on")
+            self.block_table = None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
@@ -234,7 +255,30 @@ class ProximaConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         store = self._worker_store()
         store.times.end("forward_s", store.device)
+        self._report_device_importance(store)
         return store.take_report()
+
+    def _report_device_importance(self, store: WorkerStore) -> None:
+        """The previous step's device-observed importance into this step's report; this step's
+        (if its observed layer ran on the device, `DeviceBlockTable.observed`) queued for the next."""
+        from proxima.integration.vllm.worker.device_importance import seed_from_host
+
+        readback, table = self._importance_readback, self.block_table
+        if readback is None:
+            return
+        try:
+            if table is not None:  # observed on the host this step: the device average goes on from there
+                b = next(iter(store.kv_caches.values())).shape[2] if store.kv_caches else 1
+                for rid in store.report.importance:
+                    if (imp := store.token_importance.get(rid)) is not None:
+                        seed_from_host(table, rid, imp, b)
+            readback.finish(store.report)
+            if table is not None and table.observed is not None:
+                width, table.observed = table.observed, None
+                readback.start(table, sorted(set(store.key_blocks.values())), width, store.aggregate)
+                readback.finish(store.report, wait=False)
+        except Exception as e:  # importance is advisory: never fail the step
+            store.report.errors.append(f"importance: {type(e).__name__}: {e}")
 
 
 def _tensor_parallel_rank() -> int:

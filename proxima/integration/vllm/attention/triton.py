@@ -53,14 +53,14 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from proxima.compression.blocks import Backend, CompressedBlocks
+from proxima.compression.blocks import Backend
 from proxima.compression.layout import KVLayout, hot_store
-from proxima.compression.mixed_decode import MAX_CODES, mixed_decode, pool_descriptors
+from proxima.compression.mixed_decode import mixed_decode, update_block_importance
 from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
-from proxima.formats import Format
 from proxima.integration.vllm.connector import worker_block_table, worker_store
 from proxima.integration.vllm.worker.block_table import DeviceBlockTable
 from proxima.integration.vllm.worker.debug import reads_sources
+from proxima.integration.vllm.worker.decode_descriptors import layer_descriptors, slot_pool_of
 from proxima.integration.vllm.worker.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.worker.page_layout import PageLayout, token_interleaved_layout
 from proxima.integration.vllm.worker.store import SlotReader, WorkerStore
@@ -68,37 +68,14 @@ from proxima.integration.vllm.worker.store import SlotReader, WorkerStore
 logger = logging.getLogger("proxima.vllm")
 BACKEND_PATH = "proxima.integration.vllm.attention.triton.ProximaTritonAttentionBackend"
 ONE_PASS_ENV = "PROXIMA_ONE_PASS_DECODE"
-"""`1`: uniform single-token decode batches run `mixed_decode` (one launch per layer, every row,
-from the device block table) instead of vLLM's kernel plus the per-format split. Off by default
-until the GPU run of issue 38 has compiled and timed it."""
+"""Uniform single-token decode batches run `mixed_decode` (one launch per layer, every row, from
+the device block table; two in the observed layer) instead of vLLM's kernel plus the per-format
+split, and the builder declares CUDA-graph support for them. On by default; `0` turns it off
+(the split path, graphs NEVER)."""
 
 
 def one_pass_decode() -> bool:
-    return os.environ.get(ONE_PASS_ENV) == "1"
-
-
-
-def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.device) -> CompressedBlocks:
-    """Every slot of `fmt` in `layer`, as the worker wrote them, for Proxima's kernels (no copy).
-
-    `fmt` as the worker remembers the blocks; the pool is that of the format this layer stores
-    (`WorkerStore.layer_format`: layer overrides, and the table a block was written under)."""
-    fmt = store.layer_format(layer, fmt)
-    p = store.pool(layer, fmt)
-    kdt, vdt = store.dtypes[fmt]
-    for name, t in p.meta.items():
-        # `cuda` names the current device, `cuda:0` one in particular: the same memory when the index matches.
-        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
-            # Moving the side table every layer and step would cost more than the attention.
-            raise RuntimeError(
-                f"proxima: the {fmt} side table ({name}) of {layer} is on {t.device}, the KV cache on {device}; "
-                "the worker must allocate it on the cache's device"
-            )
-    spec = p.spec
-    return CompressedBlocks(
-        fmt, p.k.view(kdt), p.v.view(vdt), head_dim=spec.head_dim, dtype=store.kv_caches[layer].dtype,
-        group_size=spec.group_size, source_tokens=spec.block_size, **p.meta,
-    )  # fmt: skip
+    return os.environ.get(ONE_PASS_ENV, "1") != "0"
 
 
 @dataclass
@@ -132,6 +109,22 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
     # The row split reads the worker's maps on the host every step: not capturable.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        """What vLLM reads to choose its graph mode. With the one-pass decode, a uniform
+        single-token decode batch is served from device tensors only, with buffers of fixed
+        addresses (vLLM's persistent ones, the device block table, its importance and scratch,
+        the pool descriptors) and a grid fixed by the batch size: capturable. Mixed and prefill
+        batches keep the host-planned split path, so they stay eager (vLLM's piecewise graphs).
+        A sliding window or a non-16-bit cache (what the one-pass kernel does not read, seen here
+        in the cache spec) keeps NEVER; the impl-level limits (ALiBi, sinks, soft-capping) are
+        refused at capture by the forward, with a clear error."""
+        window = getattr(kv_cache_spec, "sliding_window", None)
+        dtype = getattr(kv_cache_spec, "dtype", torch.bfloat16)
+        if one_pass_decode() and window is None and dtype in (torch.bfloat16, torch.float16):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # type: ignore[no-untyped-def]
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         store = worker_store()
@@ -143,7 +136,10 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         px.px_builder, px.px_common, px.px_store = self, common_attn_metadata, store
         if one_pass_decode() and common_attn_metadata.max_query_len == 1:
             # host ints and device tensors only: nothing read back (the rows are found on the device)
-            px.px_table = worker_block_table()
+            table = px.px_table = worker_block_table()
+            if table is not None and store.observe_layer is not None:
+                # the observed layer updates the device importance: the connector reads it back
+                table.observed = -(-common_attn_metadata.max_seq_len // self.block_size)
         return px
 
     def resolve(self, m: ProximaTritonMetadata, plan_compressed: bool = True) -> None:
@@ -250,17 +246,23 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
         assert store is not None  # set by build() together with the metadata's type
         times, dev = store.times, kv_cache.device
         one_pass = m.px_table is not None and output_scale is None and self._one_pass_supported()
+        if one_pass:  # rows, blocks and importance all from the device: nothing planned on the host
+            assert m.px_table is not None
+            with times.span("attention_proxima_s", dev):
+                return self._one_pass(layer.layer_name, query, kv_cache, m, store, m.px_table, output)
+        if m.px_table is not None and kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a graph of this path would replay without its host plan: compressed rows read garbage
+            raise NotImplementedError(
+                "proxima: this layer cannot run the one-pass decode (ALiBi, sinks, soft-capping or fused "
+                "output quantization) and its split path cannot be captured in a CUDA graph; set "
+                f"{ONE_PASS_ENV}=0 (graphs for decode off) or run eagerly")
         if m.px_builder is not None:
             with times.span("row_plan_s"):  # host work (and its small device-to-host copies)
-                m.px_builder.resolve(m, plan_compressed=not one_pass)
+                m.px_builder.resolve(m)
         if m.px_obs is not None and layer.layer_name == store.observe_layer:
             with times.span("importance_s", dev):
                 observe_safely(store, kv_cache, query.view(query.shape[0], self.num_heads, self.head_size),
                                m.px_obs, self.scale)
-        if one_pass:
-            assert m.px_table is not None
-            with times.span("attention_proxima_s", dev):
-                return self._one_pass(layer.layer_name, query, kv_cache, m, store, m.px_table, output)
         with times.span("attention_vllm_s", dev):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                   output_scale, output_block_scale)
@@ -278,22 +280,9 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
 
     def layer_descriptors(self, layer: str, store: WorkerStore, table: DeviceBlockTable,
                           device: torch.device) -> torch.Tensor:
-        """This layer's pool descriptor table (`mixed_decode.pool_descriptors`), one persistent
-        tensor per layer (a CUDA graph keeps its address), rewritten in place only when the
-        device table has met a new format."""
-        cache: dict[str, tuple[int, torch.Tensor]] = self.__dict__.setdefault("_px_descriptors", {})
-        seen, desc = cache.get(layer, (-1, None))
-        if desc is None or seen != len(table.formats):
-            if len(table.formats) >= MAX_CODES:
-                raise RuntimeError(f"proxima: {len(table.formats)} formats met, the decode kernel reads "
-                                   f"{MAX_CODES - 1}")
-            pools = {c + 1: slot_pool_of(store, layer, f, device) for c, f in enumerate(table.formats)}
-            new = pool_descriptors(pools, self._block_size(store, layer), device)
-            if desc is None:
-                desc = torch.zeros(MAX_CODES, new.shape[1], dtype=torch.int64, device=device)
-            desc[: new.shape[0]].copy_(new)
-            cache[layer] = (len(table.formats), desc)
-        return desc
+        """This layer's pool descriptor table (`worker/decode_descriptors.py`: one persistent
+        tensor per layer, kept current by the connector outside the forward)."""
+        return layer_descriptors(store, table, layer)
 
     @staticmethod
     def _block_size(store: WorkerStore, layer: str) -> int:
@@ -305,9 +294,21 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
         s = m.seq_lens.shape[0]
         q = query.view(query.shape[0], self.num_heads, self.head_size)[:s]
         out = output.view(output.shape[0], self.num_heads, self.head_size)[:s]
+        observe = layer == store.observe_layer
+        entry_lse = lse = None
+        if observe:  # the observed layer: per-block log-sum-exp into fixed scratch, then the average
+            ent_all, lse_all = table.observe_scratch(self.num_heads)
+            if s > ent_all.shape[0]:
+                raise RuntimeError(f"proxima: a decode batch of {s} rows, the observed layer's scratch holds "
+                                   f"{ent_all.shape[0]} (max_num_seqs)")
+            entry_lse, lse = ent_all[:s], lse_all[:s]
         mixed_decode(q, out, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.slot_mapping,
                      table.owner, table.entries, self.layer_descriptors(layer, store, table, kv_cache.device),
-                     sm_scale=self.scale)
+                     sm_scale=self.scale, entry_lse=entry_lse, lse=lse)
+        if entry_lse is not None and lse is not None:
+            update_block_importance(entry_lse, lse, m.seq_lens, m.query_start_loc, m.slot_mapping, table.owner,
+                                    table.entries, table.imp_owner, table.importance, decay=store.ema_decay,
+                                    aggregate=store.aggregate, block_size=kv_cache.shape[2])
         return output
 
     def _split_rows(self, layer, query, kv_cache, m, store, output, output_scale):  # type: ignore[no-untyped-def]

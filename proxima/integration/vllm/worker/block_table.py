@@ -24,7 +24,13 @@ Layout (int32, on the KV cache's device):
   (`rows_of_batch`), from vLLM's own per-step slot mapping: no request ids and no host lookup
   in the attention metadata.
 
-Invariant relied on: `owner` holds exactly the current step's key blocks of requests with a row
+* `importance [R + 1, NB, H]` float32 (`imp_owner [num_blocks]`, `imp_rows`): the observed
+  layer's per-block attention mass, an exponential average kept on the device for every
+  scheduled request (not only those with compressed blocks, hence its own rows and owner map,
+  kept like `entries`' ones). The one-pass decode writes it (`mixed_decode.update_block_importance`);
+  NaN = never observed. A freed row is reset to NaN in the same update.
+
+Invariant relied on: `owner` (and `imp_owner`) holds exactly the current step's key blocks of requests with a row
 (blocks of the previous step's map that are not key blocks any more are cleared in the same
 update), so a block reused by another request never points at a stale row.
 """
@@ -51,7 +57,7 @@ class BlockTableFull(RuntimeError):
 
 class DeviceBlockTable:
     def __init__(self, max_requests: int, max_blocks: int, num_physical_blocks: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, *, kv_heads: int = 1, max_batch: int | None = None) -> None:
         if min(max_requests, max_blocks, num_physical_blocks) < 1:
             raise ValueError(f"DeviceBlockTable needs positive sizes, got {max_requests} requests, "
                              f"{max_blocks} blocks per request, {num_physical_blocks} physical blocks")
@@ -69,6 +75,31 @@ class DeviceBlockTable:
         """The key blocks `owner` maps now -> their row (what the next update diffs against)."""
         self.updates = 0
         """Host-to-device copies made so far (one per update that changed anything)."""
+        self.max_batch = max_batch or max_requests
+        """Most batch rows of one step (vLLM's max_num_seqs): the observed layer's scratch size."""
+        self.importance = torch.full((max_requests + 1, max_blocks, kv_heads), float("nan"), device=self.device)
+        self.imp_owner = torch.zeros(num_physical_blocks, dtype=torch.int32, device=self.device)
+        self.imp_rows: dict[str, int] = {}
+        """request -> its importance row (every scheduled request while a row is free: advisory,
+        a request without one is simply not observed on the device)."""
+        self._imp_free = list(range(max_requests, 0, -1))
+        self._imp_owned: dict[int, int] = {}
+        self.observed: int | None = None
+        """Set by the metadata builder for a step whose observed layer updates `importance` on
+        the device (to the blocks of the step's longest request); read back and reset by the
+        connector at the step's end (`device_importance.py`)."""
+        self.descriptors: dict[str, tuple[int, torch.Tensor]] = {}
+        """Per layer: (formats described, persistent pool descriptor table) for the one-pass decode
+        (refreshed in place by the metadata builder, outside any CUDA graph)."""
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def observe_scratch(self, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The observed layer's per-block and per-row log-sum-exp buffers, [max_batch, NB, Hq] and
+        [max_batch, Hq] float32, allocated once (fixed addresses for a CUDA graph)."""
+        if self._scratch is None or self._scratch[1].shape[1] != num_q_heads:
+            self._scratch = (torch.empty(self.max_batch, self.max_blocks, num_q_heads, device=self.device),
+                             torch.empty(self.max_batch, num_q_heads, device=self.device))
+        return self._scratch
 
     def code_of(self, fmt: Format) -> int:
         if fmt.is_hot:
@@ -96,6 +127,7 @@ class DeviceBlockTable:
         for the blocks this step's plan touched, `dropped` requests (their rows are cleared and
         freed first), and the step's `key_blocks` (physical block -> request, every scheduled
         request). Host work is proportional to what changed plus one pass over the key blocks."""
+        dropped = list(dropped)  # read twice: entry rows, importance rows
         freed = [self.rows.pop(rid) for rid in dropped if rid in self.rows]
         self._free.extend(reversed(freed))
         writes: list[tuple[int, int, int]] = []  # (flat entry index, code, slot id)
@@ -116,11 +148,13 @@ class DeviceBlockTable:
         moved = [(blk, row) for blk, row in owned.items() if self._owned.get(blk) != row]
         moved += [(blk, NO_ROW) for blk in self._owned.keys() - owned.keys()]
         self._owned = owned
-        if not (freed or writes or moved):
+        imp_freed, imp_moved = self._follow_importance_rows(dropped, key_blocks)
+        if not (freed or writes or moved or imp_freed or imp_moved):
             return
-        # One host table: [freed rows | entry writes (3 ints each) | owner changes (2 ints each)].
-        host = torch.tensor(freed + [x for w in writes for x in w] + [x for m in moved for x in m],
-                            dtype=torch.int64)
+        # One host table: [freed rows | entry writes (3 ints each) | owner changes (2 ints each)
+        #                  | freed importance rows | importance owner changes (2 ints each)].
+        host = torch.tensor(freed + [x for w in writes for x in w] + [x for m in moved for x in m]
+                            + imp_freed + [x for m in imp_moved for x in m], dtype=torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
@@ -130,10 +164,33 @@ class DeviceBlockTable:
         if nw:
             w = dev[nf : nf + 3 * nw].view(nw, 3)
             self.entries.view(-1, 2).index_copy_(0, w[:, 0], w[:, 1:].to(torch.int32))
+        at = nf + 3 * nw
         if moved:
-            m = dev[nf + 3 * nw :].view(-1, 2)
+            m = dev[at : at + 2 * len(moved)].view(-1, 2)
             self.owner.index_copy_(0, m[:, 0], m[:, 1].to(torch.int32))
+        at += 2 * len(moved)
+        if imp_freed:
+            self.importance.index_fill_(0, dev[at : at + len(imp_freed)], float("nan"))
+        at += len(imp_freed)
+        if imp_moved:
+            m = dev[at:].view(-1, 2)
+            self.imp_owner.index_copy_(0, m[:, 0], m[:, 1].to(torch.int32))
         self.updates += 1
+
+    def _follow_importance_rows(self, dropped: Iterable[str], key_blocks: Mapping[int, str]
+                                ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Importance rows: freed for dropped requests, assigned to every scheduled request while
+        rows last; returns (freed rows, importance owner changes) for the step's host table."""
+        freed = [self.imp_rows.pop(rid) for rid in dropped if rid in self.imp_rows]
+        self._imp_free.extend(reversed(freed))
+        for rid in key_blocks.values():
+            if rid not in self.imp_rows and self._imp_free:
+                self.imp_rows[rid] = self._imp_free.pop()
+        owned = {blk: row for blk, rid in key_blocks.items() if (row := self.imp_rows.get(rid)) is not None}
+        moved = [(blk, row) for blk, row in owned.items() if self._imp_owned.get(blk) != row]
+        moved += [(blk, NO_ROW) for blk in self._imp_owned.keys() - owned.keys()]
+        self._imp_owned = owned
+        return freed, moved
 
 
 def rows_of_batch(owner: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
@@ -167,7 +224,8 @@ def table_for(kv_caches: Mapping[str, torch.Tensor], max_requests: int, max_mode
     kv = next(iter(kv_caches.values()))
     nb, b = int(kv.shape[0]), int(kv.shape[2])
     blocks = -(-max_model_len // b) if max_model_len else nb
-    return DeviceBlockTable(2 * max_requests, blocks, nb, kv.device)
+    return DeviceBlockTable(2 * max_requests, blocks, nb, kv.device, kv_heads=int(kv.shape[1]),
+                            max_batch=max_requests)
 
 
 __all__ = ["HOT_CODE", "BlockTableFull", "DeviceBlockTable", "rows_of_batch", "step_placements", "table_for"]

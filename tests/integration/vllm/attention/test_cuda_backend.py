@@ -70,11 +70,15 @@ def registered() -> Iterator[None]:
     AttentionBackendEnum.CUSTOM.clear_override()
 
 
-def test_vllm_resolves_custom_to_proximas_backend_with_the_layout_slots_need(registered: None) -> None:
+def test_vllm_resolves_custom_to_proximas_backend_with_the_layout_slots_need(
+    registered: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What vLLM reads from the class it resolves for `--attention-backend CUSTOM`: the worker's
     slot views reinterpret a physical block's bytes, valid only in the block-contiguous LBHNC
-    layout; the row split is host work per step (no full CUDA graphs); and vLLM writes the new
-    token into the cache before the forward (the compressed rows read it from there)."""
+    layout; with the one-pass decode off the row split is host work per step (no full CUDA
+    graphs; on, the default: graphs for uniform decode batches, `test_mixed_decode.py`); and vLLM
+    writes the new token into the cache before the forward (the compressed rows read it from there)."""
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "0")
     be = AttentionBackendEnum.CUSTOM.get_class()
     assert be is cb.ProximaTritonAttentionBackend
     assert be.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC,)

@@ -286,19 +286,18 @@ def test_a_decode_batch_is_one_launch_per_layer_and_building_reads_nothing_back(
         assert float((outs[-1][r].float() - want).norm() / want.norm()) < 1e-2, rid
 
 
-def test_without_the_switch_or_with_a_prefill_row_the_split_path_runs(worker_connector: ProximaConnector) -> None:
+def test_without_the_switch_or_with_a_prefill_row_the_split_path_runs(worker_connector: ProximaConnector,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.integration.vllm.attention.test_cuda_backend import _builder
 
     _, _, meta = _world(worker_connector)
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "0")
     assert _builder().build(0, _common(meta)).px_table is None  # switch off: the existing path
-    os.environ[cb.ONE_PASS_ENV] = "1"
-    try:
-        cm = _common(meta)
-        cm.max_query_len = 2  # a prefill or verification row: the existing path
-        assert _builder().build(0, cm).px_table is None
-        assert _builder().build(0, _common(meta)).px_table is not None
-    finally:
-        del os.environ[cb.ONE_PASS_ENV]
+    monkeypatch.delenv(cb.ONE_PASS_ENV)  # the default: on
+    cm = _common(meta)
+    cm.max_query_len = 2  # a prefill or verification row: the existing path
+    assert _builder().build(0, cm).px_table is None
+    assert _builder().build(0, _common(meta)).px_table is not None
 
 
 def test_the_observed_layer_on_the_one_pass_path_still_reports_importance(
@@ -331,7 +330,8 @@ fn = md._mixed_decode_kernel
 ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_ptr": "*i32",
         "qsl_ptr": "*i32", "slot_ptr": "*i64", "owner_ptr": "*i32", "ent_ptr": "*i32", "desc_ptr": "*i64",
         "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale_log2": "fp32"}
-consts = {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": sys.argv[1] == "1"}
+consts = {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": sys.argv[1] == "1", "DOT": True,
+          "DOT_16BIT": True}
 names = list(fn.arg_names)
 sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
 src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})

@@ -75,7 +75,7 @@ split, and the builder declares CUDA-graph support for them. On by default; `0` 
 
 
 def one_pass_decode() -> bool:
-    return os.environ.get(ONE_PASS_ENV, "1") != "0"
+    return os.environ.get(ONE_PASS_ENV) == "1"
 
 
 @dataclass

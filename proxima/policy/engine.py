@@ -36,6 +36,8 @@ from proxima.policy.snapshot import Snapshot
 # look free and the engine would jump straight to the harshest one.
 _IMPORTANCE_FLOOR_FRACTION = 0.05
 _IMPORTANCE_FLOOR_ABS = 1e-9
+_PRICE_BISECTIONS = 48
+"""Halvings of the settled price's bracket: 2^-48 of the top price, below any importance step."""
 
 
 @dataclass(frozen=True)
@@ -326,23 +328,28 @@ def settled_price(snap: Snapshot, policy: Policy, ladder: list[Format], floor: f
     hull_s, slopes = _hull(ladder, policy)
     if len(slopes) == 0 or goal <= 0:
         return 0.0
-    # A block at price p sits on the hull vertex whose entering slope is <= p / importance: the
-    # freed total is a step function of p whose steps are importance x slope. Bisect over them.
-    steps = np.sort((imp[:, None] * slopes[None, :]).ravel())
+    # A block at price p sits past hull vertex k exactly when importance <= p / slope_k (slopes
+    # increase), so the freed total is sum_k (freed_k+1 - freed_k) x #{importance <= p / slope_k}:
+    # with the importances sorted once, each evaluation is K binary searches. It is a step
+    # function of p, increasing: bisect p (to float resolution; the price need not be a step).
+    imp_sorted = np.sort(imp)
+    gains = np.diff(hull_s)
 
     def freed_at(p: float) -> float:
-        return float(hull_s[np.searchsorted(slopes, p / imp, side="right")].sum())
+        with np.errstate(divide="ignore"):  # a damage-free rung (slope 0): every block passes it
+            return float(gains @ np.searchsorted(imp_sorted, p / slopes, side="right"))
 
-    if freed_at(float(steps[-1])) < goal - 1e-9:
-        return float(steps[-1])  # the ladder cannot free that much: everything at its harshest
-    lo, hi = 0, len(steps) - 1  # invariant: freed_at(steps[hi]) >= goal
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if freed_at(float(steps[mid])) >= goal - 1e-9:
+    hi = float(imp_sorted[-1] * slopes[-1])
+    if hi <= 0.0 or freed_at(hi) < goal - 1e-9:
+        return hi  # the ladder cannot free that much: everything at its harshest
+    lo = 0.0  # invariant: freed_at(hi) >= goal
+    for _ in range(_PRICE_BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        if freed_at(mid) >= goal - 1e-9:
             hi = mid
         else:
-            lo = mid + 1
-    return float(steps[hi])
+            lo = mid
+    return hi
 
 
 def settled_choice(imp: np.ndarray, fid: np.ndarray, price: float, s_tab: np.ndarray, d_tab: np.ndarray,

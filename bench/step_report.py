@@ -23,8 +23,8 @@ COUNTER_REASONS = {
                          "counts one apply off-line; the worker does not report launches per step)",
     "syncs_per_step": "Proxima's stats file has no host-sync counter (measured by torch.cuda.set_sync_debug_mode "
                       "off-line, issue 37)",
-    "compressions_per_block": "Proxima's stats file counts compressions (`committed`) but not the distinct blocks "
-                              "compressed, so the ratio is not derivable",
+    "compressions_per_block": "this row's stats file predates the scheduler's `compressions_per_block` (commits "
+                              "over first compressions, scheduler/stats.py)",
     "attention_launches_per_layer": "Proxima's stats file has no attention launch counter (issue 38's CPU test "
                                     "counts them under TRITON_INTERPRET)",
 }

@@ -10,7 +10,9 @@ costs importance x (damage(new) - damage(now)). We want at least `need` blocks f
 total cost, touching at most `budget` blocks. The engine solves it greedily in two phases:
 
 1. each block's most *efficient* option (least cost per block freed) is ranked, and blocks are
-   taken in that order until the need is met or the budget is spent;
+   taken in that order until the need is met or the budget is spent; a block is offered the
+   rung the pool's present price puts it on (`settled_price`) where that is harsher, so a cold
+   block is written once rather than climbing the ladder one rung per step;
 2. if the need is still unmet, chosen blocks are upgraded to higher-ratio formats, cheapest
    increment (extra cost per extra block freed) first.
 
@@ -20,6 +22,7 @@ the whole call takes well under a millisecond (`bench/engine_speed.py`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -33,6 +36,8 @@ from proxima.policy.snapshot import Snapshot
 # look free and the engine would jump straight to the harshest one.
 _IMPORTANCE_FLOOR_FRACTION = 0.05
 _IMPORTANCE_FLOOR_ABS = 1e-9
+_PRICE_BISECTIONS = 48
+"""Halvings of the settled price's bracket: 2^-48 of the top price, below any importance step."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,6 @@ def _choose(
     # Among equally efficient options prefer the one that frees more (fewer actions for the need).
     best_l = np.argmin(eff_tab - 1e-12 * np.where(valid, s_tab, 0.0), axis=1)  # [F]
     best_eff_f = eff_tab[np.arange(len(inv_f)), best_l]  # [F]
-    best_s_f = s_tab[np.arange(len(inv_f)), best_l]
     shrinkable = valid.any(axis=1)  # [F]
 
     rows = np.flatnonzero(eligible_mask(snap, policy) & shrinkable[snap.block_format])
@@ -224,7 +228,8 @@ def _choose(
         return Decision(state, pressure, band_name, need, reason="no eligible block")
     fid = snap.block_format[rows]
     imp = snap.block_importance[rows]
-    imp = imp + (_IMPORTANCE_FLOOR_FRACTION * float(imp.mean()) + _IMPORTANCE_FLOOR_ABS)
+    floor = _IMPORTANCE_FLOOR_FRACTION * float(imp.mean()) + _IMPORTANCE_FLOOR_ABS
+    imp = imp + floor
     best_eff = imp * best_eff_f[fid]
 
     k = min(policy.budget.max_blocks_per_step, len(rows))
@@ -232,10 +237,16 @@ def _choose(
     # Deterministic order: efficiency, then older blocks; lexsort is stable, so remaining ties
     # keep snapshot order (request, then position).
     order = part[np.lexsort((-snap.block_age[rows[part]], best_eff[part]))]
-    cum = np.cumsum(best_s_f[fid[order]])
+    # Write once: each offered block goes straight to the rung the pool's present price puts it
+    # on (`settled_price`), not one rung per step; the prefix that meets the need is then shorter.
+    price = settled_price(snap, policy, ladder, floor)
+    first = best_l[fid[order]]
+    settled = settled_choice(imp[order], fid[order], price, s_tab, d_tab, valid)
+    offer = np.where(s_tab[fid[order], settled] > s_tab[fid[order], first], settled, first)
+    cum = np.cumsum(s_tab[fid[order], offer])
     take = int(np.searchsorted(cum, need - 1e-9) + 1) if cum[-1] >= need - 1e-9 else len(order)
     chosen = order[:take]
-    choice = best_l[fid[chosen]].copy()
+    choice = offer[:take].copy()
     total = float(cum[take - 1])
 
     saving = s_tab[fid[chosen]]  # [C, L]
@@ -291,3 +302,77 @@ def _upgrade(choice: np.ndarray, saving: np.ndarray, cost: np.ndarray, need: flo
         choice[cand] = up[cand]
         total += float(gain[-1])
     return total
+
+
+def settled_price(snap: Snapshot, policy: Policy, ladder: list[Format], floor: float) -> float:
+    """The damage per physical block freed that the pool already pays, as if its eligible blocks
+    were compressed from scratch: the least price `p` at which giving every eligible block the
+    format minimising `importance x damage - p x freed` (over hot and the ladder, freed counted
+    from hot) frees what the eligible blocks free now. A pool with nothing compressed pays 0, and
+    its first step takes each block's mildest efficient rung, as before.
+
+    This is what makes a cold block's first compression its last under steady pressure: the old
+    engine priced each step by that step's need alone, the cheapest move being hot -> the mildest
+    rung, so on aggressive's four-rung ladder a block climbed one rung per step of rising pressure
+    (3.1 compressions per compressed block in `proxima simulate`). The pool's accumulated savings
+    say how deep the ladder is already used; a new block is put where its importance places it at
+    that depth. A falling importance or rising pressure raises its settled rung later: it is
+    recompressed then, and only then.
+    """
+    rows = np.flatnonzero(eligible_mask(snap, policy))
+    if len(rows) == 0:
+        return 0.0
+    imp = snap.block_importance[rows] + floor
+    inv_f = np.array([1.0 / f.pack_ratio for f in snap.formats])
+    goal = float(np.sum(1.0 - inv_f[snap.block_format[rows]]))
+    hull_s, slopes = _hull(ladder, policy)
+    if len(slopes) == 0 or goal <= 0:
+        return 0.0
+    # A block at price p sits past hull vertex k exactly when importance <= p / slope_k (slopes
+    # increase), so the freed total is sum_k (freed_k+1 - freed_k) x #{importance <= p / slope_k}:
+    # with the importances sorted once, each evaluation is K binary searches. It is a step
+    # function of p, increasing: bisect p (to float resolution; the price need not be a step).
+    imp_sorted = np.sort(imp)
+    gains = np.diff(hull_s)
+
+    def freed_at(p: float) -> float:
+        with np.errstate(divide="ignore"):  # a damage-free rung (slope 0): every block passes it
+            return float(gains @ np.searchsorted(imp_sorted, p / slopes, side="right"))
+
+    hi = float(imp_sorted[-1] * slopes[-1])
+    if hi <= 0.0 or freed_at(hi) < goal - 1e-9:
+        return hi  # the ladder cannot free that much: everything at its harshest
+    lo = 0.0  # invariant: freed_at(hi) >= goal
+    for _ in range(_PRICE_BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        if freed_at(mid) >= goal - 1e-9:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def settled_choice(imp: np.ndarray, fid: np.ndarray, price: float, s_tab: np.ndarray, d_tab: np.ndarray,
+                   valid: np.ndarray) -> np.ndarray:
+    """Per block (importance `imp`, current format `fid`), the ladder index reachable from its
+    format that minimises `importance x extra damage - price x blocks freed` at `price`."""
+    score = imp[:, None] * d_tab[fid] - price * s_tab[fid]
+    return np.argmin(np.where(valid[fid], score, np.inf), axis=1)
+
+
+def _hull(ladder: list[Format], policy: Policy) -> tuple[np.ndarray, np.ndarray]:
+    """The lower convex hull of (blocks freed from hot, damage) over hot and the ladder: the
+    freed amount at each hull vertex (hot first) and the slope entering each vertex after hot
+    (damage per block freed, increasing). The formats a price-minimising block ever takes."""
+    pts = sorted({(1.0 - 1.0 / f.pack_ratio, policy.damage.of(f)) for f in ladder if f.pack_ratio > 1.0})
+    hull = [(0.0, 0.0)]
+    for s, d in pts:
+        if s <= hull[-1][0] + 1e-12:
+            continue  # (sorted by freed: only equal-freed points with more damage get here)
+        while len(hull) >= 2 and (d - hull[-2][1]) * (hull[-1][0] - hull[-2][0]) <= (hull[-1][1] - hull[-2][1]) * (
+                s - hull[-2][0]):
+            hull.pop()
+        hull.append((s, d))
+    freed = np.array([h[0] for h in hull])
+    slopes = np.array([(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(hull)])
+    return freed, slopes

@@ -73,6 +73,10 @@ class RunResult:
     finished: int = 0
     decisions_by_format: dict[str, int] = field(default_factory=dict)
     compressions_skipped: int = 0
+    compressions: int = 0
+    """Compressions written (first ones and recompressions alike)."""
+    blocks_compressed: int = 0
+    """Distinct (request, block) pairs compressed at least once."""
     predicted_damage: float = 0.0
     peak_fragmentation_blocks: float = 0.0
     timeline_pressure: list[float] = field(default_factory=list)
@@ -87,6 +91,8 @@ class RunResult:
             "finished": self.finished,
             "decisions_by_format": dict(sorted(self.decisions_by_format.items())),
             "compressions_skipped": self.compressions_skipped,
+            "compressions": self.compressions,
+            "compressions_per_block": round(self.compressions / max(1, self.blocks_compressed), 3),
             "predicted_damage": round(self.predicted_damage, 6),
             "peak_fragmentation_blocks": round(self.peak_fragmentation_blocks, 3),
         }
@@ -348,5 +354,7 @@ class Simulator:
             r.slots[i] = got
             r.fmt_ids[i] = self.fmt_index[fmt]
             self._decisions[action.to_format.name] += 1
+            self.result.compressions += 1
+            self.result.blocks_compressed += prev.is_hot  # a block is hot until its first compression
             self.result.predicted_damage += float(dmg)
         return decision.state

@@ -385,7 +385,7 @@ class ProximaKVCacheManager(KVCacheManager):
             return None  # its request was freed meanwhile; its blocks went with it
         ca = done.action
         px.ledger[ca.req_id].compressed[ca.index] = CompressedSlot(Format.parse(ca.fmt), ca.dst, ca.slot)
-        px.stats.record_commit(ca.fmt, in_prefill=done.in_prefill)
+        px.stats.record_commit(ca.fmt, in_prefill=done.in_prefill, first=ca.from_fmt == HOT.name)
         if ca.from_fmt != HOT.name:  # recompression: release the old slot
             px.packer.release(ca.req_id, ca.from_dst, ca.from_slot)
             return None

@@ -43,6 +43,9 @@ class ProximaStats:
     committed_in_prefill: int = 0
     """... and of those, committed (the rest of the prompt then attended to them)."""
     committed_by_format: dict[str, int] = field(default_factory=dict)
+    blocks_compressed: int = 0
+    """Commits that compressed a hot block (a block's first compression; the rest of `committed`
+    are recompressions): `committed / blocks_compressed` is the compressions per compressed block."""
     pool_at_peak: dict[str, float] = field(default_factory=dict)
     """Where the pool went at the (first) step of peak residency: hot blocks, destination
     blocks and their filled fraction, free blocks (what bounds the next resident request)."""
@@ -73,9 +76,11 @@ class ProximaStats:
         self.running_sum += resident
         self.side_bytes_peak = max(self.side_bytes_peak, side_bytes)
 
-    def record_commit(self, fmt: str, *, in_prefill: bool) -> None:
-        """One compression the worker reported written; `in_prefill`: planned during its prefill."""
+    def record_commit(self, fmt: str, *, in_prefill: bool, first: bool) -> None:
+        """One compression the worker reported written; `in_prefill`: planned during its prefill;
+        `first`: its source was hot (not a recompression)."""
         self.committed += 1
+        self.blocks_compressed += first
         self.committed_in_prefill += in_prefill
         self.committed_by_format[fmt] = self.committed_by_format.get(fmt, 0) + 1
 
@@ -131,6 +136,8 @@ def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool
         "importance_updates": s.importance_updates, "planned_in_prefill": s.planned_in_prefill,
         "committed_in_prefill": s.committed_in_prefill, "disabled": disabled,
         "committed_by_format": dict(s.committed_by_format),
+        "blocks_compressed": s.blocks_compressed,
+        "compressions_per_block": round(s.committed / s.blocks_compressed, 3) if s.blocks_compressed else 0.0,
         "peak_resident": s.peak_running, "pool_at_peak": dict(s.pool_at_peak),
         "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
         "resident_now": len(ledger),

@@ -236,3 +236,13 @@ def test_the_pool_and_the_side_tables_stay_within_the_kv_budget(name: str) -> No
     m.free(req)
     m.build_plan([])
     assert not m.px.charge.held and m.block_pool.get_num_free_blocks() == usable
+
+
+def test_the_summary_counts_compressions_per_compressed_block() -> None:
+    m, _ = _pressured(load_policy("aggressive"))
+    plan = m.build_plan(["a"])
+    assert plan.actions and all(a.from_fmt == "bf16" for a in plan.actions)
+    m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
+    s = m.summary()
+    n = len(plan.actions)
+    assert (s["committed"], s["blocks_compressed"], s["compressions_per_block"]) == (n, n, 1.0)

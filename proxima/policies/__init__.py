@@ -27,8 +27,7 @@ def policy_path(policy: str | Path) -> Path:
     shipped = POLICY_DIR / f"{policy}.yaml"
     if shipped.is_file():
         return shipped
-    raise FileNotFoundError(
-        f"{policy}: no such policy file, and not a shipped policy (one of {', '.join(shipped_names())})")
+    raise FileNotFoundError(f"{str(policy)!r} is neither a file nor a shipped policy ({', '.join(shipped_names())})")
 
 
 __all__ = ["POLICY_DIR", "policy_path", "shipped_names"]

@@ -15,7 +15,9 @@ from tests.compression.synthetic import realistic_kv
 @pytest.mark.parametrize("t,c,h,d", [(64, 16, 2, 64), (63, 8, 1, 128), (32, 1, 3, 64)])
 def test_cluster_triton_matches_reference(t, c, h, d, device):
     k, v = realistic_kv(2, t, h, d, seed=c, device=device)
-    w = torch.rand(2, t, h, device=device) + 0.1
+    # Seeded: with free draws a near-tie in one assignment now and then split the two objectives
+    # by 0.13% (seen once in a suite run); the comparison is of one algorithm, not of luck.
+    w = torch.rand(2, t, h, device=device, generator=torch.Generator(device=device).manual_seed(c)) + 0.1
     ranks = ref.token_ranks(w, None)
     kc, vc, lc, _ = ref.cluster(k, v, w, ranks, c, 4)
     kt, vt, lt = ops.cluster(k, v, w, None, c, 4)

@@ -293,7 +293,9 @@ def test_without_the_switch_or_with_a_prefill_row_the_split_path_runs(worker_con
     _, _, meta = _world(worker_connector)
     monkeypatch.setenv(cb.ONE_PASS_ENV, "0")
     assert _builder().build(0, _common(meta)).px_table is None  # switch off: the existing path
-    monkeypatch.delenv(cb.ONE_PASS_ENV)  # the default: on
+    monkeypatch.delenv(cb.ONE_PASS_ENV)  # the default: off
+    assert _builder().build(0, _common(meta)).px_table is None
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
     cm = _common(meta)
     cm.max_query_len = 2  # a prefill or verification row: the existing path
     assert _builder().build(0, cm).px_table is None

@@ -41,7 +41,9 @@ G = HQ // H
 
 def test_graph_support_is_declared_only_with_the_one_pass_path(monkeypatch: pytest.MonkeyPatch) -> None:
     builder = cb.ProximaTritonAttentionBackend.get_builder_cls()
-    monkeypatch.delenv(cb.ONE_PASS_ENV, raising=False)  # the default: on
+    monkeypatch.delenv(cb.ONE_PASS_ENV, raising=False)  # the default: off (slower than the split path on the H100)
+    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
     assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     full = SimpleNamespace(sliding_window=None, dtype=torch.float16)
     assert builder.get_cudagraph_support(None, full) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE  # type: ignore[arg-type]
@@ -78,7 +80,7 @@ def test_the_observed_layer_is_two_launches_reads_nothing_back_and_feeds_the_rep
 ) -> None:
     from tests.integration.vllm.attention.test_cuda_backend import _builder
 
-    monkeypatch.delenv(cb.ONE_PASS_ENV, raising=False)  # the default path
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
     store, kv, meta = _world(worker_connector)
     assert store.observe_layer == LAYER and store.aggregate == "max"
     impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl

@@ -69,7 +69,7 @@ def _has_weights(model: str) -> bool:
 
 def _base_env(engine_args: dict[str, Any]) -> dict[str, str]:
     # The run's own PROXIMA_ settings are not the engines'; the one-pass decode switch is (issue 38:
-    # on by default; the same scenarios on the split path with `PROXIMA_ONE_PASS_DECODE=0` in the
+    # off by default; the same scenarios on the one-pass path with `PROXIMA_ONE_PASS_DECODE=1` in the
     # caller's environment).
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_") or k == "PROXIMA_ONE_PASS_DECODE"}
     env["PX_ATTENTION_BACKEND"] = ""  # the GPU kit's own backend choice off: Proxima must choose

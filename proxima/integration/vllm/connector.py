@@ -261,13 +261,16 @@ class ProximaConnector(KVConnectorBase_V1):
     def _report_device_importance(self, store: WorkerStore) -> None:
         """The previous step's device-observed importance into this step's report; this step's
         (if its observed layer ran on the device, `DeviceBlockTable.observed`) queued for the next."""
+        from proxima.integration.vllm.worker.block_table import one_pass_decode
         from proxima.integration.vllm.worker.device_importance import seed_from_host
 
         readback, table = self._importance_readback, self.block_table
         if readback is None:
             return
         try:
-            if table is not None:  # observed on the host this step: the device average goes on from there
+            # Observed on the host this step: the device average goes on from there (only read on the
+            # one-pass path, so nothing to seed without it).
+            if table is not None and one_pass_decode():
                 b = next(iter(store.kv_caches.values())).shape[2] if store.kv_caches else 1
                 for rid in store.report.importance:
                     if (imp := store.token_importance.get(rid)) is not None:

@@ -39,7 +39,6 @@ neither ALiBi, sliding windows, soft-capping, sinks nor an fp8 KV cache (they ra
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -58,7 +57,7 @@ from proxima.compression.layout import KVLayout, hot_store
 from proxima.compression.mixed_decode import mixed_decode, update_block_importance
 from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
 from proxima.integration.vllm.connector import worker_block_table, worker_store
-from proxima.integration.vllm.worker.block_table import DeviceBlockTable
+from proxima.integration.vllm.worker.block_table import ONE_PASS_ENV, DeviceBlockTable, one_pass_decode
 from proxima.integration.vllm.worker.debug import reads_sources
 from proxima.integration.vllm.worker.decode_descriptors import layer_descriptors, slot_pool_of
 from proxima.integration.vllm.worker.importance import Observation, observe_safely, plan_observation
@@ -67,15 +66,6 @@ from proxima.integration.vllm.worker.store import SlotReader, WorkerStore
 
 logger = logging.getLogger("proxima.vllm")
 BACKEND_PATH = "proxima.integration.vllm.attention.triton.ProximaTritonAttentionBackend"
-ONE_PASS_ENV = "PROXIMA_ONE_PASS_DECODE"
-"""Uniform single-token decode batches run `mixed_decode` (one launch per layer, every row, from
-the device block table; two in the observed layer) instead of vLLM's kernel plus the per-format
-split, and the builder declares CUDA-graph support for them. On by default; `0` turns it off
-(the split path, graphs NEVER)."""
-
-
-def one_pass_decode() -> bool:
-    return os.environ.get(ONE_PASS_ENV) == "1"
 
 
 @dataclass

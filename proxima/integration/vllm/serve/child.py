@@ -7,7 +7,7 @@ engine could outlive its benchmark and keep CPU cores or the GPU busy under the 
 a capacity run's tokens/s skewed by an orphaned worker at 30% CPU). The quality harness's
 engines and the CPU capacity rows run one child at a time through `run_logged`; the GPU
 capacity rows, several side by side, keep a group per row the same way
-(`capacity_rows._kill_session`).
+(`bench/capacity_rows.py's `_kill_session``).
 """
 
 from __future__ import annotations

@@ -37,12 +37,25 @@ update), so a block reused by another request never points at a stale row.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from proxima.formats import Format
 from proxima.integration.vllm.plan import CompressAction
+
+ONE_PASS_ENV = "PROXIMA_ONE_PASS_DECODE"
+"""`1`: uniform single-token decode batches run `mixed_decode` (one launch per layer, every row, from
+this table; two in the observed layer) instead of vLLM's kernel plus the per-format split, and the
+attention builder declares CUDA-graph support for them. Off by default (slower than the split path
+on the H100, docs/vllm-integration.md): the split path, graphs NEVER. Here, not in `attention/`,
+because the connector reads it too (imports flow attention -> connector -> worker)."""
+
+
+def one_pass_decode() -> bool:
+    return os.environ.get(ONE_PASS_ENV) == "1"
+
 
 Placement = tuple[Format, int, int]
 """(format as the worker remembers it, destination block, slot), as in `WorkerStore.remap`."""

@@ -146,11 +146,14 @@ def test_block_importance_update_against_torch() -> None:
 
 
 def test_a_host_observation_seeds_the_device_average(worker_connector: ProximaConnector,
-                                                     parent_kernel_stub: None) -> None:  # noqa: F811
-    """A step with prefill rows is observed on the host (split path); the device average of each
-    observed request then continues from the host's block mass (per KV head), not from nothing."""
+                                                     parent_kernel_stub: None,  # noqa: F811
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with prefill rows is observed on the host (split path); on the one-pass path (the
+    only reader of the device average) each observed request's average then continues from the
+    host's block mass (per KV head), not from nothing."""
     from tests.integration.vllm.attention import test_cuda_backend as tcb
 
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
     store, kv, cm = tcb._world(worker_connector)
     q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
     tcb._forward(tcb._impl("torch"), tcb._builder().build(0, cm), kv, q)

@@ -104,7 +104,7 @@ STEP_LIMIT = 400
 BAD_POLICY = """\
 schema_version: 1
 name: int2-everywhere
-description: Every eligible block into int2 (attention error ~0.4 per block on SmolLM2), as soon as any block is used.
+description: Every eligible block into int2 (attention error ~0.4 per block on SmolLM2), as soon as any block is used; canary bounds well inside int2 damage (measured KL 0.026-0.03, top-1 0.94-0.95), so its verdicts fail by a margin, not by a coin toss at the defaults.
 bands:
   - name: always
     enter: 0.02
@@ -123,6 +123,8 @@ probes:
   canary:
     enabled: {canary}
     interval_s: 1.0
+    max_kl: 0.01
+    min_top1: 0.99
 fallback:
   failures_to_step_down: 2
   cooldown_s: 3600

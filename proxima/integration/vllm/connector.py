@@ -69,8 +69,9 @@ class ProximaConnector(KVConnectorBase_V1):
         self.store: WorkerStore | None = None  # worker role
         self.block_table: DeviceBlockTable | None = None
         """Worker role: the compressed blocks' map on the device (`block_table.py`), kept in step
-        with `store.remap` after each plan; None before the caches are registered, or after an
-        update failed (the attention then plans from the host maps)."""
+        with `store.remap` after each plan; None without the one-pass decode (`PROXIMA_ONE_PASS_DECODE`,
+        read when the caches are registered: nothing else reads the table), before the caches are
+        registered, or after an update failed (the attention then plans from the host maps)."""
         self.ranks = int(vllm_config.parallel_config.tensor_parallel_size)
         """Worker ranks of this engine, each with its shard's KV heads (`ranks.py`)."""
         self._importance_readback: Any = None
@@ -177,7 +178,10 @@ class ProximaConnector(KVConnectorBase_V1):
 
         store = self._worker_store()
         store.register(kv_caches)
-        self._make_block_table(kv_caches)
+        from proxima.integration.vllm.worker.block_table import one_pass_decode
+
+        if one_pass_decode():  # only the one-pass decode reads it: without it, no table to keep current
+            self._make_block_table(kv_caches)
         store.require_reader = True  # a real worker: compress only if a Proxima backend reads it
         # The model (and with it every layer's attention implementation) is built before vLLM
         # creates this connector, so the readers are found on the layers, not announced by them.
@@ -229,12 +233,15 @@ class ProximaConnector(KVConnectorBase_V1):
     def _refresh_descriptors(self) -> None:
         """The one-pass decode's pool descriptors, current with the table's formats, here (every
         step, outside any CUDA graph) rather than in the forward, which a graph replay skips."""
-        from proxima.integration.vllm.worker.decode_descriptors import refresh_descriptors
+        from proxima.integration.vllm.worker.decode_descriptors import TooManyFormats, refresh_descriptors
 
         if self.block_table is None or self.store is None:
             return
         try:
             refresh_descriptors(self.store, self.block_table)
+        except TooManyFormats as e:  # a known limit, not a fault: the split path serves every format
+            logger.warning("proxima: %s; attention plans from the host maps from now on", e)
+            self.block_table = None
         except Exception:
             logger.exception("proxima: the one-pass decode's pool descriptors could not be built; attention "
                              "plans from the host maps from now on")

@@ -74,9 +74,11 @@ def test_canaries_run_compressed_against_their_reference_and_feed_the_controller
     """With the compression-time probe off, canaries are the only probe: their live runs are compressed
     (int2 here) regardless of pressure and compared with their never-compressed references.
 
-    Measured (`bench/results/fallback-cpu.json`): on the ~320-token canary prompts int2 moves the
-    mean KL by about 0.03 nats and top-1 to 0.94-0.95, under the default 0.95: the canary's failing
-    verdicts step this policy down by themselves (the verdict after the step down passes)."""
+    Measured (`bench/results/fallback-cpu.json`, CI 2026-12-06): on the ~320-token canary prompts
+    int2 moves the mean KL by 0.026-0.03 nats and top-1 to 0.94-0.95, straddling the default 0.95
+    (a CI run's first verdict passed at 0.952). The bad policy therefore sets the canary's bounds
+    at KL 0.01 and top-1 0.99 (`bench/fallback.py`), so int2 fails them by a margin: the canary's
+    failing verdicts step this policy down by themselves."""
     off = run["runs"]["bad_probes_off"]
     verdicts = off["canary_verdicts"]
     assert len(verdicts) >= 2

@@ -19,6 +19,11 @@ from proxima.integration.vllm.worker.block_table import DeviceBlockTable
 from proxima.integration.vllm.worker.store import WorkerStore
 
 
+class TooManyFormats(RuntimeError):
+    """More formats met than the decode kernel's descriptor table has codes for (each policy
+    change's override epoch is a format of its own, so a long-lived engine can get there)."""
+
+
 def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.device) -> CompressedBlocks:
     """Every slot of `fmt` in `layer`, as the worker wrote them, for Proxima's kernels (no copy).
 
@@ -49,7 +54,7 @@ def layer_descriptors(store: WorkerStore, table: DeviceBlockTable, layer: str) -
     if desc is not None and seen == len(table.formats):
         return desc
     if len(table.formats) >= MAX_CODES:
-        raise RuntimeError(f"proxima: {len(table.formats)} formats met, the decode kernel reads {MAX_CODES - 1}")
+        raise TooManyFormats(f"{len(table.formats)} formats met, the one-pass decode kernel reads {MAX_CODES - 1}")
     kv = store.kv_caches[layer]
     pools = {c + 1: slot_pool_of(store, layer, f, kv.device) for c, f in enumerate(table.formats)}
     new = pool_descriptors(pools, store.geometry(layer)[2], kv.device)
@@ -66,4 +71,4 @@ def refresh_descriptors(store: WorkerStore, table: DeviceBlockTable) -> None:
         layer_descriptors(store, table, layer)
 
 
-__all__ = ["layer_descriptors", "refresh_descriptors", "slot_pool_of"]
+__all__ = ["TooManyFormats", "layer_descriptors", "refresh_descriptors", "slot_pool_of"]

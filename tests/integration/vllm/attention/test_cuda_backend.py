@@ -323,6 +323,16 @@ def test_unsupported_features_raise_for_compressed_rows(worker_connector: Proxim
         _forward(impl, _builder().build(0, cm), kv, q)
 
 
+def test_without_the_one_pass_decode_the_connector_keeps_no_device_table(
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off (the default), nothing reads the device table, so none is built or kept current (the
+    soak once failed on its descriptor refresh, a cost and a fault for nothing)."""
+    monkeypatch.delenv(cb.ONE_PASS_ENV, raising=False)
+    store, _, _ = _world(worker_connector)
+    assert store.remap and worker_connector.block_table is None
+
+
 def test_side_table_on_another_device_is_an_error(worker_connector: ProximaConnector) -> None:
     store, _, _ = _world(worker_connector)
     p = store.pool(LAYER, Format.parse("int8"))
@@ -332,7 +342,7 @@ def test_side_table_on_another_device_is_an_error(worker_connector: ProximaConne
 
 
 def test_the_device_block_table_follows_the_workers_map_and_finds_rows_on_the_device(
-    worker_connector: ProximaConnector,
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After the steps of `_world` (compressions, then a plan with the key blocks) the connector's
     device table holds every compressed block where the worker wrote it, each batch row finds its
@@ -341,6 +351,7 @@ def test_the_device_block_table_follows_the_workers_map_and_finds_rows_on_the_de
     from proxima.integration.vllm.connector import worker_block_table
     from proxima.integration.vllm.worker.block_table import rows_of_batch
 
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")  # read when the caches are registered (in `_world`)
     store, _, cm = _world(worker_connector)
     t = worker_block_table()
     assert t is not None and t is worker_connector.block_table

@@ -35,6 +35,13 @@ REQUESTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _one_pass_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device table these tests read exists only with the one-pass decode on (the connector
+    reads the switch when the caches are registered); a test may turn it off after."""
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
+
+
 def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     kv = torch.randn(NB, H, B, 2 * D).bfloat16().to(DEV)

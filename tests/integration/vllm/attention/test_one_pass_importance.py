@@ -31,6 +31,7 @@ from tests.integration.vllm.attention.test_mixed_decode import (
     H,
     _common,
     _Counter,
+    _one_pass_on,  # noqa: F401 (an autouse fixture: the device table exists only with the switch on)
     _reference,
     _world,
     no_parent_kernel,  # noqa: F401 (a fixture)

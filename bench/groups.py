@@ -116,6 +116,7 @@ def smollm2_rows(contexts: int, context_len: int, block_size: int = 64) -> list[
     from proxima.integration.hf import ProximaCache, enable
     from proxima.models import load
     from proxima.quality.datasets import text_samples
+    from proxima.quality.probe_records import ProbeLog, probe_records
 
     model, tok = load()
     enable(model)
@@ -123,7 +124,7 @@ def smollm2_rows(contexts: int, context_len: int, block_size: int = 64) -> list[
     errs: dict[tuple[str, int], list[float]] = {}
     invalid: dict[tuple[str, int], str] = {}
     for s in text_samples(tok, context_len, contexts, seed=7):
-        cache = ProximaCache(block_size=block_size, record_probes=True)
+        cache = ProximaCache(block_size=block_size, probe_hook=ProbeLog())
         with torch.no_grad():
             model(torch.tensor([s.context_ids], device=model.device), past_key_values=cache)
         n = cache.proxima_layers[0].n_blocks
@@ -136,7 +137,7 @@ def smollm2_rows(contexts: int, context_len: int, block_size: int = 64) -> list[
                 except ValueError as e:
                     invalid[(q, g)] = str(e)
                     continue
-                errs.setdefault((q, g), []).extend(r.error for r in c.probe_log)
+                errs.setdefault((q, g), []).extend(r.error for r in probe_records(c))
         print(f"[groups] SmolLM2 context {s.name}: {n} blocks", flush=True)
     rows = []
     for q in QUANTS:

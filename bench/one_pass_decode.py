@@ -90,7 +90,8 @@ def main() -> None:
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     from proxima.compression.blocks import compress_blocks
-    from proxima.compression.layout import KVLayout, hot_store, slot_pool, write_slots
+    from proxima.compression.layer_stack import LayerStack
+    from proxima.compression.layout import KVLayout, hot_store
     from proxima.compression.mixed_decode import mixed_decode, pool_descriptors, update_block_importance
     from proxima.compression.paged import PagedRow, paged_attention, plan_rows
     from proxima.compression.spec import SlotSpec
@@ -140,7 +141,8 @@ def main() -> None:
              "launches": _launches(lambda: one_pass(empty_desc))}]
     # the mixed batch: every row's oldest `ncomp` blocks in `fmt`, written by the product's kernels
     spec = SlotSpec(fmt, bs, d, h)
-    pool = slot_pool(kv, spec)
+    stack = LayerStack({"layer": kv})  # the worker's slot pool (one layer): the bytes it writes
+    sp = stack.pool(fmt, spec)
     placed, remaps = [], []
     sid0 = (bsz * nblk + 1) * fmt.pack_ratio
     for r in range(bsz):
@@ -149,7 +151,7 @@ def main() -> None:
         imp = torch.ones(ncomp, bs, h, device=dev) if fmt.reduction is not None else None
         cb = compress_blocks(fmt, k, v, token_importance=imp)
         ids = sid0 + r * ncomp + torch.arange(ncomp, device=dev)
-        write_slots(pool, ids, cb)
+        stack.write(sp, (0,), ids, cb)
         rm = {}
         for j in range(ncomp):
             sid = int(sid0 + r * ncomp + j)
@@ -158,6 +160,7 @@ def main() -> None:
             rm[j] = place
         remaps.append(rm)
     table.update(placed, [], {int(b): f"r{i}" for i, b in enumerate(tables[:, -1].tolist())})
+    pool = sp.at(0).blocks(cb.k_data.dtype, cb.v_data.dtype, kv.dtype)
     desc = pool_descriptors({1: pool}, bs, dev)
     plan = plan_rows([PagedRow(tables[r].tolist(), ctx, 1, remaps[r]) for r in range(bsz)], bs).to(dev)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import triton
 
-from proxima.compression import KVLayout, compress_blocks, hot_store, slot_pool, slot_spec, write_slots
+from proxima.compression import KVLayout, LayerStack, compress_blocks, hot_store, slot_spec
 from proxima.compression import triton_attention as ta
 from proxima.compression.paged import PagedRow, paged_attention, plan_rows
 from proxima.formats import Format
@@ -65,7 +65,8 @@ def time_one(fmt: Format, r: int, tokens: int) -> list[dict]:
     nb = tokens // B
     kv = torch.randn(1 + 2 * r * nb, H, B, 2 * D, device="cuda").bfloat16()
     hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=H, head_dim=D)
-    pool = slot_pool(kv, slot_spec(fmt, block_size=B, head_dim=D, num_kv_heads=H))
+    stack = LayerStack({"layer": kv})  # the worker's slot pool (one layer): the bytes it writes
+    sp = stack.pool(fmt, slot_spec(fmt, block_size=B, head_dim=D, num_kv_heads=H))
     q = torch.randn(r, HQ, D, device="cuda").bfloat16()
     plain = [PagedRow(range(1 + i * nb, 1 + (i + 1) * nb), tokens) for i in range(r)]
     comp_rows, srcs, slots = [], [], []
@@ -80,7 +81,8 @@ def time_one(fmt: Format, r: int, tokens: int) -> list[dict]:
         comp_rows.append(PagedRow(row.block_ids, tokens, 1, placements))
     src = kv[torch.tensor(srcs, device="cuda")].transpose(1, 2)  # [N, B, H, 2D]
     cb = compress_blocks(fmt, src[..., :D].contiguous(), src[..., D:].contiguous())
-    write_slots(pool, torch.tensor(slots, device="cuda"), cb)
+    stack.write(sp, (0,), torch.tensor(slots, device="cuda"), cb)
+    pool = sp.at(0).blocks(cb.k_data.dtype, cb.v_data.dtype, kv.dtype)
     out = []
     for name, rows in (("all hot", plain), (f"half {fmt}", comp_rows)):
         plan = plan_rows(rows, B).to("cuda")

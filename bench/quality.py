@@ -96,7 +96,7 @@ FULL_METHODS = (
 added): the shipped policies as written (aggressive at 4x and 8x), the best experimental ones, a
 curve of uniform formats from 1.8x to 5x bytes in both placements, and the token-eviction
 references at 4x and 8x (snapkv, h2o, streaming_llm: issue 18's 8x target names all three). h2o
-makes the harness prefill with `accumulate_attention=True` (a second attention pass per layer over
+makes the harness prefill with the `AttentionSums` hook (a second attention pass per layer over
 each prompt, in query chunks). Three device calls on one GPU (see Sizing). Left out (each a
 `--methods` away): the calibrated `-cal` policies (aggressive-cal@8x alone cost 0.21M operations
 per 4k sample and setting), the `quantized` family (beaten by aggressive's ladder on perplexity

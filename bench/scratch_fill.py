@@ -66,7 +66,7 @@ def _setup(fmt: Format) -> tuple[WorkerStore, torch.Tensor, ScratchPlan, float]:
             slot = len(acts) % fmt.pack_ratio
             if slot == 0:
                 d, dnext = dnext, dnext + 1
-            acts.append(CompressAction(len(acts), f"r{r}", j, blocks[j], d, slot, fmt.name))
+            acts.append(CompressAction(len(acts), f"r{r}", j, blocks[j], d, slot, fmt))
         rows.append((f"r{r}", blocks))
     t = time.perf_counter()
     st.apply(ProximaPlan(actions=acts))

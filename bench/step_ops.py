@@ -156,9 +156,9 @@ class Workload:
         self._aid += 1
         if from_ is None:
             return CompressAction(ActionId(self._aid), rid, 0, src=BlockId(src), dst=BlockId(blk),
-                                  slot=SlotIndex(slot), fmt=fmt.name)
+                                  slot=SlotIndex(slot), fmt=fmt)
         return CompressAction(ActionId(self._aid), rid, 0, src=BlockId(-1), dst=BlockId(blk), slot=SlotIndex(slot),
-                              fmt=fmt.name, from_fmt=from_.fmt, from_dst=from_.dst, from_slot=from_.slot)
+                              fmt=fmt, from_fmt=from_.fmt, from_dst=from_.dst, from_slot=from_.slot)
 
     def _apply_all(self, actions: list[CompressAction]) -> None:
         self.store.apply(ProximaPlan(actions=actions))

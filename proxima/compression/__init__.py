@@ -12,7 +12,8 @@ Public API (shapes use named dims: N blocks, T tokens, H KV heads, Hq query head
 - Bytes: `CompressedBlocks.held_nbytes` (what a store keeps, metadata included),
   `kv16_bytes` and `bytes_ratio` (`spec.py`): every reported ratio is 16-bit KV bytes over held bytes.
 - `slot_spec(fmt, ...)`: bytes and metadata layout of a format; `layout`: views onto vLLM's KV
-  tensor (CPU_ATTN and FlashAttention layouts) and the metadata side table.
+  tensor (CPU_ATTN and FlashAttention layouts); `layer_stack`: the KV layers as one tensor and
+  their compressed slots (`SlotPool`, with its side tables: the one slot-pool view).
 
 Nothing here imports vLLM. Triton is imported only when a Triton backend is used.
 """
@@ -35,7 +36,8 @@ from proxima.compression.blocks import (
     decompress_blocks,
     kept_count,
 )
-from proxima.compression.layout import KVLayout, SideTable, hot_store, read_slots, slot_pool, write_slots
+from proxima.compression.layer_stack import LayerSlots, LayerStack, SlotPool
+from proxima.compression.layout import KVLayout, hot_store
 from proxima.compression.spec import DEFAULT_GROUP_SIZE, SlotSpec, bytes_ratio, kv16_bytes, slot_spec
 
 __all__ = [
@@ -45,7 +47,9 @@ __all__ = [
     "DecodeOutput",
     "KVLayout",
     "KVSegment",
-    "SideTable",
+    "LayerSlots",
+    "LayerStack",
+    "SlotPool",
     "SlotSpec",
     "attention_error",
     "attention_errors",
@@ -60,8 +64,5 @@ __all__ = [
     "kept_count",
     "kv16_bytes",
     "merge_partials",
-    "read_slots",
-    "slot_pool",
     "slot_spec",
-    "write_slots",
 ]

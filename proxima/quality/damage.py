@@ -115,17 +115,18 @@ def calibrate(
     from proxima.formats import Format
     from proxima.integration.hf import ProximaCache, enable
     from proxima.quality.datasets import text_samples
+    from proxima.quality.probe_records import ProbeLog, probe_records
 
     enable(model)
     records: list[Any] = []
     for i, s in enumerate(text_samples(tokenizer, context_len, contexts, seed=7)):
-        cache = ProximaCache(block_size=block_size, record_probes=True)
+        cache = ProximaCache(block_size=block_size, probe_hook=ProbeLog())
         with torch.no_grad():
             model(torch.tensor([s.context_ids], device=model.device), past_key_values=cache)
         n = cache.proxima_layers[0].n_blocks
         for f in formats:
             c = copy.deepcopy(cache)
             c.compress_blocks(list(range(1, n)), Format.parse(f))
-            records += c.probe_log
+            records += probe_records(c)
         log(f"[calibrate] context {i + 1}/{contexts}: {len(records)} probe records")
     return fit(records_to_rows(records), source=f"proxima calibrate: {contexts} x {context_len} tokens, SmolLM2")

@@ -25,7 +25,9 @@ import torch
 from proxima.compression.blocks import Backend
 from proxima.integration.hf import ProximaCache, enable
 from proxima.quality.datasets import NeedleSample, TextSample
+from proxima.quality.h2o import AttentionSums
 from proxima.quality.methods import Method
+from proxima.quality.probe_records import ProbeLog, probe_records
 from proxima.quality.stacking import stacked
 
 Log = Callable[[str], None]
@@ -99,7 +101,8 @@ def _prefill(
     model, ids: list[int], block_size: int, record_probes: bool, backend: Backend, accumulate_attention: bool = False
 ) -> tuple[ProximaCache, torch.Tensor]:
     cache = ProximaCache(
-        block_size=block_size, record_probes=record_probes, backend=backend, accumulate_attention=accumulate_attention
+        block_size=block_size, probe_hook=ProbeLog() if record_probes else None, backend=backend,
+        query_hooks=(AttentionSums(),) if accumulate_attention else (),
     )
     out = model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
     return cache, out.logits[0, -1]
@@ -208,7 +211,7 @@ def evaluate(
             acc = acc_of(m)
             _record_formats(acc, cache)
             if probe_sink is not None:
-                probe_sink.extend(cache.probe_log)
+                probe_sink.extend(probe_records(cache))
             acc.seconds += time.monotonic() - tm
             caches.append(cache)
         return caches

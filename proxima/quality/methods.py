@@ -14,14 +14,14 @@ the question or continuation arrives (the protocol of ../shared/FACTS.md). Metho
   recent window, StreamingLLM-style), `snapkv@<r>x` (SnapKV-style: keep the tokens the last 32
   context queries attend to most, pooled over 7 neighbours, per KV head, plus the window),
   `h2o@<r>x` (H2O-style heavy hitters: keep the tokens with the most attention accumulated over
-  *all* prefill queries, per KV head, no pooling, plus the same window; needs the cache's opt-in
-  `accumulate_attention`), `kivi-int4` (uniform int4 on all context tokens, KIVI grouping) and
-  `fp8` (uniform fp8, what vLLM's `kv_cache_dtype="fp8"` stores).
+  *all* prefill queries, per KV head, no pooling, plus the same window; needs the sums hook
+  `proxima.quality.h2o.AttentionSums` on the cache from the prefill on), `kivi-int4` (uniform
+  int4 on all context tokens, KIVI grouping) and `fp8` (uniform fp8, what vLLM's `kv_cache_dtype="fp8"` stores).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,6 +33,7 @@ from proxima.integration.hf import ProximaCache
 from proxima.policies import POLICY_DIR
 from proxima.policy.loader import load_policy
 from proxima.policy.schema import Policy
+from proxima.quality.h2o import attention_sums
 
 
 def policy_path(name: str, experiments: Path | None = None) -> Path:
@@ -67,9 +68,9 @@ class Method:
     """Nominal compression ratio of the context's KV."""
     apply: Callable[[ProximaCache], None]
     needs_accumulated_attention: bool = False
-    """The method reads `ProximaCache.accumulated_attention` (H2O): the harness then prefills with
-    `accumulate_attention=True`, which costs a second attention pass over the prompt in every
-    layer, so only runs that select such a method pay for it."""
+    """The method reads the accumulated attention (H2O, `proxima.quality.h2o`): the harness then
+    prefills with an `AttentionSums` hook on the cache, which costs a second attention pass over
+    the prompt in every layer, so only runs that select such a method pay for it."""
 
 
 def _none(cache: ProximaCache) -> None:
@@ -135,7 +136,14 @@ def _streaming(ratio: float, cache: ProximaCache) -> None:
         assert layer.tail_k is not None
         b, h = layer.tail_k.shape[:2]
         masks.append(keep.view(1, 1, t).expand(b, h, t))
-    cache.evict_tokens(masks)
+    evict_tokens(cache, masks)
+
+
+def evict_tokens(cache: ProximaCache, keep: Sequence[torch.Tensor]) -> None:
+    """Token eviction for the baselines: per layer a bool keep mask `[B, H_kv, T_full]` over the
+    full blocks (the layers' storage masks them: `ProximaLayer.evict`)."""
+    for layer, kp in zip(cache.proxima_layers, keep, strict=True):
+        layer.evict(kp)
 
 
 def _budget(cache: ProximaCache, ratio: float) -> tuple[int, int]:
@@ -171,22 +179,22 @@ def _snapkv(ratio: float, cache: ProximaCache) -> None:
             imp.reshape(b * h, 1, t), SNAP_POOL, stride=1, padding=SNAP_POOL // 2
         ).reshape(b, h, t)
         masks.append(_keep_top(pooled, budget, window))
-    cache.evict_tokens(masks)
+    evict_tokens(cache, masks)
 
 
 def _h2o(ratio: float, cache: ProximaCache) -> None:
     """H2O's heavy hitters: per layer and KV head, the tokens with the most attention summed over
-    every prefill query (`ProximaCache.accumulated_attention`), plus the recent window. SnapKV
+    every prefill query (`proxima.quality.h2o.AttentionSums`), plus the recent window. SnapKV
     differs in scoring by the last `SNAP_WINDOW` queries only and pooling the scores."""
     budget, window = _budget(cache, ratio)
     masks = []
     for li in range(len(cache.layers)):
         try:
-            scores = cache.accumulated_attention(li)
+            scores = attention_sums(cache).scores(cache, li)
         except RuntimeError as e:
             raise RuntimeError(f"h2o@{ratio:g}x: {e}") from e
         masks.append(_keep_top(scores, budget, window))
-    cache.evict_tokens(masks)
+    evict_tokens(cache, masks)
 
 
 RATIOS = (2, 4, 8)

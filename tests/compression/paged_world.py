@@ -2,8 +2,10 @@
 
 The cache is one layer's tensor as vLLM's Triton backend holds it (logical [NB, H, B, 2D],
 physical LBHNC, read through the FLASH_ATTN views). Compressed blocks are written into slots of
-spare physical blocks, and their source blocks are overwritten with garbage (the null block and
-a reused block in vLLM), so a test passes only if nothing reads them.
+spare physical blocks through the vLLM worker's own slot pool and write (`LayerStack.pool`,
+`LayerStack.write`), and read through its `LayerSlots.blocks` view, so the tests certify the bytes
+the product writes; their source blocks are overwritten with garbage (the null block and a
+reused block in vLLM), so a test passes only if nothing reads them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,11 @@ import torch
 from proxima.compression import (
     CompressedBlocks,
     KVLayout,
+    LayerStack,
     compress_blocks,
     decompress_blocks,
     hot_store,
-    slot_pool,
     slot_spec,
-    write_slots,
 )
 from proxima.compression.paged import PagedRow
 from proxima.formats import Format
@@ -64,7 +65,9 @@ def build_world(
     total = 1 + sum(nblk) + dst_needed
     k, v = realistic_kv(total, b, h, d, seed=seed)
     kv = torch.cat([k, v], -1).transpose(1, 2).contiguous().to(device)  # [NB, H, B, 2D]
-    pools = {f: slot_pool(kv, slot_spec(f, block_size=b, head_dim=d, num_kv_heads=h)) for f in fmts}
+    stack = LayerStack({"layer": kv})
+    slots = {f: stack.pool(f, slot_spec(f, block_size=b, head_dim=d, num_kv_heads=h)) for f in fmts}
+    dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
     next_block = 1
     next_dst = 1 + sum(nblk)
     rows, dense, freed, token_blocks = [], [], [], []
@@ -91,7 +94,9 @@ def build_world(
                 ks.append(kh[0])
                 vs.append(vh[0])
                 bias.append(lc[0])
-                write_slots(pools[f], torch.tensor([dst * f.pack_ratio + used]), _to(cb, device))
+                ids = torch.tensor([dst * f.pack_ratio + used], device=device)
+                stack.write(slots[f], (0,), ids, _to(cb, device))
+                dtypes[f] = (cb.k_data.dtype, cb.v_data.dtype)
                 freed.append(table[j])
                 table[j] = 0  # the source is freed: vLLM's table holds the null block
             else:
@@ -106,6 +111,7 @@ def build_world(
     # garbage where nothing may read: the null block and every freed source
     kv[[0, *freed]] = 1e4
     hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=h, head_dim=d)
+    pools = {f: slots[f].at(0).blocks(*dtypes[f], kv.dtype) for f in fmts}
     return World(kv, rows, hot, pools, dense, token_blocks)
 
 

@@ -1,20 +1,20 @@
-"""Views onto vLLM's per-layer KV tensor: hot blocks and compressed slots inside blocks."""
+"""Views onto vLLM's per-layer KV tensor: hot blocks (`layout`) and compressed slots inside
+blocks (`layer_stack`: the slot pool the vLLM worker writes, tested through its own write)."""
 
 import pytest
 import torch
 
 from proxima.compression import (
+    CompressedBlocks,
     KVLayout,
     KVSegment,
-    SideTable,
+    LayerStack,
+    SlotPool,
     compress_blocks,
     decode_attention,
     decompress_blocks,
     hot_store,
-    read_slots,
-    slot_pool,
     slot_spec,
-    write_slots,
 )
 from tests.compression.conftest import rel_err
 from tests.compression.synthetic import realistic_kv
@@ -48,48 +48,55 @@ def test_flash_attn_hot_view_matches_the_backend_split():
     assert torch.equal(st.k_data, key_cache) and torch.equal(st.v_data, value_cache)
 
 
-@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.FLASH_ATTN])
+def _written(kv: torch.Tensor, fmt: str, ids: torch.Tensor, cb: CompressedBlocks) -> tuple[LayerStack, SlotPool]:
+    """`cb` written into slots `ids` of `kv` as the vLLM worker writes them (`LayerStack.write`)."""
+    stack = LayerStack({"layer": kv})
+    sp = stack.pool(fmt, slot_spec(fmt, block_size=B, head_dim=D, num_kv_heads=H))
+    stack.write(sp, (0,), ids, cb)
+    return stack, sp
+
+
 @pytest.mark.parametrize("fmt", ["int4", "fp8", "int8", "sparse(4)", "cluster(2)+int4", "int2"])
-def test_slots_round_trip_and_stay_inside_their_block(layout, fmt):
-    kv = _cpu_cache() if layout == KVLayout.CPU_ATTN else _flash_cache()
+def test_slots_round_trip_and_stay_inside_their_block(fmt):
+    kv = _cpu_cache()
     before = kv.clone()
-    spec = slot_spec(fmt, block_size=B, head_dim=D, num_kv_heads=H)
-    r = spec.fmt.pack_ratio
-    side = SideTable(spec, NB * r)
-    pool = slot_pool(kv, spec, side)
-    assert pool.num_slots == NB * r and pool.slot_tokens == B // spec.fmt.reduction_ratio
+    r = slot_spec(fmt, block_size=B, head_dim=D, num_kv_heads=H).fmt.pack_ratio
     k, v = realistic_kv(r, B, H, D, seed=r)
     cb = compress_blocks(fmt, k, v)
     target = 2  # fill every slot of physical block 2
     ids = torch.arange(target * r, (target + 1) * r)
-    write_slots(pool, ids, cb)
+    stack, sp = _written(kv, fmt, ids, cb)
     changed = (kv.view(torch.int16) != before.view(torch.int16)).flatten(1).any(1)
     assert changed.tolist() == [b == target for b in range(NB)]
-    back = read_slots(pool, ids, cb.slot_tokens)
+    pool = sp.at(0).blocks(cb.k_data.dtype, cb.v_data.dtype, kv.dtype)  # what the attention backends read
+    assert pool.num_slots == NB * r and pool.slot_tokens == B // cb.fmt.reduction_ratio
+    assert pool.k_data.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()  # a view, not a copy
+    back = pool.select(ids)
     for name in ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero", "log_count"):
         x, y = getattr(cb, name), getattr(back, name)
-        assert (x is None) == (y is None)
+        assert (x is None) == (y is None), name
         if x is not None:
-            assert torch.equal(
-                x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
-                y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y,
-            ), name
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.dtype == torch.float8_e4m3fn \
+                else torch.equal(x.to(y.dtype), y), name
     kh, vh, _ = decompress_blocks(back)
     kw, vw, _ = decompress_blocks(cb)
     assert torch.equal(kh, kw) and torch.equal(vh, vw)
+    # the gather the executor reads recompressions with returns the same bytes
+    k8, _, meta = stack.gather(sp, (0,), ids)
+    assert torch.equal(k8.view(cb.k_data.dtype), cb.k_data.contiguous()) and set(meta) == set(sp.meta)
 
 
-def test_partial_block_in_a_slot_and_attention_through_pool_views():
-    kv = _flash_cache()
-    spec = slot_spec("int4", block_size=B, head_dim=D, num_kv_heads=H)
-    pool = slot_pool(kv, spec)
-    k, v = realistic_kv(2, 20, H, D, seed=11)  # partial blocks of 20 tokens
+def test_attention_through_the_pool_view():
+    kv = _cpu_cache()
+    k, v = realistic_kv(2, B, H, D, seed=11)
     cb = compress_blocks("int4", k, v)
     ids = torch.tensor([5, 9])
-    write_slots(pool, ids, cb)
+    _, sp = _written(kv, "int4", ids, cb)
+    pool = sp.at(0).blocks(cb.k_data.dtype, cb.v_data.dtype, kv.dtype)
     q = torch.randn(1, 4, D).bfloat16()
-    seg_pool = KVSegment(pool, ids.view(1, 2).int(), torch.full((1, 2), 20, dtype=torch.int32))
-    seg_dense = KVSegment(cb, torch.tensor([[0, 1]], dtype=torch.int32), torch.full((1, 2), 20, dtype=torch.int32))
+    lens = torch.full((1, 2), 20, dtype=torch.int32)  # the causal tail: 20 of each block's tokens
+    seg_pool = KVSegment(pool, ids.view(1, 2).int(), lens)
+    seg_dense = KVSegment(cb, torch.tensor([[0, 1]], dtype=torch.int32), lens)
     a = decode_attention(q, [seg_pool], backend="triton")
     b = decode_attention(q, [seg_dense], backend="torch")
     assert rel_err(a.out.float(), b.out.float()) < 1e-2
@@ -98,8 +105,10 @@ def test_partial_block_in_a_slot_and_attention_through_pool_views():
 def test_layout_errors():
     with pytest.raises(ValueError, match="num_blocks"):
         hot_store(torch.zeros(2, 3, 4, 5), KVLayout.CPU_ATTN, num_kv_heads=2, head_dim=4)
-    spec = slot_spec("int4", block_size=16, head_dim=D, num_kv_heads=H)
     with pytest.raises(ValueError, match="bytes"):
-        slot_pool(_cpu_cache(), spec)
+        LayerStack({"l": _cpu_cache()}).pool("int4", slot_spec("int4", block_size=16, head_dim=D, num_kv_heads=H))
+    spec = slot_spec("int4", block_size=B, head_dim=D, num_kv_heads=H)
     with pytest.raises(ValueError, match="16-bit"):
-        slot_pool(torch.zeros(NB, H, B, 2 * D), slot_spec("int4", block_size=B, head_dim=D, num_kv_heads=H))
+        LayerStack({"l": torch.zeros(NB, H, B, 2 * D)}).pool("int4", spec)
+    with pytest.raises(ValueError, match="dense"):  # the slots reinterpret a block's bytes in order
+        LayerStack({"l": _flash_cache()}).pool("int4", spec)

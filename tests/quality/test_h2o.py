@@ -1,4 +1,5 @@
-"""The H2O baseline: accumulated attention in `ProximaCache` and the `h2o@<r>x` methods."""
+"""The H2O baseline: accumulated attention (`proxima.quality.h2o`, a hook on `ProximaCache`) and
+the `h2o@<r>x` methods."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import torch
 from hf_helpers import tiny_llama  # type: ignore[import-not-found]
 
 from proxima.integration.hf import ProximaCache, enable
-from proxima.integration.hf import importance as cache_mod
+from proxima.quality import h2o as cache_mod
 from proxima.quality import harness, methods, report
+from proxima.quality.h2o import AttentionSums, attention_sums
 
 T, BLOCK = 300, 32  # 9 full blocks (288 tokens) and a 12-token hot tail
 
@@ -55,7 +57,7 @@ def test_accumulated_attention_is_the_full_attention_column_sum(monkeypatch, pie
     ids = _ids()
     want = _eager_column_sums(ids)
     model = enable(tiny_llama())
-    cache = ProximaCache(block_size=BLOCK, accumulate_attention=True)
+    cache = ProximaCache(block_size=BLOCK, query_hooks=(AttentionSums(),))
     with torch.no_grad():
         start = 0
         for n in pieces:
@@ -63,10 +65,10 @@ def test_accumulated_attention_is_the_full_attention_column_sum(monkeypatch, pie
             start += n
     assert start == T and len(want) == len(cache.layers) == 2
     for li, ref in enumerate(want):
-        got = cache.accumulated_attention(li)
+        got = attention_sums(cache).scores(cache, li)
         assert got.shape == (1, 2, 9 * BLOCK)  # full blocks only, per KV head
         torch.testing.assert_close(got, ref[..., : 9 * BLOCK], rtol=1e-4, atol=1e-4)
-        whole, seen = cache._acc[li]
+        whole, seen = attention_sums(cache).sums[li]
         assert seen == T
         torch.testing.assert_close(whole, ref, rtol=1e-4, atol=1e-4)  # the tail's tokens too
         # each query's softmax sums to 1 for each of the 4 query heads: the total is T x 4
@@ -76,18 +78,17 @@ def test_accumulated_attention_is_the_full_attention_column_sum(monkeypatch, pie
 def test_accumulation_is_off_by_default_and_h2o_says_what_to_enable():
     model = enable(tiny_llama())
     cache = ProximaCache(block_size=BLOCK)
-    assert cache.accumulate_attention is False
+    assert cache.query_hooks == []
     with torch.no_grad():
-        model(_ids(), past_key_values=cache)
-    assert cache._acc == {}  # no second attention pass was paid
-    with pytest.raises(RuntimeError, match=r"h2o@4x: .*ProximaCache\(accumulate_attention=True\)"):
+        model(_ids(), past_key_values=cache)  # no second attention pass was paid: there is no hook to pay it
+    with pytest.raises(RuntimeError, match=r"h2o@4x: .*attach proxima.quality.h2o.AttentionSums"):
         _by_name("h2o@4x").apply(cache.fork())
     assert all(kp is None for layer in cache.proxima_layers for kp in layer.keep)  # nothing evicted
     # Switched on after the prefill: the sums would miss the prompt's queries, and say so.
     late = ProximaCache(block_size=BLOCK)
     with torch.no_grad():
         model(_ids()[:, :200], past_key_values=late)
-        late.accumulate_attention = True
+        late.query_hooks.append(AttentionSums())
         model(_ids()[:, 200:], past_key_values=late)
     with pytest.raises(RuntimeError, match="covers 100 of its 300 queries"):
         _by_name("h2o@8x").apply(late)
@@ -96,7 +97,7 @@ def test_accumulation_is_off_by_default_and_h2o_says_what_to_enable():
 @pytest.fixture(scope="module")
 def accumulated() -> ProximaCache:
     model = enable(tiny_llama())
-    cache = ProximaCache(block_size=BLOCK, accumulate_attention=True)
+    cache = ProximaCache(block_size=BLOCK, query_hooks=(AttentionSums(),))
     with torch.no_grad():
         model(_ids(), past_key_values=cache)
     return cache
@@ -122,7 +123,7 @@ def test_h2o_keeps_the_budget_the_window_and_the_heaviest_tokens(accumulated, ra
     assert cache.nominal_ratio() == pytest.approx(T / (budget + tail))
     for li in range(len(cache.layers)):
         keep = _keep_mask(cache, li)
-        scores = accumulated.accumulated_attention(li)  # the fork's scores are the prefill's
+        scores = attention_sums(accumulated).scores(accumulated, li)  # the fork's scores are the prefill's
         assert keep.shape == scores.shape == (1, 2, full)
         assert (keep.sum(-1) == budget).all(), keep.sum(-1)  # exactly the budget, per KV head
         assert keep[..., full - window :].all()  # the recent window, always
@@ -145,7 +146,7 @@ def test_the_harness_accumulates_only_when_a_method_needs_it(monkeypatch):
 
     def spy(*args, **kwargs):
         cache, logits = real(*args, **kwargs)
-        seen.append(cache.accumulate_attention)
+        seen.append(any(isinstance(h, AttentionSums) for h in cache.query_hooks))
         return cache, logits
 
     monkeypatch.setattr(harness, "_prefill", spy)
@@ -198,7 +199,7 @@ def test_accumulation_over_compressed_blocks_follows_the_masks_attention_reads(m
     torch.manual_seed(0)
     model = enable(tiny_llama())
     ids = _ids(T, seed=0)
-    c = ProximaCache(block_size=BLOCK, accumulate_attention=True)
+    c = ProximaCache(block_size=BLOCK, query_hooks=(AttentionSums(),))
     with torch.no_grad():
         model(ids[:, :200], past_key_values=c)
     c.compress_blocks([1, 2, 3], Format.parse("cluster(2)+int4"))
@@ -223,11 +224,12 @@ def test_accumulation_over_compressed_blocks_follows_the_masks_attention_reads(m
         return real(module, q, k, v, mask, **kw)
 
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
-    before = {li: acc.clone() for li, (acc, _) in c._acc.items()}
+    sums = attention_sums(c)
+    before = {li: acc.clone() for li, (acc, _) in sums.sums.items()}
     with torch.no_grad():
         model(ids[:, 200:], past_key_values=c)
     assert set(seen) == set(before)
     for li, prev in before.items():
-        delta = c._acc[li][0].clone()
+        delta = sums.sums[li][0].clone()
         delta[..., : prev.shape[-1]] -= prev
         torch.testing.assert_close(delta, seen[li], atol=1e-5, rtol=1e-4)

@@ -15,6 +15,8 @@ from proxima.integration.hf import ProximaCache, enable
 from proxima.policy.loader import load_policy
 from proxima.quality import harness, methods, report
 from proxima.quality.datasets import NeedleSample, TextSample
+from proxima.quality.h2o import AttentionSums
+from proxima.quality.probe_records import probe_records
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "bench" / "policies"
 """The candidate policies bench/quality.py measures (the product never reads them itself)."""
@@ -33,7 +35,8 @@ def prefilled():
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 256, (1, 512), generator=g)
     # Accumulated attention on, for h2o (the harness turns it on when a method needs it).
-    cache = ProximaCache(block_size=32, accumulate_attention=any(m.needs_accumulated_attention for m in ALL))
+    hooks = (AttentionSums(),) if any(m.needs_accumulated_attention for m in ALL) else ()
+    cache = ProximaCache(block_size=32, query_hooks=hooks)
     with torch.no_grad():
         model(ids, past_key_values=cache)
     return model, cache
@@ -43,7 +46,8 @@ def _state(cache: ProximaCache, slot_ids: bool = True) -> list:
     """Everything a method could change in a cache: per layer the working copy, hot blocks,
     tail, formats, slots (the objects, or with `slot_ids=False` whether there is one) and masks;
     the engine's bookkeeping."""
-    out: list = [list(cache.chosen), sorted(cache.ineligible), len(cache.probe_log), dict(cache._obs), dict(cache._acc)]
+    sums = [dict(h.sums) for h in cache.query_hooks if isinstance(h, AttentionSums)]
+    out: list = [list(cache.chosen), sorted(cache.ineligible), len(probe_records(cache)), dict(cache._obs), sums]
     for layer in cache.proxima_layers:
         out += [
             [t.clone() if t is not None else None for t in layer.materialize()],

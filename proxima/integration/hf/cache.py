@@ -25,14 +25,13 @@ set (a virtual pool of that many physical blocks; pressure = used / capacity). B
 Block and token importance come from the observation window: the last W queries of each layer,
 recorded by the attention function, scored in one layer (`proxima.observation.observed_layer`, the
 middle one, as the vLLM worker observes it) for every layer's blocks and tokens.
-With `accumulate_attention=True` each layer also sums the attention every query gives every key
-(`accumulated_attention`, the H2O baseline's score): off by default, it is a second attention
-pass over each forward's queries in every layer.
+Callers may attach hooks (`hooks.py`) that see every layer's queries and every probe measurement:
+the quality harness's H2O sums and probe records (`proxima.quality`) are such hooks.
 
 Files: this one holds the Cache API, the constructor's settings, byte accounting and the policy
 driver; `layer.py` the per-layer storage, `importance.py` the observation window and importance,
-`compress.py` compression behind the probe. Batch stacking (the quality harness's) is
-`proxima.quality.stacking`.
+`compress.py` compression behind the probe, `hooks.py` what callers may attach. Batch stacking
+(the quality harness's) is `proxima.quality.stacking`.
 """
 
 from __future__ import annotations
@@ -49,7 +48,8 @@ from proxima.compression.blocks import Backend
 from proxima.compression.spec import bytes_ratio
 from proxima.formats import HOT, Format
 from proxima.integration.hf import attention
-from proxima.integration.hf.compress import CacheCompression, CompressionReport, ProbeRecord
+from proxima.integration.hf.compress import CacheCompression, CompressionReport
+from proxima.integration.hf.hooks import ProbeHook, QueryHook
 from proxima.integration.hf.importance import CacheImportance
 from proxima.integration.hf.layer import ProximaLayer
 from proxima.policy import target
@@ -71,7 +71,9 @@ class ProximaCache(CacheImportance, CacheCompression, Cache):
             + working copy). False re-materialises compressed blocks on every read, so only the
             compressed store stays resident.
         observation_window: queries per layer kept to score tokens (default: the policy's).
-        record_probes: keep a `ProbeRecord` per compressed (layer, block) for the damage model.
+        probe_hook: called with every layer's probe measurements of every compression
+            (`hooks.ProbeHook`; every layer is then measured): the damage model's records,
+            `proxima.quality.probe_records.ProbeLog`.
         group_size: the quantization group (`proxima.compression.spec.SlotSpec.group_size`);
             None (default): the policy's `storage` (`group_size`, per-format `group_sizes`), as
             the vLLM worker reads it.
@@ -83,10 +85,9 @@ class ProximaCache(CacheImportance, CacheCompression, Cache):
             Triton on CUDA tensors and the torch reference on CPU tensors, as the vLLM worker
             does; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1, to test the
             path a GPU run takes).
-        accumulate_attention: sum, per layer, the attention every query gives every cached key
-            (`accumulated_attention`; the H2O baseline ranks tokens by it). Off by default: it
-            recomputes each forward's attention probabilities in every layer. Set it before the
-            prefill; a cache that missed queries refuses to report the sums.
+        query_hooks: called with every layer's queries of every forward (`hooks.QueryHook`):
+            the H2O baseline's attention sums, `proxima.quality.h2o.AttentionSums`. Attach them
+            before the prefill (here or on `query_hooks`), or they miss its queries.
     """
 
     def __init__(
@@ -97,11 +98,11 @@ class ProximaCache(CacheImportance, CacheCompression, Cache):
         capacity_blocks: int | None = None,
         keep_working_copy: bool = True,
         observation_window: int | None = None,
-        record_probes: bool = False,
+        probe_hook: ProbeHook | None = None,
         group_size: int | None = None,
         kv_dtype: torch.dtype | None = torch.bfloat16,
         backend: Backend = "auto",
-        accumulate_attention: bool = False,
+        query_hooks: tuple[QueryHook, ...] = (),
     ) -> None:
         super().__init__(layers=[])
         if isinstance(policy, (str, Path)):
@@ -115,20 +116,15 @@ class ProximaCache(CacheImportance, CacheCompression, Cache):
         self.capacity_blocks = capacity_blocks
         self.keep_working_copy = keep_working_copy
         self.window = observation_window or self.policy.importance.observation_window
-        self.record_probes = record_probes
+        self.probe_hook = probe_hook
         self._group_size = group_size
         self.kv_dtype = kv_dtype
         self.backend: Backend = backend
         self.engine_state = EngineState()
         self.block_importance: torch.Tensor | None = None  # EMA per logical block
-        self.probe_log: list[ProbeRecord] = []
         self.ineligible: set[int] = set()  # blocks the probe refused for every ladder format
         self._obs: dict[int, torch.Tensor] = {}
-        self.accumulate_attention = accumulate_attention
-        self._acc: dict[int, tuple[torch.Tensor, int]] = {}
-        """Per layer: attention column sums `[B, H_kv, T]` (T: the tokens cached at the last
-        forward) and how many queries they sum. Replaced on every forward, never written in place
-        (forks share them)."""
+        self.query_hooks: list[QueryHook] = list(query_hooks)
         self._pending_bias: int | None = None
         self.chosen: list[Format] = []
         self._stacked = False  # set by `stacked()`: its hot blocks are views of the working copies
@@ -149,10 +145,10 @@ class ProximaCache(CacheImportance, CacheCompression, Cache):
         out = copy.copy(self)
         out.layers = [layer.fork() for layer in self.proxima_layers]
         out.engine_state = copy.copy(self.engine_state)
-        out.probe_log = list(self.probe_log)
+        out.probe_hook = self.probe_hook.fork() if self.probe_hook is not None else None
         out.ineligible = set(self.ineligible)
         out._obs = dict(self._obs)
-        out._acc = dict(self._acc)
+        out.query_hooks = [h.fork() for h in self.query_hooks]
         out.chosen = list(self.chosen)
         return out
 

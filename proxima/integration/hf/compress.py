@@ -20,6 +20,7 @@ from proxima.compression.attention import attention_errors
 from proxima.compression.blocks import Backend, CompressedBlocks, compress_blocks
 from proxima.compression.spec import check_group_size
 from proxima.formats import HOT, Format, recompressible
+from proxima.integration.hf.hooks import ProbeHook
 from proxima.integration.hf.layer import Decoded, ProximaLayer
 from proxima.observation import observed_layer
 from proxima.policy.probes import choose_within_bound
@@ -27,21 +28,6 @@ from proxima.policy.refusal import milder_formats
 
 if TYPE_CHECKING:
     from proxima.policy.schema import Policy
-
-
-@dataclass
-class ProbeRecord:
-    """One block compressed in one layer: the features and error the damage model learns from."""
-
-    layer: int
-    block: int
-    fmt: str
-    importance: float
-    """Attention mass the observation window gives the block in this layer (max over heads)."""
-    key_norm_spread: float
-    """Std / mean of the block's key norms (mean over heads)."""
-    error: float
-    """Relative error of the observation window's attention output over the block."""
 
 
 @dataclass
@@ -64,8 +50,7 @@ class CacheCompression:
         layers: list
         chosen: list[Format]
         ineligible: set[int]
-        record_probes: bool
-        probe_log: list[ProbeRecord]
+        probe_hook: ProbeHook | None
         kv_dtype: torch.dtype | None
         backend: Backend
         _group_size: int | None
@@ -194,9 +179,9 @@ class CacheCompression:
         self, blocks: list[int], fmt: Format, *, measure: bool = True
     ) -> tuple[list[tuple[Format, CompressedBlocks]], list[torch.Tensor]]:
         """Compress `blocks` (each layer's stored format the same for all of them) into `fmt`.
-        The probe error is measured in the observed layer when `measure`, in every layer when probes
-        are recorded, else reported as 0 (nobody reads it: a third of an unprobed compression's
-        time went to it)."""
+        The probe error is measured in the observed layer when `measure`, in every layer when a
+        probe hook is attached (`hooks.ProbeHook`, which is then called), else reported as 0
+        (nobody reads it: a third of an unprobed compression's time went to it)."""
         encs, errs = [], []
         for li, layer in enumerate(self.proxima_layers):
             lf = self._layer_format(fmt, li)
@@ -211,10 +196,11 @@ class CacheCompression:
                 lf, kk, vv, token_importance=timp, group_size=group, log_count=lc,
                 source_tokens=layer.block_size, backend=self.backend,
             )
-            measured = (measure and li == observed_layer(len(self.proxima_layers))) or self.record_probes
+            hook = self.probe_hook
+            measured = (measure and li == observed_layer(len(self.proxima_layers))) or hook is not None
             err = self._probe(li, kk, vv, cb, b, lc) if measured else torch.zeros(len(blocks))  # [n]
-            if self.record_probes:
-                self._record(li, blocks, lf, kk, timp, err, b)
+            if hook is not None:
+                hook(li, blocks, lf, kk, timp, err, b)
             encs.append((lf, cb))
             errs.append(err)
         return encs, errs
@@ -279,24 +265,6 @@ class CacheCompression:
         q_rows = q.transpose(1, 2).repeat(n, 1, 1, 1)  # [N, W, Hq, D], rows ordered (block, batch)
         return attention_errors(q_rows, k, v, cb, ref_log_count=log_count).view(n, batch).mean(1).cpu()
 
-    def _record(
-        self,
-        layer_idx: int,
-        blocks: list[int],
-        fmt: Format,
-        k: torch.Tensor,
-        timp: torch.Tensor | None,
-        err: torch.Tensor,
-        batch: int,
-    ) -> None:
-        norms = k.float().norm(dim=-1)  # [N, bs, H]
-        spread = (norms.std(1) / norms.mean(1).clamp_min(1e-12)).mean(1).view(-1, batch).mean(1)
-        mass = timp.sum(1).amax(1).view(-1, batch).amax(1) if timp is not None else torch.zeros(len(blocks))
-        # One device-to-host copy per tensor (a float() per element would synchronise a GPU each time).
-        masses, spreads, errs = mass.tolist(), spread.tolist(), err.tolist()
-        for j, blk in enumerate(blocks):
-            self.probe_log.append(ProbeRecord(layer_idx, blk, fmt.name, masses[j], spreads[j], errs[j]))
-
     def _commit(self, blocks: list[int], fmt: Format, encs: list[tuple[Format, CompressedBlocks]]) -> None:
         for layer, (lf, enc) in zip(self.proxima_layers, encs, strict=True):
             assert layer.tail_k is not None
@@ -305,11 +273,12 @@ class CacheCompression:
             self.chosen[i] = fmt
 
     def _reencode(self, blocks: list[int], fmt: Format) -> list[tuple[Format, CompressedBlocks]]:
-        record, self.record_probes = self.record_probes, False
+        # (the hook saw these blocks when they were measured: not twice)
+        hook, self.probe_hook = self.probe_hook, None
         try:
             encs, _ = self._encode_all_layers(blocks, fmt, measure=False)
         finally:
-            self.record_probes = record
+            self.probe_hook = hook
         return encs
 
     def compress_all(self, fmt: Format | str, *, protect_sinks: int = 0, protect_recent: int = 0) -> CompressionReport:
@@ -323,8 +292,3 @@ class CacheCompression:
             if i * bs >= protect_sinks and (i + 1) * bs <= layer0.n_tokens - protect_recent
         ]
         return self.compress_blocks(blocks, fmt)
-
-    def evict_tokens(self, keep: Sequence[torch.Tensor]) -> None:
-        """Token eviction for the baselines: per layer a bool `[B, H_kv, T_full]` over full blocks."""
-        for layer, kp in zip(self.proxima_layers, keep, strict=True):
-            layer.evict(kp)

@@ -12,7 +12,7 @@ from typing import NewType
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from proxima.formats import Format
+from proxima.formats import HOT, Format
 from proxima.placement import BlockId, SlotIndex
 from proxima.policy.schema import Policy
 
@@ -29,8 +29,8 @@ NO_READER = ("no Proxima attention backend runs in this worker, so compressed bl
 planning (otherwise every emergency compression would fail and be planned again, forever)."""
 
 
-SlotKey = tuple[str, int, int]
-"""(format spelling, destination block, slot): where a compressed logical block lives."""
+SlotKey = tuple[Format, int, int]
+"""(format, destination block, slot): where a compressed logical block lives."""
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,19 @@ class CompressAction:
     src: BlockId
     dst: BlockId
     slot: SlotIndex
-    fmt: str
-    """Format spelling (`Format.parse` gives it back); strings keep the message small."""
-    from_fmt: str = "bf16"
+    fmt: Format
+    """The target format. Formats cross the wire as `Format` values (frozen, pickled with the plan),
+    parsed once where a string enters (the policy file, the API body), never again here."""
+    from_fmt: Format = HOT
     """Recompression: the block's current format, read from (from_dst, from_slot); `src` unused."""
     from_dst: BlockId = NO_BLOCK
     from_slot: SlotIndex = NO_SLOT
+
+    def __post_init__(self) -> None:
+        # A spelling here would compare unequal to every `Format` downstream (silently: no block
+        # would match), so the wire refuses it where it is built.
+        if not isinstance(self.fmt, Format) or not isinstance(self.from_fmt, Format):
+            raise TypeError(f"proxima: CompressAction formats are Format values, got {self.fmt!r} / {self.from_fmt!r}")
 
 
 @dataclass
@@ -68,7 +75,7 @@ class ProximaPlan(KVConnectorMetadata):
     revoked: list[CompressAction] = field(default_factory=list)
     """Actions that failed on some rank since the last plan: a rank that wrote one points its block
     map back to where the block was (first, before anything else in this plan reuses the slot)."""
-    check_remap: dict[str, dict[int, list[tuple[str, int, int]]]] | None = None
+    check_remap: dict[str, dict[int, list[SlotKey]]] | None = None
     """With PROXIMA_CHECK_ACCOUNTING=1: the slots the scheduler holds (`ranks.expected_remap`);
     every rank asserts its block map points nowhere else."""
     policy_version: int = 0
@@ -104,11 +111,11 @@ class ProximaReport(KVConnectorWorkerMetadata):
     ranks: int = 1
     """Worker ranks merged into this report (tensor parallelism: `merge_reports`)."""
 
-    rejected: dict[ActionId, str] = field(default_factory=dict)
+    rejected: dict[ActionId, Format] = field(default_factory=dict)
     """Actions the compression-time probe refused (the block is as it was) -> the milder format
-    within the bound, "" for none (the block stays hot), or the action's own format when the
+    within the bound, `HOT` for none (the block stays hot), or the action's own format when the
     block could not be measured yet (planned again later). Merged: the mildest verdict of any rank."""
-    probe_errors: list[tuple[str, float]] = field(default_factory=list)
+    probe_errors: list[tuple[Format, float]] = field(default_factory=list)
     """(format, relative attention-output error) of every probe measurement this step (merged:
     every rank's, each over its own heads)."""
     probe_measured_ids: list[ActionId] = field(default_factory=list)
@@ -250,9 +257,9 @@ def _nanmean_lists(a: tuple[list[float], list[int]], b: tuple[list[float], list[
     return out, weights
 
 
-def _mildest(a: str | None, b: str | None) -> str:
+def _mildest(a: Format | None, b: Format | None) -> Format:
     """The milder of two ranks' verdicts on one refused action (None: that rank wrote it, or has
-    no verdict): the format that keeps more, i.e. the lower pack ratio, "" (stays hot) mildest.
+    no verdict): the format that keeps more, i.e. the lower pack ratio, `HOT` (stays hot) mildest.
 
     A rank's verdict is the harshest format within the bound on its heads (or the action's own
     format when it could not measure yet, which any measured verdict is milder than), so every
@@ -262,7 +269,7 @@ def _mildest(a: str | None, b: str | None) -> str:
     cap for the scheduler, which compares caps by pack ratio; the name breaks the tie so that the
     merge does not depend on the rank order."""
     verdicts = [v for v in (a, b) if v is not None]
-    return min(verdicts, key=lambda v: (Format.parse(v).pack_ratio, v) if v else (0, ""))
+    return min(verdicts, key=lambda v: (v.pack_ratio, v.name))
 
 
 def settle(report: ProximaReport, ranks: int) -> ProximaReport:

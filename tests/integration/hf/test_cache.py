@@ -14,6 +14,8 @@ from proxima.formats import Format
 from proxima.integration.hf import ProximaCache, enable
 from proxima.integration.hf.attention import proxima_sdpa_attention, set_active
 from proxima.policy.loader import load_policy
+from proxima.quality.methods import evict_tokens
+from proxima.quality.probe_records import ProbeLog, probe_records
 from proxima.quality.stacking import stacked as stack
 
 FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int8", "cluster(2)+int4"]
@@ -163,11 +165,12 @@ def test_policy_engine_reaches_target_ratio(model, ids):
 def test_generate_with_pressure_driven_policy(model, ids):
     enable(model)
     policy = load_policy("proxima/policies/aggressive.yaml")
-    cache = ProximaCache(policy, block_size=16, capacity_blocks=6, record_probes=True)
+    cache = ProximaCache(policy, block_size=16, capacity_blocks=6, probe_hook=ProbeLog())
     out = model.generate(ids[:, :100], past_key_values=cache, max_new_tokens=30, do_sample=False)
     assert out.shape == (1, 130)
     assert any(not f.is_hot for f in cache.block_formats())
-    assert cache.probe_log and all(r.error >= 0 for r in cache.probe_log)
+    records = probe_records(cache)
+    assert records and all(r.error >= 0 for r in records)
 
 
 def test_supported_transformers_range_is_checked():
@@ -296,7 +299,7 @@ def test_stacked_caches_decode_as_each_alone(model, ids):
         if fmt == "evict":
             layer0 = c.proxima_layers[0]
             keep = torch.rand(1, 2, layer0.n_blocks * 32, generator=torch.Generator().manual_seed(1)) > 0.5
-            c.evict_tokens([keep] * len(c.layers))
+            evict_tokens(c, [keep] * len(c.layers))
         elif fmt is not None:
             c.compress_all(fmt, protect_sinks=32)
         caches.append(c)

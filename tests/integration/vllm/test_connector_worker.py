@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
+from proxima.formats import Format
 from proxima.integration.vllm.attention.triton import ProximaTritonAttentionImpl
 from proxima.integration.vllm.connector import ProximaConnector, worker_store
 from proxima.integration.vllm.plan import NO_READER, CompressAction, ProximaPlan, ProximaReport
@@ -44,7 +45,7 @@ def _compress_one(connector: ProximaConnector, action_id: int) -> ProximaReport:
     """One step as vLLM drives the worker's connector: bind the plan, then collect the report."""
     compression_probe_off(connector.store)  # (the probe: test_worker_probe.py)
     connector.bind_connector_metadata(ProximaPlan(actions=[CompressAction(action_id, "r", 0, src=1, dst=10, slot=0,
-                                                                          fmt="int4")]))  # fmt: skip
+                                                                          fmt=Format.parse("int4"))]))  # fmt: skip
     rep = connector.build_connector_worker_meta()
     assert isinstance(rep, ProximaReport)
     return rep

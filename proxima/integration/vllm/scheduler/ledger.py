@@ -95,7 +95,7 @@ def expected_remap(ledger: RequestLedger) -> dict[str, dict[int, list[SlotKey]]]
     for rid, entry in ledger.items():
         blocks: dict[int, list[SlotKey]] = {}
         for index, c in entry.compressed.items():
-            blocks.setdefault(index, []).append((c.fmt.name, int(c.block), int(c.slot)))
+            blocks.setdefault(index, []).append((c.fmt, int(c.block), int(c.slot)))
         for index, a in entry.in_flight.items():
             blocks.setdefault(index, []).append((a.fmt, int(a.dst), int(a.slot)))
         if blocks:

@@ -250,11 +250,11 @@ class LiveControl:
     def commit(self, report: ProximaReport) -> None:
         """Apply the worker's report to the manager and tell the controller what the step did."""
         in_flight = self.manager.px.in_flight
-        self._committed.update(a.fmt for aid in report.ok if (a := in_flight.get(aid)) is not None)  # before apply
+        self._committed.update(a.fmt.name for aid in report.ok if (a := in_flight.get(aid)) is not None)  # before apply
         self._failed += len(report.failed)
         self._revoke_mismatches += report.revoke_mismatches
         self._kernel_seconds += report.kernel_seconds
-        self._probe_errors.extend(report.probe_errors)
+        self._probe_errors.extend((f.name, err) for f, err in report.probe_errors)  # (metric labels)
         self._probe_measured += report.probe_measured
         self._probe_refused += report.probe_refused
         self._probe_seconds += report.probe_seconds

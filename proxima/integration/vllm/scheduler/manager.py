@@ -33,7 +33,6 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
-from proxima.formats import HOT, Format
 from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.scheduler import admission, canary, drift, pool_usage, targets
 from proxima.integration.vllm.scheduler.ledger import CompressedSlot, RequestEntry, expected_remap
@@ -237,10 +236,10 @@ class ProximaKVCacheManager(KVCacheManager):
             dst, slot = res
             if prev is None:
                 ca = CompressAction(px.in_flight.next_id(), act.request_id, act.block_index, BlockId(src.block_id),
-                                    dst, slot, fmt.name)
+                                    dst, slot, fmt)
             else:
                 ca = CompressAction(px.in_flight.next_id(), act.request_id, act.block_index, NO_BLOCK,
-                                    dst, slot, fmt.name, prev.fmt.name, prev.block, prev.slot)
+                                    dst, slot, fmt, prev.fmt, prev.block, prev.slot)
             in_prefill = entry.request.num_computed_tokens < entry.request.num_prompt_tokens
             px.in_flight.plan(ca, in_prefill=in_prefill)
             planned += 1
@@ -340,7 +339,8 @@ class ProximaKVCacheManager(KVCacheManager):
         t0 = time.perf_counter()
         for name, seconds in report.timings.items():
             px.stats.add_time(name, seconds)
-        fmt = {a.action_id: a.fmt for a in px.in_flight}  # before the commits below take them
+        # (the backoff keys formats by name: its events become log lines and metric labels)
+        fmt = {a.action_id: a.fmt.name for a in px.in_flight}  # before the commits below take them
         for ev in px.backoff.observe(px.stats.steps, [fmt[a] for a in report.ok if a in fmt],
                                      [fmt[a] for a in report.failed if a in fmt], (report.errors or [""])[-1],
                                      {f.name for f in px.formats}):
@@ -356,8 +356,8 @@ class ProximaKVCacheManager(KVCacheManager):
         for aid, milder in report.rejected.items():  # the probe refused: the block is as it was
             ca = px.in_flight.get(aid)
             if ca is not None and aid not in report.failed and milder != ca.fmt:
-                # (its own format: not measured yet, planned again later)
-                px.ledger[ca.req_id].caps[ca.index] = Format.parse(milder) if milder else HOT
+                # (its own format: not measured yet, planned again later; `HOT`: no format is within the bound)
+                px.ledger[ca.req_id].caps[ca.index] = milder
         for ca in px.in_flight.fail([*report.failed, *report.rejected]):
             # (revoked by the next plan: under tensor parallelism another rank may have written it)
             px.packer.release(ca.req_id, ca.dst, SlotIndex(ca.slot), undo=True)
@@ -384,9 +384,9 @@ class ProximaKVCacheManager(KVCacheManager):
         if done is None:
             return None  # its request was freed meanwhile; its blocks went with it
         ca = done.action
-        px.ledger[ca.req_id].compressed[ca.index] = CompressedSlot(Format.parse(ca.fmt), ca.dst, ca.slot)
-        px.stats.record_commit(ca.fmt, in_prefill=done.in_prefill, first=ca.from_fmt == HOT.name)
-        if ca.from_fmt != HOT.name:  # recompression: release the old slot
+        px.ledger[ca.req_id].compressed[ca.index] = CompressedSlot(ca.fmt, ca.dst, ca.slot)
+        px.stats.record_commit(ca.fmt, in_prefill=done.in_prefill, first=ca.from_fmt.is_hot)
+        if not ca.from_fmt.is_hot:  # recompression: release the old slot
             px.packer.release(ca.req_id, ca.from_dst, ca.from_slot)
             return None
         blocks = self._stm.req_to_blocks[ca.req_id]
@@ -402,7 +402,7 @@ class ProximaKVCacheManager(KVCacheManager):
         """Side-table bytes of the committed slots plus the in-flight ones (the worker writes
         their metadata before the report arrives)."""
         px = self.px
-        return px.meta.side_table_bytes(px.ledger) + sum(px.meta.per_slot(Format.parse(ca.fmt))
+        return px.meta.side_table_bytes(px.ledger) + sum(px.meta.per_slot(ca.fmt)
                                                          for ca in px.in_flight)
 
     def _settle_side_tables(self) -> int:

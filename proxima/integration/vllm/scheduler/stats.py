@@ -76,13 +76,14 @@ class ProximaStats:
         self.running_sum += resident
         self.side_bytes_peak = max(self.side_bytes_peak, side_bytes)
 
-    def record_commit(self, fmt: str, *, in_prefill: bool, first: bool) -> None:
+    def record_commit(self, fmt: Format, *, in_prefill: bool, first: bool) -> None:
         """One compression the worker reported written; `in_prefill`: planned during its prefill;
         `first`: its source was hot (not a recompression)."""
         self.committed += 1
         self.blocks_compressed += first
         self.committed_in_prefill += in_prefill
-        self.committed_by_format[fmt] = self.committed_by_format.get(fmt, 0) + 1
+        name = fmt.name  # (keyed by name: the stats file is JSON)
+        self.committed_by_format[name] = self.committed_by_format.get(name, 0) + 1
 
 
 class MetaSizes:

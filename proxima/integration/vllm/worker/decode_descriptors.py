@@ -40,11 +40,7 @@ def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.devi
                 f"proxima: the {fmt} side table ({name}) of {layer} is on {t.device}, the KV cache on {device}; "
                 "the worker must allocate it on the cache's device"
             )
-    spec = p.spec
-    return CompressedBlocks(
-        fmt, p.k.view(kdt), p.v.view(vdt), head_dim=spec.head_dim, dtype=store.kv_caches[layer].dtype,
-        group_size=spec.group_size, source_tokens=spec.block_size, **p.meta,
-    )  # fmt: skip
+    return p.blocks(kdt, vdt, store.kv_caches[layer].dtype)
 
 
 def layer_descriptors(store: WorkerStore, table: DeviceBlockTable, layer: str) -> torch.Tensor:

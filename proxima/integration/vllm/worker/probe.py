@@ -26,7 +26,7 @@ import torch
 
 from proxima.compression.attention import attention_errors
 from proxima.compression.blocks import CompressedBlocks
-from proxima.formats import Format, recompressible
+from proxima.formats import HOT, Format, recompressible
 from proxima.integration.vllm.plan import ActionId, CompressAction
 from proxima.policy.probes import choose_within_bound
 from proxima.policy.refusal import milder_formats  # shared with the transformers cache
@@ -87,9 +87,9 @@ class ProbeOutcome:
     """What the probe decided for one batch (one target format)."""
 
     accepted: list[CompressAction] = field(default_factory=list)
-    rejected: dict[ActionId, str] = field(default_factory=dict)
-    """Refused actions -> the milder format within the bound ("" = none: the block stays hot)."""
-    errors: list[tuple[str, float]] = field(default_factory=list)
+    rejected: dict[ActionId, Format] = field(default_factory=dict)
+    """Refused actions -> the milder format within the bound (`HOT` = none: the block stays hot)."""
+    errors: list[tuple[Format, float]] = field(default_factory=list)
     """(format, relative attention error) of every measurement, the chosen formats' first."""
     measured: int = 0
     """Blocks measured in their chosen format."""
@@ -113,9 +113,9 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
     if not cfg.enabled or layer is None:
         return ProbeOutcome(accepted=list(acts))
     # Not measurable yet: "refused in its own format", i.e. planned again at a later step.
-    deferred = {a.action_id: fmt.name for a in unmeasured}
+    deferred = {a.action_id: fmt for a in unmeasured}
     if not measurable or queries.scale is None:
-        return ProbeOutcome(rejected={a.action_id: fmt.name for a in acts})
+        return ProbeOutcome(rejected={a.action_id: fmt for a in acts})
     kv = store.kv_caches[layer]
     rows = table if table is not None and len(measurable) == len(acts) else None
     k, v, counts = store.read_current(layer, from_fmt, measurable, rows)  # [N, T, H, D], log-counts or None
@@ -148,14 +148,14 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
     for i, a in enumerate(measurable):
         def measure(f: Format, i: int = i) -> float:
             err = float(first[i]) if f == fmt else float(errors_of(f, slice(i, i + 1))[0])
-            out.errors.append((f.name, err))
+            out.errors.append((f, err))
             return err
 
         verdict = choose_within_bound([fmt, *milder], measure, cfg)
         if verdict.chosen == fmt:
             out.accepted.append(a)
         else:
-            out.rejected[a.action_id] = verdict.chosen.name if verdict.chosen is not None else ""
+            out.rejected[a.action_id] = verdict.chosen if verdict.chosen is not None else HOT
             out.refused += 1
     return out
 

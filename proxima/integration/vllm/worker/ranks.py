@@ -29,6 +29,7 @@ from collections.abc import Mapping
 
 from proxima.formats import Format
 from proxima.integration.vllm.plan import SlotKey
+from proxima.integration.vllm.worker.layer_formats import plain
 
 
 def check_remap(remap: Mapping[str, Mapping[int, tuple[Format, int, int]]],
@@ -37,7 +38,8 @@ def check_remap(remap: Mapping[str, Mapping[int, tuple[Format, int, int]]],
     for rid, blocks in remap.items():
         for index, (fmt, dst, slot) in blocks.items():
             allowed = expected.get(rid, {}).get(index, [])
-            if (fmt.name, dst, slot) not in allowed:
+            # (the block map's entry may carry its override epoch: `layer_formats.StoredFormat`)
+            if (plain(fmt), dst, slot) not in allowed:
                 raise AssertionError(
                     f"proxima rank {rank}: request {rid} block {index} reads {fmt.name} slot {slot} of block {dst}, "
                     f"but the scheduler holds {allowed or 'no compressed slot'} for it (a write undone on another "

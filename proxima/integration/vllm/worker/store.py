@@ -16,19 +16,18 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
+from proxima.compression.layer_stack import LayerSlots, LayerStack, SlotPool
 from proxima.compression.spec import SlotSpec, check_group_size
 from proxima.formats import HOT, Format, recompressible
 from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.worker.debug import SplitErrors, checks_values
 from proxima.integration.vllm.worker.faults import FaultInjector
 from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
-from proxima.integration.vllm.worker.layer_stack import LayerStack, SlotPool
 from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.worker.probe import RecentQueries, check_batch
 from proxima.integration.vllm.worker.ranks import check_remap
@@ -68,16 +67,6 @@ def _kernels(t: torch.Tensor, cpu: Literal["torch", "triton"] = "torch") -> Lite
     return "auto" if t.is_cuda else cpu
 
 
-@dataclass
-class _LayerPool:
-    """One layer's view of a `SlotPool` (`layer_stack`): what the attention backends read."""
-
-    spec: SlotSpec
-    k: torch.Tensor  # [num_blocks * r, C, H, P] view into vLLM's KV tensor
-    v: torch.Tensor
-    meta: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [num_blocks * r, ...]
-
-
 class SlotReader:
     """Marks an attention implementation that reads compressed blocks through the `WorkerStore`.
 
@@ -106,8 +95,8 @@ class WorkerStore:
         """This worker's tensor-parallel rank (its KV heads are the shard's; `ranks.py`)."""
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.stack = LayerStack({})
-        """Every layer as one tensor and the slot pools of every stored format (`layer_stack`)."""
-        self.pools: dict[tuple[str, Format], _LayerPool] = {}
+        """Every layer as one tensor and the slot pools of every stored format (`compression.layer_stack`)."""
+        self.pools: dict[tuple[str, Format], LayerSlots] = {}
         self.remap: dict[str, dict[int, tuple[Format, int, int]]] = {}
         """request -> logical block index -> (format, destination block, slot)."""
         self.replaced: dict[str, dict[int, tuple[ActionId, tuple[Format, int, int]]]] = {}
@@ -219,13 +208,12 @@ class WorkerStore:
         _n, h, b, d = self.geometry(self.stack.names[0])
         return self.stack.pool(fmt, SlotSpec(fmt, b, d, h, self.group_for(fmt)))
 
-    def pool(self, layer: str, fmt: Format) -> _LayerPool:
+    def pool(self, layer: str, fmt: Format) -> LayerSlots:
         """Layer `layer`'s view of `fmt`'s slots (`fmt` as the layer stores it)."""
         key = (layer, fmt)
         p = self.pools.get(key)
         if p is None:
-            sp, i = self.slot_pool(fmt), self.stack.index[layer]
-            p = self.pools[key] = _LayerPool(sp.spec, *sp.layer(i), {n: t[i] for n, t in sp.meta.items()})
+            p = self.pools[key] = self.slot_pool(fmt).at(self.stack.index[layer])
         return p
 
     def layer_format(self, layer: str, fmt: Format) -> Format:
@@ -288,21 +276,20 @@ class WorkerStore:
             self.report.failed.extend(a.action_id for a in plan.actions)
             self.report.errors.append(NO_READER)
             return
-        by_fmt: dict[tuple[str, Format], list[CompressAction]] = {}
+        by_fmt: dict[tuple[Format, Format], list[CompressAction]] = {}
         for a in plan.actions:
             by_fmt.setdefault((a.fmt, self._current_format(a)), []).append(a)
         tables = self._step_tables(by_fmt)
-        for (name, from_fmt), acts in by_fmt.items():
-            fmt = Format.parse(name)
+        for (fmt, from_fmt), acts in by_fmt.items():
             t0 = time.perf_counter()
             try:
                 planned = acts
-                acts = self._probe(fmt, from_fmt, acts, tables.get((name, from_fmt)))
+                acts = self._probe(fmt, from_fmt, acts, tables.get((fmt, from_fmt)))
                 t1 = time.perf_counter()
                 self.report.probe_seconds += t1 - t0
                 t0 = t1
                 if acts:
-                    table = tables[(name, from_fmt)]
+                    table = tables[(fmt, from_fmt)]
                     if len(acts) != len(planned):  # the probe refused some: their rows leave the table
                         kept = {a.action_id for a in acts}
                         table = table[_upload([i for i, a in enumerate(planned) if a.action_id in kept], table.device)]
@@ -334,10 +321,10 @@ class WorkerStore:
         for a in actions:
             blocks = self.remap.get(a.req_id)
             hit = blocks.get(a.index) if blocks is not None else None
-            if blocks is None or hit is None or (plain(hit[0]), hit[1], hit[2]) != (Format.parse(a.fmt), a.dst, a.slot):
+            if blocks is None or hit is None or (plain(hit[0]), hit[1], hit[2]) != (a.fmt, a.dst, a.slot):
                 continue
             before = self.replaced.get(a.req_id, {}).pop(a.index, None)
-            if a.from_fmt == HOT.name:
+            if a.from_fmt.is_hot:
                 del blocks[a.index]
                 continue
             # A recompression: the old slot was not touched (a new slot is always another one).
@@ -349,16 +336,16 @@ class WorkerStore:
                              "the entry it replaced (slot %d of block %d): %s; restored from the plan",
                              self.rank, a.req_id, a.index, a.action_id, a.from_slot, a.from_dst, before)
                 self.report.revoke_mismatches += 1
-                blocks[a.index] = (self.formats.stored(Format.parse(a.from_fmt)), a.from_dst, a.from_slot)
+                blocks[a.index] = (self.formats.stored(a.from_fmt), a.from_dst, a.from_slot)
                 continue
             blocks[a.index] = before[1]
 
     def _current_format(self, a: CompressAction) -> Format:
         """The block's format now, as this worker stored it (a recompression reads it back)."""
-        if a.from_fmt == "bf16":
-            return Format()
+        if a.from_fmt.is_hot:
+            return HOT
         hit = self.remap.get(a.req_id, {}).get(a.index)
-        return hit[0] if hit is not None else Format.parse(a.from_fmt)
+        return hit[0] if hit is not None else a.from_fmt
 
     def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction],
                table: torch.Tensor | None = None) -> list[CompressAction]:
@@ -371,7 +358,7 @@ class WorkerStore:
         # (`merge_reports`). Measured = accepted + refused, unless nothing was measured (no observed
         # layer: all accepted); a verdict in the action's own format is a deferral, not a refusal
         # (every milder format has a lower pack ratio than `fmt`).
-        refused = [aid for aid, verdict in out.rejected.items() if verdict != fmt.name]
+        refused = [aid for aid, verdict in out.rejected.items() if verdict != fmt]
         measured = [a.action_id for a in out.accepted] + refused if out.measured else []
         if (len(measured), len(refused)) != (out.measured, out.refused):
             raise RuntimeError(f"proxima: the probe counted {out.measured} measured / {out.refused} refused blocks, "
@@ -382,15 +369,15 @@ class WorkerStore:
         self.report.probe_refused_ids.extend(refused)
         return out.accepted
 
-    def _step_tables(self, groups: dict[tuple[str, Format], list[CompressAction]]
-                     ) -> dict[tuple[str, Format], torch.Tensor]:
+    def _step_tables(self, groups: dict[tuple[Format, Format], list[CompressAction]]
+                     ) -> dict[tuple[Format, Format], torch.Tensor]:
         """Each group's action table, long [A, 3] on the device: the source page (hot blocks), the
         source slot row (`from_dst * r + from_slot`, recompressions) and the destination slot row
         (`dst * r + slot`) of every action, in the group's order. Built on the host and sent in one
         (pinned, non-blocking) copy for the whole step: no op of the step builds an index per layer."""
         rows: list[list[int]] = []
-        for (name, from_fmt), acts in groups.items():
-            r, r_from = Format.parse(name).pack_ratio, from_fmt.pack_ratio
+        for (fmt, from_fmt), acts in groups.items():
+            r, r_from = fmt.pack_ratio, from_fmt.pack_ratio
             rows.extend([a.src, a.from_dst * r_from + a.from_slot, a.dst * r + a.slot] for a in acts)
         if not rows or self.device is None:
             return {}
@@ -486,10 +473,7 @@ class WorkerStore:
         idx = table[:, 2]
         for rows, sp, cb in staged:
             self.dtypes[sp.spec.fmt] = (cb.k_data.dtype, cb.v_data.dtype)
-            shape = (cb.k_data.shape[0], *sp.layer(0)[0].shape[1:])
-            meta = {name: getattr(cb, name) for name in sp.meta}
-            self.stack.scatter(sp, rows, idx, cb.k_data.contiguous().view(torch.uint8).reshape(shape),
-                               cb.v_data.contiguous().view(torch.uint8).reshape(shape), meta)
+            self.stack.write(sp, rows, idx, cb)
 
     @property
     def device(self) -> torch.device | None:

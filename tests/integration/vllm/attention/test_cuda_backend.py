@@ -100,7 +100,7 @@ def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, Comm
     compression_probe_off(store)  # the actions below come from no step (the probe: test_worker_probe.py)
     todo = [(rid, j, blocks[j], *place) for rid, (blocks, _, _, comp) in REQUESTS.items() for j, place in comp.items()]
     acts = [
-        CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=fmt)
+        CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=Format.parse(fmt))
         for i, (rid, j, src, fmt, dst, slot) in enumerate(todo)
     ]
     connector.bind_connector_metadata(ProximaPlan(actions=acts))
@@ -148,7 +148,7 @@ def test_the_worker_compresses_cuda_pages_in_the_order_vllms_kernel_reads_them(
     store = worker_connector.store
     assert store is not None
     compression_probe_off(store)  # the action below comes from no step (the probe: test_worker_probe.py)
-    act = CompressAction(0, "r", 0, src=4, dst=9, slot=0, fmt=fmt)
+    act = CompressAction(0, "r", 0, src=4, dst=9, slot=0, fmt=Format.parse(fmt))
     worker_connector.bind_connector_metadata(ProximaPlan(actions=[act]))
     assert worker_connector.build_connector_worker_meta().ok == [0]  # type: ignore[union-attr]
     kh, vh = store.read(LAYER, Format.parse(fmt), torch.tensor([9]), torch.tensor([0]))  # [1, B, H, D]

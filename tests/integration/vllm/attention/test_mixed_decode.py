@@ -53,7 +53,7 @@ def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, dict
     assert store is not None
     compression_probe_off(store)
     todo = [(rid, j, blocks[j], *p) for rid, (blocks, _, comp) in REQUESTS.items() for j, p in comp.items()]
-    acts = [CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=fmt)
+    acts = [CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=Format.parse(fmt))
             for i, (rid, j, src, fmt, dst, slot) in enumerate(todo)]
     connector.bind_connector_metadata(ProximaPlan(actions=acts))
     rep = connector.build_connector_worker_meta()

@@ -57,7 +57,7 @@ def _scenario(formats: list[list[str | None]], seed: int = 0):  # type: ignore[n
             cur = dst_of.get((rid, f))
             if cur is None or cur[1] == fmt.pack_ratio:
                 cur = dst_of[(rid, f)] = [NB - 1 - len(dst_of), 0]
-            acts.append(CompressAction(len(acts), rid, j, blocks[j], cur[0], cur[1], f))
+            acts.append(CompressAction(len(acts), rid, j, blocks[j], cur[0], cur[1], fmt))
             cur[1] += 1
         seq_len = (len(fmts) - 1) * B + 5 + r  # a partial last block
         rows.append((rid, blocks, seq_len))

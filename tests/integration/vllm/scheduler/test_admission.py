@@ -241,7 +241,7 @@ def test_the_pool_and_the_side_tables_stay_within_the_kv_budget(name: str) -> No
 def test_the_summary_counts_compressions_per_compressed_block() -> None:
     m, _ = _pressured(load_policy("aggressive"))
     plan = m.build_plan(["a"])
-    assert plan.actions and all(a.from_fmt == "bf16" for a in plan.actions)
+    assert plan.actions and all(a.from_fmt.is_hot for a in plan.actions)
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
     s = m.summary()
     n = len(plan.actions)

@@ -27,7 +27,7 @@ def test_canaries_are_compressed_without_pressure_and_references_never() -> None
     plan = m.build_plan(["user-1", f"{canary.REFERENCE_PREFIX}0-x", f"{canary.CANARY_PREFIX}0-x"])
     assert plan.actions and {a.req_id for a in plan.actions} == {f"{canary.CANARY_PREFIX}0-x"}
     # The top band's ladder (conservative's `high`: int4), as if the pool were full.
-    assert {a.fmt for a in plan.actions} == {"int4"}
+    assert {a.fmt.name for a in plan.actions} == {"int4"}
     assert m.px.engine.active_band is None, "a canary does not move the engine's band"
     m.free(m.px.ledger[f"{canary.CANARY_PREFIX}0-x"].request)
     assert m.px.probes.canaries == 1

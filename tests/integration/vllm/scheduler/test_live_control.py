@@ -19,12 +19,14 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from proxima.formats import Format
+from proxima.formats import HOT, Format
 from proxima.integration.vllm.plan import ProximaReport
 from proxima.integration.vllm.scheduler.live import API_HOST_ENV, API_PORT_ENV, LiveControl, api_address
 from proxima.integration.vllm.scheduler.manager import ProximaKVCacheManager, install
 from proxima.policy.loader import load_policy
 from proxima.policy.schema import Policy
+
+INT8, INT4 = Format.parse("int8"), Format.parse("int4")
 
 HERE = Path(__file__).parents[1]
 B = 32  # tokens per block (the KIVI group of the int4 side table needs a multiple of 32)
@@ -234,7 +236,7 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     """The worker's probe refuses every int4 block (naming int8, within the bound): the manager
     plans those blocks as int8 next, and the steps' verdicts move the ladder by themselves."""
     policy = load_policy(HERE / "force-int4.yaml")
-    band = policy.bands[0].model_copy(update={"ladder": [Format.parse("int4"), Format.parse("int8")]})
+    band = policy.bands[0].model_copy(update={"ladder": [INT4, INT8]})
     probes = policy.probes.model_copy(update={"compression": policy.probes.compression.model_copy(
         update={"enabled": True, "window_blocks": 4})})
     policy = policy.model_copy(update={"bands": [band], "probes": probes})
@@ -244,10 +246,10 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     live.before_plan()
     plan = m.build_plan(["a"])
     live.after_plan()
-    assert plan.actions and {a.fmt for a in plan.actions} == {"int4"}
-    refused = {a.action_id: "int8" for a in plan.actions}
+    assert plan.actions and {a.fmt.name for a in plan.actions} == {"int4"}
+    refused = {a.action_id: INT8 for a in plan.actions}
     first = len(refused)
-    live.commit(ProximaReport(rejected=refused, probe_errors=[("int4", 0.3)] * len(refused) + [("int8", 0.004)],
+    live.commit(ProximaReport(rejected=refused, probe_errors=[(INT4, 0.3)] * len(refused) + [(INT8, 0.004)],
                               probe_measured_ids=list(refused), probe_refused_ids=list(refused), probe_seconds=0.001))
     assert m.px.stats.rejected == len(refused) and not m.px.in_flight and m.px.stats.failed == 0
     assert m.summary()["backoff"]["formats"] == {}, "a refusal is not a kernel failure"
@@ -256,9 +258,9 @@ def test_refused_blocks_are_replanned_milder_and_refusals_step_the_ladder_down()
     live.before_plan()
     plan = m.build_plan(["a"])
     live.after_plan()
-    assert plan.actions and {a.fmt for a in plan.actions} == {"int8"}, "the cap the probe named"
-    refused = {a.action_id: "" for a in plan.actions}
-    live.commit(ProximaReport(rejected=refused, probe_errors=[("int8", 0.5)] * len(refused),
+    assert plan.actions and {a.fmt.name for a in plan.actions} == {"int8"}, "the cap the probe named"
+    refused = {a.action_id: HOT for a in plan.actions}
+    live.commit(ProximaReport(rejected=refused, probe_errors=[(INT8, 0.5)] * len(refused),
                               probe_measured_ids=list(refused), probe_refused_ids=list(refused)))
     st = live.controller.fallback_state()
     assert st["level"] == 1 and st["automatic_level"] == 1  # failures_to_step_down = 2

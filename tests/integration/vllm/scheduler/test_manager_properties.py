@@ -82,7 +82,7 @@ class _Scheduler:
     def step(self, outcome: str) -> None:
         """End of schedule (plan), the forward (scheduled tokens computed, one sampled), the report."""
         plan = self.m.build_plan(list(self.scheduled))
-        self.recompressions += sum(a.from_fmt != "bf16" for a in plan.actions)
+        self.recompressions += sum(not a.from_fmt.is_hot for a in plan.actions)
         self.m.check_accounting()
         for req in self.running:
             n = self.scheduled.pop(req.request_id, 0)

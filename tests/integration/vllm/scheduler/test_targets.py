@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 
 from proxima.compression.spec import kv16_bytes
+from proxima.formats import HOT
 from proxima.integration.hf import ProximaCache, enable
 from proxima.integration.vllm.plan import ProximaReport
 from proxima.integration.vllm.scheduler import targets
@@ -181,14 +182,14 @@ def test_refused_blocks_keep_their_caps_and_the_next_round_makes_up_the_bytes() 
     r.num_computed_tokens += 1
     r.append_output_token_ids(7)
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions if a not in refused],
-                                 rejected={a.action_id: "" for a in refused}))
+                                 rejected={a.action_id: HOT for a in refused}))
     entry = m.px.ledger["r"]
     assert all(entry.caps[a.index].is_hot for a in refused)
     assert m.summary()["targets"] == {}
     short = targets.reached(entry, B, m.px.meta.held_block_bytes)  # short: six blocks stayed hot
     second = _decode_step(m, [r])
     assert second and not {a.index for a in refused} & {a.index for a in second}
-    assert any(a.from_fmt != "bf16" for a in second)  # recompressions of compressed blocks
+    assert any(not a.from_fmt.is_hot for a in second)  # recompressions of compressed blocks
     _decode_step(m, [r])
     # Made up by the other blocks, six of them hot.
     assert m.summary()["targets"]["r"]["reached"] >= max(short + 0.5, 0.99 * 3.0)

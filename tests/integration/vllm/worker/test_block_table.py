@@ -133,7 +133,7 @@ def test_full_table_and_long_requests_are_clear_errors() -> None:
 
 def test_step_placements_read_where_the_host_map_left_each_block() -> None:
     remap = {"a": {0: (INT8, 3, 1)}}
-    acts = [CompressAction(1, "a", 0, 5, 3, 1, "int8"), CompressAction(2, "a", 2, 6, 4, 0, "int8")]  # 2 failed
+    acts = [CompressAction(1, "a", 0, 5, 3, 1, INT8), CompressAction(2, "a", 2, 6, 4, 0, INT8)]  # 2 failed
     assert step_placements(acts, remap) == [("a", 0, (INT8, 3, 1)), ("a", 2, None)]
 
 

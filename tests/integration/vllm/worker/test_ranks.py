@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from proxima.formats import Format
+from proxima.formats import HOT, Format
 from proxima.integration.vllm.plan import NO_BLOCK, CompressAction, ProximaPlan, ProximaReport, merge_reports, settle
 from proxima.integration.vllm.scheduler.live import LiveControl
 from proxima.integration.vllm.scheduler.manager import ProximaKVCacheManager, install
@@ -27,6 +27,8 @@ from proxima.integration.vllm.worker.faults import FAULT_ENV, FaultInjector, par
 from proxima.integration.vllm.worker.ranks import check_remap
 from proxima.integration.vllm.worker.store import WorkerStore
 from proxima.policy.loader import load_policy, parse_policy
+
+INT8, INT4, INT2, FP8 = Format.parse("int8"), Format.parse("int4"), Format.parse("int2"), Format.parse("fp8")
 
 HERE = Path(__file__).parents[1]
 B, D, H_TOTAL, NB = 32, 64, 4, 24
@@ -274,7 +276,7 @@ def test_a_write_failed_on_one_rank_is_undone_on_every_rank(ranks: int, monkeypa
     h = H_TOTAL // ranks
     a = plan3.actions[0]
     for r, st in enumerate(stores):
-        kh, _ = st.read("model.layers.0.self_attn.attn", Format.parse(a.fmt), torch.tensor([a.dst]),
+        kh, _ = st.read("model.layers.0.self_attn.attn", a.fmt, torch.tensor([a.dst]),
                         torch.tensor([a.slot]))
         assert st.layout is not None
         k, _ = st.layout.read_blocks(full[0, :, r * h:(r + 1) * h], torch.tensor([a.src]))
@@ -288,8 +290,8 @@ def _recompressed_store() -> tuple[WorkerStore, CompressAction, CompressAction]:
     st = WorkerStore(rank=0)
     torch.manual_seed(0)
     st.register({"l0": torch.randn(NB, 2, B, 2 * D).bfloat16()})
-    first = CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")
-    again = CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10, from_slot=0)
+    first = CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT8)
+    again = CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=INT4, from_fmt=INT8, from_dst=10, from_slot=0)
     st.apply(ProximaPlan(actions=[first]))
     st.apply(ProximaPlan(actions=[again]))
     return st, first, again
@@ -297,11 +299,11 @@ def _recompressed_store() -> tuple[WorkerStore, CompressAction, CompressAction]:
 
 def test_a_failed_recompression_points_back_to_the_old_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     st, first, again = _recompressed_store()
-    assert st.remap["r"][0] == (Format.parse("int4"), 11, 0)
-    st.apply(ProximaPlan(revoked=[again, CompressAction(9, "gone", 0, src=1, dst=12, slot=0, fmt="int8")]))
-    assert st.remap["r"][0] == (Format.parse("int8"), 10, 0)
+    assert st.remap["r"][0] == (INT4, 11, 0)
+    st.apply(ProximaPlan(revoked=[again, CompressAction(9, "gone", 0, src=1, dst=12, slot=0, fmt=INT8)]))
+    assert st.remap["r"][0] == (INT8, 10, 0)
     st.apply(ProximaPlan(revoked=[again]))  # twice, or on a rank that failed it too: nothing to undo
-    assert st.remap["r"][0] == (Format.parse("int8"), 10, 0)
+    assert st.remap["r"][0] == (INT8, 10, 0)
     st.apply(ProximaPlan(revoked=[first]))
     assert 0 not in st.remap["r"]
 
@@ -313,7 +315,7 @@ def test_a_revoke_the_worker_cannot_match_is_logged_and_counted_not_raised(caplo
     st.replaced["r"].clear()  # the entry it replaced is lost
     with caplog.at_level("ERROR", logger="proxima.vllm"):
         st.apply(ProximaPlan(revoked=[again]))
-    assert st.remap["r"][0] == (Format.parse("int8"), 10, 0)  # the scheduler's view: the old slot
+    assert st.remap["r"][0] == (INT8, 10, 0)  # the scheduler's view: the old slot
     assert "holds the revoked recompression 1" in caplog.text
     rep = st.take_report()
     assert rep is not None and rep.revoke_mismatches == 1
@@ -330,7 +332,7 @@ def test_a_revoke_the_worker_cannot_match_is_logged_and_counted_not_raised(caplo
 
 def test_stats_count_every_ranks_side_table() -> None:
     one, four = _manager(1), _manager(4)
-    assert four.px.meta.per_slot(Format.parse("int4")) == one.px.meta.per_slot(Format.parse("int4"))
+    assert four.px.meta.per_slot(INT4) == one.px.meta.per_slot(INT4)
     assert four.px.meta.block_bytes == one.px.meta.block_bytes  # 4 ranks of 1 head = 1 rank of 4
     assert four.summary()["ranks"] == 4 and one.summary()["ranks"] == 1
 
@@ -340,11 +342,11 @@ def test_stats_count_every_ranks_side_table() -> None:
 
 def test_a_refusal_keeps_the_mildest_verdict_of_every_rank() -> None:
     """A compression is only as good as its worst rank: of the ranks' verdicts on a refused action
-    the merge keeps the mildest (fewest slots per block; "" = stays hot), whatever the rank order."""
-    r0 = ProximaReport(ok=[4], rejected={1: "int4", 2: "", 3: "int4", 5: "int8"})
-    r1 = ProximaReport(ok=[5], rejected={1: "int8", 2: "int4", 3: "int8", 4: "int8"})
-    r2 = ProximaReport(ok=[1, 4, 5], rejected={2: "int8", 3: "int8"})
-    want = {1: "int8", 2: "", 3: "int8", 4: "int8", 5: "int8"}
+    the merge keeps the mildest (fewest slots per block; HOT = stays hot), whatever the rank order."""
+    r0 = ProximaReport(ok=[4], rejected={1: INT4, 2: HOT, 3: INT4, 5: INT8})
+    r1 = ProximaReport(ok=[5], rejected={1: INT8, 2: INT4, 3: INT8, 4: INT8})
+    r2 = ProximaReport(ok=[1, 4, 5], rejected={2: INT8, 3: INT8})
+    want = {1: INT8, 2: HOT, 3: INT8, 4: INT8, 5: INT8}
     for order in ([r0, r1, r2], [r2, r1, r0], [r1, r0, r2]):
         rep = _merged(order)
         assert rep is not None and rep.rejected == want and rep.ok == [] and rep.failed == []
@@ -388,18 +390,18 @@ def test_probe_counts_are_the_engines_distinct_blocks() -> None:
         torch.manual_seed(1)
         for rid in ("r", "s"):
             st.recent_queries.add(rid, torch.randn(8, 4, D).bfloat16(), D ** -0.5)
-    plan = ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int2"),
-                                CompressAction(1, "s", 0, src=2, dst=11, slot=0, fmt="int2"),
-                                CompressAction(2, "new", 0, src=3, dst=11, slot=1, fmt="int2")])  # deferred
+    plan = ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT2),
+                                CompressAction(1, "s", 0, src=2, dst=11, slot=0, fmt=INT2),
+                                CompressAction(2, "new", 0, src=3, dst=11, slot=1, fmt=INT2)])  # deferred
     for st in stores:
         st.apply(plan)
     reps = [st.take_report() for st in stores]
     assert all(r is not None for r in reps)
-    assert [r.rejected for r in reps if r is not None] == [{0: "int8", 2: "int2"}, {1: "int8", 2: "int2"}]
+    assert [r.rejected for r in reps if r is not None] == [{0: INT8, 2: INT2}, {1: INT8, 2: INT2}]
     assert [(r.probe_measured, r.probe_refused) for r in reps if r is not None] == [(2, 1), (2, 1)]
     rep = _merged(list(reps))
     assert rep is not None
-    assert rep.rejected == {0: "int8", 1: "int8", 2: "int2"} and rep.ok == []
+    assert rep.rejected == {0: INT8, 1: INT8, 2: INT2} and rep.ok == []
     assert rep.probe_measured == 2 and rep.probe_refused == 2
     assert rep.probe_refused <= rep.probe_measured  # the invariant the fallback ladder's fraction needs
     assert len(rep.probe_errors) == sum(len(r.probe_errors) for r in reps if r is not None)
@@ -433,14 +435,14 @@ def test_a_recompression_undone_on_one_rank_keeps_its_override_epoch(monkeypatch
     stores, full = _probe_ranks(OVERRIDDEN)
     layer0 = "model.layers.0.self_attn.attn"
     monkeypatch.setenv(FAULT_ENV, "")
-    first = CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")
+    first = CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT8)
     rep = _step_ranks(stores, ProximaPlan(actions=[first], policy_version=1,
                                           policy=parse_policy(OVERRIDDEN + FP8_IN_LAYER_0)))
     assert rep.ok == [0]
     written = stores[0].remap["r"][0]
-    assert stores[0].layer_format(layer0, written[0]) == Format.parse("fp8")
+    assert stores[0].layer_format(layer0, written[0]) == FP8
     monkeypatch.setenv(FAULT_ENV, "compress,rank=1")
-    again = CompressAction(1, "r", 0, src=NO_BLOCK, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10,
+    again = CompressAction(1, "r", 0, src=NO_BLOCK, dst=11, slot=0, fmt=INT4, from_fmt=INT8, from_dst=10,
                            from_slot=0)
     rep = _step_ranks(stores, ProximaPlan(actions=[again], policy_version=2, policy=parse_policy(OVERRIDDEN)))
     assert rep.failed == [1] and rep.ok == []
@@ -449,7 +451,7 @@ def test_a_recompression_undone_on_one_rank_keeps_its_override_epoch(monkeypatch
     monkeypatch.setenv(FAULT_ENV, "")
     # What the scheduler sends next: the revocation, and the same recompression planned again
     # into the slot it released (every rank reads the block where it is, then writes it).
-    retry = CompressAction(2, "r", 0, src=NO_BLOCK, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10,
+    retry = CompressAction(2, "r", 0, src=NO_BLOCK, dst=11, slot=0, fmt=INT4, from_fmt=INT8, from_dst=10,
                            from_slot=0)
     for st in stores:
         st.apply(ProximaPlan(revoked=[again]))

@@ -11,11 +11,13 @@ import torch
 
 from bench.op_counter import OpCounter
 from bench.step_ops import Shape, Workload, accepting_probe, stacked_caches, without_probe
+from proxima.compression.layer_stack import stack_view
 from proxima.formats import Format
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
-from proxima.integration.vllm.worker.layer_stack import stack_view
 from proxima.integration.vllm.worker.store import WorkerStore
 from proxima.policy.loader import load_policy
+
+INT4, C2_INT4, C8_INT4 = Format.parse("int4"), Format.parse("cluster(2)+int4"), Format.parse("cluster(8)+int4")
 
 SHAPE = dict(heads=1, block_size=16, head_dim=32, blocks=32)
 
@@ -106,11 +108,11 @@ def test_stacked_and_per_layer_caches_write_the_same_bytes() -> None:
         stores.append(st)
     assert stores[0].stack.kv is not None and stores[1].stack.kv is None
     plans = [
-        [CompressAction(1, "r", 0, src=1, dst=20, slot=0, fmt="int4"),
-         CompressAction(2, "r", 1, src=2, dst=20, slot=1, fmt="int4")],
-        [CompressAction(3, "r", 0, src=-1, dst=21, slot=0, fmt="cluster(2)+int4", from_fmt="int4", from_dst=20,
+        [CompressAction(1, "r", 0, src=1, dst=20, slot=0, fmt=INT4),
+         CompressAction(2, "r", 1, src=2, dst=20, slot=1, fmt=INT4)],
+        [CompressAction(3, "r", 0, src=-1, dst=21, slot=0, fmt=C2_INT4, from_fmt=INT4, from_dst=20,
                         from_slot=0)],
-        [CompressAction(4, "r", 0, src=-1, dst=22, slot=0, fmt="cluster(8)+int4", from_fmt="cluster(2)+int4",
+        [CompressAction(4, "r", 0, src=-1, dst=22, slot=0, fmt=C8_INT4, from_fmt=C2_INT4,
                         from_dst=21, from_slot=0)],
     ]
     for acts in plans:

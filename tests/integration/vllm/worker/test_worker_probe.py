@@ -6,12 +6,14 @@ import torch
 
 from proxima.compression.attention import attention_error
 from proxima.compression.blocks import compress_blocks
-from proxima.formats import Format
+from proxima.formats import HOT, Format
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.worker.layer_formats import StoredFormat
 from proxima.integration.vllm.worker.store import WorkerStore
 from proxima.policy.loader import parse_policy
 from proxima.policy.schema import Policy
+
+INT8, INT4, INT2, FP8 = Format.parse("int8"), Format.parse("int4"), Format.parse("int2"), Format.parse("fp8")
 
 NB, H, B, D, HQ = 12, 3, 32, 64, 9
 TOL = {"int8": 0.02, "fp8": 0.08, "int4": 0.2}
@@ -61,15 +63,15 @@ def test_removing_a_layer_override_live_keeps_old_blocks_readable_and_recompress
     the new table; recompressing an old block reads it with the table it was written with."""
     st, caches = _store(_policy(OVERRIDE + "probes: {compression: {enabled: false}}\n"))
     before = {k: v.clone() for k, v in caches.items()}
-    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")]))
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT8)]))
     live = _policy("probes: {compression: {enabled: false}}\n")  # the override is gone
     st.apply(ProximaPlan(policy_version=2, policy=live,
-                         actions=[CompressAction(1, "r", 1, src=2, dst=10, slot=1, fmt="int8")]))
+                         actions=[CompressAction(1, "r", 1, src=2, dst=10, slot=1, fmt=INT8)]))
     rep = st.take_report()
     assert rep is not None and rep.ok == [0, 1] and not rep.failed
     old, new = st.remap["r"][0][0], st.remap["r"][1][0]
-    assert old == Format.parse("int8") and isinstance(new, StoredFormat) and new.name == "int8"
-    assert st.layer_format("layer.0", old) == Format.parse("fp8") and st.layer_format("layer.0", new).name == "int8"
+    assert old == INT8 and isinstance(new, StoredFormat) and new.name == "int8"
+    assert st.layer_format("layer.0", old) == FP8 and st.layer_format("layer.0", new).name == "int8"
     for layer, kv in before.items():
         # fp8 is lossier than int8: the old block in layer 0 reads back as fp8 (at fp8's error).
         err_old = _rel(st, kv, layer, old, 10, 0, 1)
@@ -78,8 +80,8 @@ def test_removing_a_layer_override_live_keeps_old_blocks_readable_and_recompress
     assert _rel(st, before["layer.0"], "layer.0", old, 10, 0, 1) > TOL["int8"]  # it really is fp8
     # Recompress both into int4: the worker reads each with its own table.
     st.apply(ProximaPlan(actions=[
-        CompressAction(2, "r", 0, src=-1, dst=11, slot=0, fmt="int4", from_fmt="int8", from_dst=10, from_slot=0),
-        CompressAction(3, "r", 1, src=-1, dst=11, slot=1, fmt="int4", from_fmt="int8", from_dst=10, from_slot=1),
+        CompressAction(2, "r", 0, src=-1, dst=11, slot=0, fmt=INT4, from_fmt=INT8, from_dst=10, from_slot=0),
+        CompressAction(3, "r", 1, src=-1, dst=11, slot=1, fmt=INT4, from_fmt=INT8, from_dst=10, from_slot=1),
     ]))
     rep = st.take_report()
     assert rep is not None and sorted(rep.ok) == [2, 3] and not rep.failed, rep.errors
@@ -100,38 +102,38 @@ def test_probe_refuses_a_format_over_its_bound_and_names_the_milder_one() -> Non
     q = _queries(st, "r")
     _queries(st, "s")
     before = {k: v.clone() for k, v in caches.items()}
-    acts = [CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int2"),
-            CompressAction(1, "s", 0, src=2, dst=11, slot=0, fmt="int8"),
-            CompressAction(2, "new", 0, src=3, dst=11, slot=1, fmt="int8")]  # no queries yet: deferred
+    acts = [CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT2),
+            CompressAction(1, "s", 0, src=2, dst=11, slot=0, fmt=INT8),
+            CompressAction(2, "new", 0, src=3, dst=11, slot=1, fmt=INT8)]  # no queries yet: deferred
     st.apply(ProximaPlan(actions=acts))
     rep = st.take_report()
     assert rep is not None
     # r: int2 over the bound, int8 within; new: not measurable yet, so not written (planned again).
-    assert rep.rejected == {0: "int8", 2: "int8"} and rep.ok == [1] and not rep.failed
+    assert rep.rejected == {0: INT8, 2: INT8} and rep.ok == [1] and not rep.failed
     assert "r" not in st.remap and "s" in st.remap and "new" not in st.remap
     assert all(torch.equal(before[k][10], caches[k][10]) for k in caches)  # the refused block wrote nothing
     assert rep.probe_measured == 2 and rep.probe_refused == 1 and rep.probe_seconds > 0
-    errs = dict(rep.probe_errors)
+    errs = {f.name: e for f, e in rep.probe_errors}
     bound = st.policy.probes.compression  # type: ignore[union-attr]
-    assert errs["int2"] > bound.bound(Format.parse("int2")) and errs["int8"] < bound.bound(Format.parse("int8"))
-    assert [f for f, _ in rep.probe_errors] == ["int2", "int8", "int8"]  # r: int2 then int8; s: int8
+    assert errs["int2"] > bound.bound(INT2) and errs["int8"] < bound.bound(INT8)
+    assert [f.name for f, _ in rep.probe_errors] == ["int2", "int8", "int8"]  # r: int2 then int8; s: int8
     # The number is the one implementation's: attention_error over the observed layer's block.
     assert st.layout is not None and st.observe_layer == "layer.1"
     k, v = st.layout.read_blocks(before["layer.1"], torch.tensor([1]))
-    cb = compress_blocks(Format.parse("int2"), k.contiguous(), v.contiguous(), backend="torch")
+    cb = compress_blocks(INT2, k.contiguous(), v.contiguous(), backend="torch")
     assert abs(errs["int2"] - attention_error(q, k[0], v[0], cb, sm_scale=D ** -0.5)) < 1e-4
 
 
 def test_probe_can_leave_a_block_hot_and_reports_merge_across_ranks() -> None:
     st, _ = _store(_policy("probes: {compression: {max_error: {int8: 1.0e-6}, default_max_error: 1.0e-6}}\n"))
     _queries(st, "r")
-    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int2")]))
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT2)]))
     rep = st.take_report()
-    assert rep is not None and rep.rejected == {0: ""} and not rep.ok  # nothing within the bound: stays hot
+    assert rep is not None and rep.rejected == {0: HOT} and not rep.ok  # nothing within the bound: stays hot
     assert rep.probe_refused == 1
-    merged = ProximaReport(ok=[1, 2], rejected={0: ""}).aggregate(ProximaReport(ok=[0, 1], rejected={2: "int8"}))
+    merged = ProximaReport(ok=[1, 2], rejected={0: HOT}).aggregate(ProximaReport(ok=[0, 1], rejected={2: INT8}))
     assert isinstance(merged, ProximaReport)
-    assert merged.ok == [1] and merged.rejected == {0: "", 2: "int8"}
+    assert merged.ok == [1] and merged.rejected == {0: HOT, 2: INT8}
 
 
 def test_recent_queries_keep_the_newest_window() -> None:

@@ -29,7 +29,7 @@ def test_roundtrip_into_packed_slots(fmt: str) -> None:
     st, caches = _store()
     f = Format.parse(fmt)
     before = {k: v.clone() for k, v in caches.items()}
-    acts = [CompressAction(i, "r", i, src=1 + i, dst=10, slot=i, fmt=fmt) for i in range(min(f.pack_ratio, 4))]
+    acts = [CompressAction(i, "r", i, src=1 + i, dst=10, slot=i, fmt=f) for i in range(min(f.pack_ratio, 4))]
     st.apply(ProximaPlan(actions=acts))
     rep = st.take_report()
     assert rep is not None and rep.ok == [a.action_id for a in acts] and not rep.failed
@@ -57,12 +57,12 @@ def test_no_proxima_backend_means_no_compression() -> None:
     st, caches = _store()
     before = {k: v.clone() for k, v in caches.items()}
     st.require_reader = True
-    st.apply(ProximaPlan(actions=[CompressAction(7, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
+    st.apply(ProximaPlan(actions=[CompressAction(7, "r", 0, src=1, dst=10, slot=0, fmt=Format.parse("int4"))]))
     rep = st.take_report()
     assert rep is not None and rep.failed == [7] and not rep.ok and rep.errors == [NO_READER]
     assert "r" not in st.remap and all(torch.equal(before[k], caches[k]) for k in caches)
     st.readers.add("ProximaCPUAttentionBackendImpl")  # what the connector finds on the layers
-    st.apply(ProximaPlan(actions=[CompressAction(8, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
+    st.apply(ProximaPlan(actions=[CompressAction(8, "r", 0, src=1, dst=10, slot=0, fmt=Format.parse("int4"))]))
     rep = st.take_report()
     assert rep is not None and rep.ok == [8] and not rep.failed
 
@@ -71,7 +71,7 @@ def test_injected_fault_keeps_blocks_hot(monkeypatch: pytest.MonkeyPatch) -> Non
     st, caches = _store()
     before = {k: v.clone() for k, v in caches.items()}
     monkeypatch.setenv(FAULT_ENV, "compress")
-    st.apply(ProximaPlan(actions=[CompressAction(7, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
+    st.apply(ProximaPlan(actions=[CompressAction(7, "r", 0, src=1, dst=10, slot=0, fmt=Format.parse("int4"))]))
     rep = st.take_report()
     assert rep is not None and rep.failed == [7] and not rep.ok and rep.errors
     assert "r" not in st.remap
@@ -91,8 +91,8 @@ def test_fault_file_switches_faults_on_and_off_between_steps(
         else:
             fault.write_text(spelling)
         st.apply(ProximaPlan(actions=[
-            CompressAction(aid, "r", aid, src=1 + aid % 4, dst=6 + aid, slot=0, fmt="int8"),
-            CompressAction(aid + 100, "r", aid + 100, src=1 + aid % 4, dst=6 + aid, slot=0, fmt="int4"),
+            CompressAction(aid, "r", aid, src=1 + aid % 4, dst=6 + aid, slot=0, fmt=Format.parse("int8")),
+            CompressAction(aid + 100, "r", aid + 100, src=1 + aid % 4, dst=6 + aid, slot=0, fmt=Format.parse("int4")),
         ]))
         rep = st.take_report()
         assert rep is not None
@@ -121,7 +121,7 @@ def test_fault_spelling() -> None:
 
 def test_dropped_request_forgotten() -> None:
     st, _ = _store()
-    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")]))
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=Format.parse("int8"))]))
     assert "r" in st.remap
     st.apply(ProximaPlan(dropped=["r"]))
     assert "r" not in st.remap
@@ -130,9 +130,9 @@ def test_dropped_request_forgotten() -> None:
 def test_recompression_reads_the_current_slot() -> None:
     st, caches = _store()
     orig = caches["layer.0"].clone()
-    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int8")]))
-    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt="int4",
-                                                 from_fmt="int8", from_dst=10, from_slot=0)]))
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=Format.parse("int8"))]))
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=Format.parse("int4"),
+                                                 from_fmt=Format.parse("int8"), from_dst=10, from_slot=0)]))
     assert st.remap["r"][0] == (Format.parse("int4"), 11, 0)
     kh, _ = st.read("layer.0", Format.parse("int4"), torch.tensor([11]), torch.tensor([0]))
     assert st.layout is not None
@@ -144,14 +144,14 @@ def test_released_destinations_are_zeroed_before_the_step() -> None:
     """A destination block's packed bytes read as bf16 include NaN; vLLM's CPU kernel reads whole
     blocks, so a reused destination must not keep them where its new owner has not written yet."""
     st, caches = _store()
-    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt="int4")]))
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=Format.parse("int4"))]))
     assert any(kv[10].isnan().any() for kv in caches.values())  # what makes the scrub necessary
-    st.apply(ProximaPlan(actions=[CompressAction(1, "s", 0, src=3, dst=11, slot=0, fmt="int4")]))
+    st.apply(ProximaPlan(actions=[CompressAction(1, "s", 0, src=3, dst=11, slot=0, fmt=Format.parse("int4"))]))
     others = {k: torch.cat([v[:10], v[12:]]).clone() for k, v in caches.items()}
     # Block 11 released (its bytes go), block 10 released and reused by the same plan for a
     # new slot: the scrub must run first, or it would wipe the new slot.
     st.apply(ProximaPlan(dropped=["r", "s"], scrub=[10, 11],
-                         actions=[CompressAction(2, "q", 0, src=2, dst=10, slot=0, fmt="int8")]))
+                         actions=[CompressAction(2, "q", 0, src=2, dst=10, slot=0, fmt=Format.parse("int8"))]))
     assert st.layout is not None
     for layer, kv in caches.items():
         assert torch.equal(kv[11], torch.zeros_like(kv[11]))
@@ -177,7 +177,7 @@ def test_hf_cache_stores_what_the_vllm_worker_stores(fmt: str) -> None:
 
     st, caches = _store()
     f = Format.parse(fmt)
-    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=3, dst=10, slot=1 % f.pack_ratio, fmt=fmt)]))
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=3, dst=10, slot=1 % f.pack_ratio, fmt=f)]))
     rep = st.take_report()
     assert rep is not None and rep.ok == [1], rep and rep.errors
     assert st.layout is not None
@@ -214,11 +214,11 @@ def test_merged_blocks_recompress_with_counts_adding() -> None:
 
     st, _caches = _store()
     c2, c4 = Format.parse("cluster(2)+int4"), Format.parse("cluster(4)+int4")
-    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=c2.name)]))
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=c2)]))
     st.take_report()
     rows = {layer: st.read_with_counts(layer, c2, torch.tensor([10]), torch.tensor([0])) for layer in st.kv_caches}
-    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=c4.name,
-                                                 from_fmt=c2.name, from_dst=10, from_slot=0)]))
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=c4,
+                                                 from_fmt=c2, from_dst=10, from_slot=0)]))
     rep = st.take_report()
     assert rep is not None and rep.ok == [1], rep and rep.errors
     assert st.remap["r"][0] == (c4, 11, 0)
@@ -232,8 +232,8 @@ def test_merged_blocks_recompress_with_counts_adding() -> None:
         sid = 11 * c4.pack_ratio
         assert torch.equal(want.k_data[0].view(torch.uint8), pool.k[sid])
         assert want.log_count is not None and torch.equal(want.log_count[0], pool.meta["log_count"][sid])
-    st.apply(ProximaPlan(actions=[CompressAction(2, "r", 0, src=-1, dst=12, slot=0, fmt="sparse(8)+int4",
-                                                 from_fmt=c4.name, from_dst=11, from_slot=0)]))
+    st.apply(ProximaPlan(actions=[CompressAction(2, "r", 0, src=-1, dst=12, slot=0, fmt=Format.parse("sparse(8)+int4"),
+                                                 from_fmt=c4, from_dst=11, from_slot=0)]))
     rep = st.take_report()
     assert rep is not None and rep.failed == [2] and "recompressible" in rep.errors[0]
     assert st.remap["r"][0] == (c4, 11, 0)  # the block stays where it was
@@ -272,7 +272,7 @@ def test_policy_group_size_reaches_both_integrations(fmt: str, per_quant: dict[s
     st = WorkerStore()
     st.register(caches, policy)
     assert st.group_for(f) == want
-    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=3, dst=10, slot=0, fmt=fmt)]))
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=3, dst=10, slot=0, fmt=f)]))
     rep = st.take_report()
     assert rep is not None and rep.ok == [1], rep and rep.errors
     assert st.layout is not None

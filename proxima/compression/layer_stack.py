@@ -12,8 +12,10 @@ results.
 A `SlotPool` is the compressed slots of one stored format in every layer: the byte views of the
 KV tensor (`[L, n * r, C, H, P]` uint8, or one such view per layer without a stack) and the
 side table (`[L, n * r, ...]` per metadata field, allocated here, for all layers at once). It is
-the one slot-pool view: the attention backends read a layer of it (`WorkerStore.pool`), the
-executor writes all layers of it, and `compression.layout` tests certify these bytes.
+the one slot-pool view: the vLLM worker writes all layers of it (`LayerStack.write`), the
+attention backends read one layer of it (`LayerSlots`, `LayerSlots.blocks` for Proxima's
+kernels), and the compression tests (`tests/compression/paged_world.py`, `test_layout.py`)
+write and read these very bytes. Slot id = physical block * pack ratio + j (`layout.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from proxima.compression.blocks import CompressedBlocks
 from proxima.compression.spec import SlotSpec
 
 META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -66,6 +69,32 @@ class SlotPool:
         if self.k_all is not None and self.v_all is not None:
             return self.k_all[i], self.v_all[i]
         return self.k_layers[i], self.v_layers[i]
+
+    def at(self, i: int) -> LayerSlots:
+        """Stack row i's view of the pool (no copy)."""
+        return LayerSlots(self.spec, *self.layer(i), {n: t[i] for n, t in self.meta.items()})
+
+
+@dataclass
+class LayerSlots:
+    """One layer's view of a `SlotPool`: what the attention backends read."""
+
+    spec: SlotSpec
+    k: torch.Tensor
+    """[n * r, C, H, P] uint8 view into vLLM's KV tensor."""
+    v: torch.Tensor
+    meta: dict[str, torch.Tensor] = field(default_factory=dict)
+    """name -> [n * r, ...]."""
+
+    def blocks(self, k_dtype: torch.dtype, v_dtype: torch.dtype, dtype: torch.dtype) -> CompressedBlocks:
+        """Every slot of this layer as `CompressedBlocks` (no copy), for Proxima's kernels: keys
+        and values in the element types the slots were written with (`compress_blocks`' output,
+        which may differ for keys and values), `dtype` the KV cache's."""
+        spec = self.spec
+        return CompressedBlocks(
+            spec.fmt, self.k.view(k_dtype), self.v.view(v_dtype), head_dim=spec.head_dim, dtype=dtype,
+            group_size=spec.group_size, source_tokens=spec.block_size, **self.meta,
+        )  # fmt: skip
 
 
 class LayerStack:
@@ -113,12 +142,22 @@ class LayerStack:
     # --- compressed slots -----------------------------------------------------------------------
 
     def pool(self, key: object, spec: SlotSpec) -> SlotPool:
-        """The pool of the stored format `key` (its `SlotSpec` is the same in every layer)."""
+        """The pool of the stored format `key` (its `SlotSpec` is the same in every layer).
+
+        Each layer must be a dense 16-bit `[N, H, B, 2D]` tensor whose blocks hold exactly
+        `spec.block_data_bytes` (the slot views reinterpret its bytes)."""
         p = self.pools.get(key)
         if p is not None:
             return p
         first = self.layers[0]
         n, h = first.shape[:2]
+        if first.element_size() != 2 or not first.is_contiguous():
+            raise ValueError(f"slot pools need dense 16-bit KV layers (bf16/fp16), got {first.dtype} "
+                             f"with strides {first.stride()}")
+        if first[0].numel() * 2 != spec.block_data_bytes:
+            raise ValueError(f"{spec.fmt}: a block of this KV cache has {first[0].numel() * 2} bytes, the spec "
+                             f"expects {spec.block_data_bytes} (B={spec.block_size}, H={spec.num_kv_heads}, "
+                             f"D={spec.head_dim}, 16-bit cache)")
         r, c = spec.fmt.pack_ratio, spec.slot_tokens
         p = SlotPool(spec)
         if self.kv is not None:
@@ -152,6 +191,15 @@ class LayerStack:
         k = torch.cat([p.k_layers[i].index_select(0, idx) for i in layers])
         v = torch.cat([p.v_layers[i].index_select(0, idx) for i in layers])
         return k, v, meta
+
+    def write(self, p: SlotPool, layers: tuple[int, ...], idx: torch.Tensor, cb: CompressedBlocks) -> None:
+        """Store compressed blocks into slots `idx` (long [A], device) of those layers: `cb` holds
+        A full blocks per layer, layer-major (`compress_blocks` over the layers' rows); data as
+        raw bytes (any element types), metadata cast to the side tables' types."""
+        shape = (cb.k_data.shape[0], *p.layer(0)[0].shape[1:])
+        meta = {name: getattr(cb, name) for name in p.meta}
+        self.scatter(p, layers, idx, cb.k_data.contiguous().view(torch.uint8).reshape(shape),
+                     cb.v_data.contiguous().view(torch.uint8).reshape(shape), meta)
 
     def scatter(self, p: SlotPool, layers: tuple[int, ...], idx: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, meta: dict[str, torch.Tensor]) -> None:

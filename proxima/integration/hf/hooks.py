@@ -11,21 +11,19 @@ seen, and the two never share state that either changes afterwards.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from proxima.formats import Format
 
-if TYPE_CHECKING:
-    from proxima.integration.hf.cache import ProximaCache
-
 
 class QueryHook(Protocol):
     """Called with every layer's queries of every forward, after the layer's keys were cached
-    (`[B, Hq, Q, D]` after RoPE: the last Q of the layer's cached tokens)."""
+    (`[B, Hq, Q, D]` after RoPE: the last Q of the layer's cached tokens). `cache` is the
+    `ProximaCache` (typed `Any` here: this module is imported by the cache's own modules)."""
 
-    def __call__(self, cache: ProximaCache, layer_idx: int, query: torch.Tensor) -> None: ...
+    def __call__(self, cache: Any, layer_idx: int, query: torch.Tensor) -> None: ...
 
     def fork(self) -> QueryHook: ...
 

@@ -43,7 +43,7 @@ class CacheImportance:
         self._obs[layer_idx] = q[:, :, -self.window :].clone()
         if 0 <= layer_idx < len(self.layers):
             for hook in self.query_hooks:
-                hook(self, layer_idx, query.detach())  # type: ignore[arg-type]
+                hook(self, layer_idx, query.detach())
 
     def window_queries(self, layer_idx: int) -> torch.Tensor | None:
         """The observation window's queries of a layer, `[B, Hq, W, D]` after RoPE (what the

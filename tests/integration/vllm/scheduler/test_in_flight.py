@@ -15,12 +15,15 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
+from proxima.formats import Format
 from proxima.integration.vllm.plan import ActionId, CompressAction, ProximaReport
 from proxima.integration.vllm.scheduler.in_flight import InFlight
 from proxima.integration.vllm.scheduler.ledger import RequestEntry, RequestLedger
 from proxima.integration.vllm.scheduler.manager import install
 from proxima.placement import BlockId, SlotIndex
 from proxima.policy.loader import load_policy
+
+INT4 = Format.parse("int4")
 
 ROOT = Path(__file__).resolve().parents[4]
 REQUESTS = 3
@@ -58,7 +61,7 @@ class _Model:
             return
         aid = self.fl.next_id()
         assert aid not in self.ever  # ids are never reused
-        ca = CompressAction(aid, rid, b, BlockId(10 + b), BlockId(100 + r), SlotIndex(b), "int4")
+        ca = CompressAction(aid, rid, b, BlockId(10 + b), BlockId(100 + r), SlotIndex(b), INT4)
         if b in entry.in_flight:
             with pytest.raises(ValueError, match="already has action"):
                 self.fl.plan(ca, in_prefill=in_prefill)
@@ -160,12 +163,12 @@ def test_the_invariant_holds_through_any_sequence(ops: list[tuple]) -> None:
 def test_plan_refuses_an_unknown_request_and_a_reused_id() -> None:
     ledger = RequestLedger(r0=_entry("r0"))
     fl = InFlight(ledger)
-    ca = CompressAction(fl.next_id(), "r0", 0, BlockId(1), BlockId(2), SlotIndex(0), "int4")
+    ca = CompressAction(fl.next_id(), "r0", 0, BlockId(1), BlockId(2), SlotIndex(0), INT4)
     with pytest.raises(ValueError, match="r9 is not in the ledger"):
-        fl.plan(CompressAction(fl.next_id(), "r9", 0, BlockId(1), BlockId(2), SlotIndex(0), "int4"), in_prefill=False)
+        fl.plan(CompressAction(fl.next_id(), "r9", 0, BlockId(1), BlockId(2), SlotIndex(0), INT4), in_prefill=False)
     fl.plan(ca, in_prefill=False)
     with pytest.raises(ValueError, match="already in flight"):
-        fl.plan(CompressAction(ca.action_id, "r0", 1, BlockId(3), BlockId(2), SlotIndex(1), "int4"), in_prefill=False)
+        fl.plan(CompressAction(ca.action_id, "r0", 1, BlockId(3), BlockId(2), SlotIndex(1), INT4), in_prefill=False)
 
 
 def test_check_finds_a_ledger_view_out_of_step() -> None:
@@ -173,10 +176,10 @@ def test_check_finds_a_ledger_view_out_of_step() -> None:
     and one filed under another block, each fail it."""
     ledger = RequestLedger(r0=_entry("r0"))
     fl = InFlight(ledger)
-    ca = CompressAction(fl.next_id(), "r0", 0, BlockId(1), BlockId(2), SlotIndex(0), "int4")
+    ca = CompressAction(fl.next_id(), "r0", 0, BlockId(1), BlockId(2), SlotIndex(0), INT4)
     fl.plan(ca, in_prefill=True)
     fl.check()
-    stray = CompressAction(fl.next_id(), "r0", 1, BlockId(3), BlockId(2), SlotIndex(1), "int4")
+    stray = CompressAction(fl.next_id(), "r0", 1, BlockId(3), BlockId(2), SlotIndex(1), INT4)
     ledger["r0"].in_flight[1] = stray
     with pytest.raises(AssertionError, match="in flight in the ledger but not pending"):
         fl.check()

@@ -21,6 +21,7 @@ from proxima.integration.vllm.attention import triton as cb
 from proxima.integration.vllm.connector import ProximaConnector
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
 from proxima.integration.vllm.worker.store import WorkerStore
+from tests.integration.vllm.attention.test_cuda_backend import parent_kernel_stub  # noqa: F401 (a fixture)
 from tests.integration.vllm.engine_helpers import compression_probe_off
 
 NB, H, HQ, B, D = 40, 2, 4, 16, 32
@@ -327,6 +328,29 @@ def test_the_observed_layer_on_the_one_pass_path_still_reports_importance(
         want, _ = _reference(store, kv, q[r], rid)
         assert float((out[r].float() - want).norm() / want.norm()) < 1e-2, rid
 
+
+
+@pytest.mark.usefixtures("parent_kernel_stub")
+def test_an_observed_layer_the_one_pass_kernel_cannot_read_is_observed_on_the_host(
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The builder marks the device importance as observed this step; when the observed layer then
+    takes the split path (here: soft-capping, which the one-pass kernel refuses), the mark is taken
+    back, so the connector reports the host's observation instead of reading a device average that
+    nothing updated."""
+    from tests.integration.vllm.attention.test_cuda_backend import _builder
+
+    _, kv, meta = _world(worker_connector)
+    impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl
+    monkeypatch.setattr(impl, "logits_soft_cap", 30.0)
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16()
+    m = _builder().build(0, _common(meta))
+    assert m.px_table is not None and m.px_table.observed is not None
+    with pytest.raises(NotImplementedError, match="soft-capping"):  # compressed rows, refused by the split path
+        impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, m, torch.empty_like(q))
+    assert m.px_table.observed is None
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and set(rep.importance) == set(REQUESTS)  # type: ignore[attr-defined]
 
 COMPILE = """
 import sys

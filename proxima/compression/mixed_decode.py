@@ -10,7 +10,8 @@ partial results and no merge, and the output is written in place into vLLM's out
 Optionally (`entry_lse`) it also writes each logical block's log-sum-exp, from which the
 observed layer's per-block attention mass follows (`block_mass`) without a second pass.
 
-Speed (issue 38, item 5), where it stands: tiles are one block (vLLM's block size); both
+Speed (issue 38, item 5), where it stands: a run of vLLM's pages is read TILE_TOKENS (64) at a
+time, a tile holding any compressed block one block at a time in its format; both
 products run on tensor cores (`tl.dot`, the KV head's G query heads as M padded to 16, operands
 in the query's 16-bit dtype, fp32 accumulation) once the block and head dim reach 16; the
 dequantization stays in registers per format. Long contexts split over programs (`splits`,
@@ -99,6 +100,129 @@ def _desc(desc_ptr, code, field: tl.constexpr):
 
 
 @triton.jit
+def _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h, trow, NB, j, seq_len,
+                ot, od, m2, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """Logical block `j` of the row in its own format: keys and values [BS, BLOCK_D] in float32,
+    the logit bias [BS] (log count of centroids) and which of its rows hold tokens."""
+    code = tl.load(ent_ptr + (trow * NB + j) * 2)
+    seen = tl.minimum(seq_len - j * BS, BS)
+    if code == 0:  # vLLM's bf16 page
+        blk = tl.load(bt_ptr + r * sbt + j).to(tl.int64)
+        valid = ot < seen
+        base = kv_ptr + blk * skv_b + h * skv_h + ot[:, None] * skv_t + od[None, :]
+        k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+        v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+        bias = tl.zeros((BS,), tl.float32)
+    else:
+        sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
+        quant = _desc(desc_ptr, code, 0)
+        tokens = _desc(desc_ptr, code, 1)
+        # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
+        ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
+        valid = ot < ntok
+        vm = valid[:, None] & m2
+        group = _desc(desc_ptr, code, 3)
+        row_off = sid * _desc(desc_ptr, code, 4) + ot[:, None] * _desc(desc_ptr, code, 5) \
+            + h * _desc(desc_ptr, code, 6)
+        kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
+        vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
+        ks_row = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
+        vs_row = sid * _desc(desc_ptr, code, 16) + ot * _desc(desc_ptr, code, 17) + h * _desc(desc_ptr, code, 18)
+        # Names are distinct per branch where their types differ: a compiled `if` may only
+        # carry out names of one type from both sides (the interpreter would not notice).
+        if quant == 1:  # fp8: per-token scales on keys and values
+            f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
+            f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+            f8_ksc = tl.load(f8_ks + sid * _desc(desc_ptr, code, 13) + ot * _desc(desc_ptr, code, 14)
+                             + h * _desc(desc_ptr, code, 15), mask=valid, other=0.0)
+            f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
+            f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            k = f8_k * f8_ksc[:, None]
+            v = f8_v * f8_vsc[:, None]
+        else:  # KIVI keys: per channel, a scale / zero row per group of tokens
+            per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
+            bits = 8 // per
+            ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
+            kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
+            g_off = ks_row + ((ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
+            ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
+            kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
+            shift = ((od % per) * bits).to(tl.uint8)
+            cmask = ((1 << bits) - 1).to(tl.uint8)
+            kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
+            k = ((kraw >> shift[None, :]) & cmask).to(tl.float32) * ksc + kzp
+            vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
+            if quant == 2:  # int8 values: signed codes, a scale per token
+                i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+                i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
+                v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
+            else:  # int4 / int2 values: scale and zero per token and group of channels
+                iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
+                iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
+                vg = vs_row[:, None] + (od // group)[None, :]
+                iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
+                iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
+                v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
+        bias = tl.zeros((BS,), tl.float32)
+        lc_addr = _desc(desc_ptr, code, 12)
+        if lc_addr != 0:  # centroids: log(count) on each logit
+            lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+            bias = tl.load(lc_p + sid * _desc(desc_ptr, code, 19) + ot * _desc(desc_ptr, code, 20)
+                           + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
+        k = tl.where(vm, k, 0.0)
+        v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
+    return k, v, bias, valid
+
+
+@triton.jit
+def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j0, seq_len, ott, od, m2,
+                   D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """TILE_BLOCKS consecutive logical blocks from `j0` that are all vLLM's bf16 pages, as one
+    tile [TILE_BLOCKS * BS, BLOCK_D] (each token through vLLM's block table), and its token mask."""
+    tok = j0 * BS + ott
+    valid = tok < seq_len
+    blk = tl.load(bt_ptr + r * sbt + tok // BS, mask=valid, other=0).to(tl.int64)
+    base = kv_ptr + blk[:, None] * skv_b + h * skv_h + (tok % BS)[:, None] * skv_t + od[None, :]
+    k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+    v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+    return k, v, valid
+
+
+@triton.jit
+def _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
+                  DOT: tl.constexpr, DOT_16BIT: tl.constexpr):  # fmt: skip
+    """One tile into the online softmax: the new (max, sum, output) state, and the tile's
+    probabilities (relative to `m_use`) for the observed layer's per-block sums."""
+    if DOT:  # tensor cores: the group's query heads are M (padded to 16), operands in the
+        # query's 16-bit dtype (the model's), fp32 sums
+        if DOT_16BIT:
+            qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+        else:
+            qk = tl.dot(q, tl.trans(k))
+    else:
+        qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    s = qk * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    p_sum = tl.sum(p, axis=1)
+    l_i = l_i * alpha + p_sum
+    m_i = m_new
+    if DOT:
+        if DOT_16BIT:  # noqa: SIM108 (constexpr: one branch is compiled)
+            pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+        else:
+            pv = tl.dot(p, v)
+    else:
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + pv
+    return m_i, l_i, acc, p, m_use
+
+
+@triton.jit
 def _mixed_decode_kernel(
     q_ptr, sq_s, sq_h,  # [S, Hq, D] queries
     o_ptr, so_s, so_h,  # [S, Hq, D] output (written in place)
@@ -114,6 +238,7 @@ def _mixed_decode_kernel(
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -137,106 +262,39 @@ def _mixed_decode_kernel(
     # this program's share of the row's blocks: a contiguous run, as even as the split allows
     # (SPLITS is fixed per launch shape, so a CUDA graph replays it whatever the context length)
     nblk = tl.cdiv(seq_len, BS)
-    per = tl.cdiv(nblk, SPLITS)
-    j_end = tl.minimum(sp * per + per, nblk)
-    for j in range(sp * per, j_end):
-        code = tl.load(ent_ptr + (trow * NB + j) * 2)
-        seen = tl.minimum(seq_len - j * BS, BS)
-        if code == 0:  # vLLM's bf16 page
-            blk = tl.load(bt_ptr + r * sbt + j).to(tl.int64)
-            valid = ot < seen
-            base = kv_ptr + blk * skv_b + h * skv_h + ot[:, None] * skv_t + od[None, :]
-            k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-            v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-            bias = tl.zeros((BS,), tl.float32)
+    per = tl.cdiv(tl.cdiv(nblk, SPLITS), TILE_BLOCKS) * TILE_BLOCKS  # whole tiles
+    j_start = sp * per
+    j_end = tl.minimum(j_start + per, nblk)
+    # TILE_BLOCKS blocks at a time: a run of vLLM's pages is read as one wide tile (vLLM's own
+    # kernel reads 32-64 tokens a step; one 16-token page a step left the unsplit kernel at 3x its
+    # time on the H100), a tile holding any compressed block goes block by block in its formats.
+    otb = tl.arange(0, TILE_BLOCKS)
+    ott = tl.arange(0, TILE_BLOCKS * BS)
+    for jt in range(j_start, j_end, TILE_BLOCKS):
+        jj = jt + otb
+        codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
+        if tl.max(codes, axis=0) == 0:  # names differ per branch: their types do (see `_load_block`)
+            hk, hv, hvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, jt, seq_len, ott, od,
+                                            m2, D, BS)
+            m_i, l_i, acc, hp, hm = _softmax_step(q, hk, hv, tl.zeros((TILE_BLOCKS * BS,), tl.float32), hvalid,
+                                                  m_i, l_i, acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
+            if OBSERVE:
+                hsum = tl.sum(tl.reshape(hp, (G_PAD, TILE_BLOCKS, BS)), axis=2)
+                hent = tl.where(hsum > 0, (tl.math.log2(tl.maximum(hsum, 1e-30)) + hm[:, None]) * 0.6931471805599453,
+                                float("-inf"))
+                tl.store(ent_out_ptr + (r * NB_OUT + jj[None, :]) * Hq + qh[:, None], hent,
+                         mask=mg[:, None] & ((jj < j_end) & (jj < NB_OUT))[None, :])
         else:
-            sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
-            quant = _desc(desc_ptr, code, 0)
-            tokens = _desc(desc_ptr, code, 1)
-            # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
-            ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
-            valid = ot < ntok
-            vm = valid[:, None] & m2
-            group = _desc(desc_ptr, code, 3)
-            row_off = sid * _desc(desc_ptr, code, 4) + ot[:, None] * _desc(desc_ptr, code, 5) \
-                + h * _desc(desc_ptr, code, 6)
-            kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-            vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-            ks_row = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
-            vs_row = sid * _desc(desc_ptr, code, 16) + ot * _desc(desc_ptr, code, 17) + h * _desc(desc_ptr, code, 18)
-            # Names are distinct per branch where their types differ: a compiled `if` may only
-            # carry out names of one type from both sides (the interpreter would not notice).
-            if quant == 1:  # fp8: per-token scales on keys and values
-                f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
-                f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-                f8_ksc = tl.load(f8_ks + sid * _desc(desc_ptr, code, 13) + ot * _desc(desc_ptr, code, 14)
-                                 + h * _desc(desc_ptr, code, 15), mask=valid, other=0.0)
-                f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
-                f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                k = f8_k * f8_ksc[:, None]
-                v = f8_v * f8_vsc[:, None]
-            else:  # KIVI keys: per channel, a scale / zero row per group of tokens
-                per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
-                bits = 8 // per
-                ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
-                kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
-                g_off = ks_row + ((ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
-                ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
-                kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
-                shift = ((od % per) * bits).to(tl.uint8)
-                cmask = ((1 << bits) - 1).to(tl.uint8)
-                kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
-                k = ((kraw >> shift[None, :]) & cmask).to(tl.float32) * ksc + kzp
-                vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
-                if quant == 2:  # int8 values: signed codes, a scale per token
-                    i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-                    i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
-                    v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
-                else:  # int4 / int2 values: scale and zero per token and group of channels
-                    iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
-                    iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
-                    vg = vs_row[:, None] + (od // group)[None, :]
-                    iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
-                    iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
-                    v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
-            bias = tl.zeros((BS,), tl.float32)
-            lc_addr = _desc(desc_ptr, code, 12)
-            if lc_addr != 0:  # centroids: log(count) on each logit
-                lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-                bias = tl.load(lc_p + sid * _desc(desc_ptr, code, 19) + ot * _desc(desc_ptr, code, 20)
-                               + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
-            k = tl.where(vm, k, 0.0)
-            v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
-        if DOT:  # tensor cores: the group's query heads are M (padded to 16), operands in the
-            # query's 16-bit dtype (the model's), fp32 sums
-            if DOT_16BIT:
-                qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
-            else:
-                qk = tl.dot(q, tl.trans(k))
-        else:
-            qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        s = qk * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        p_sum = tl.sum(p, axis=1)
-        l_i = l_i * alpha + p_sum
-        m_i = m_new
-        if DOT:
-            if DOT_16BIT:  # noqa: SIM108 (constexpr: one branch is compiled)
-                pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
-            else:
-                pv = tl.dot(p, v)
-        else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        if OBSERVE:
-            ent = tl.where(p_sum > 0, (tl.math.log2(tl.maximum(p_sum, 1e-30)) + m_use) * 0.6931471805599453,
-                           float("-inf"))
-            tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, ent, mask=mg & ((og * 0 + j) < NB_OUT))
+            for j in range(jt, tl.minimum(jt + TILE_BLOCKS, j_end)):
+                k, v, bias, valid = _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h,
+                                                trow, NB, j, seq_len, ot, od, m2, D, BS)
+                m_i, l_i, acc, p, m_use = _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
+                                                        DOT, DOT_16BIT)
+                if OBSERVE:
+                    p_sum = tl.sum(p, axis=1)
+                    ent = tl.where(p_sum > 0, (tl.math.log2(tl.maximum(p_sum, 1e-30)) + m_use) * 0.6931471805599453,
+                                   float("-inf"))
+                    tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, ent, mask=mg & ((og * 0 + j) < NB_OUT))
     if OBSERVE:  # the blocks past this row's end received nothing (the last split says so)
         for j in range(tl.where(sp == SPLITS - 1, nblk, NB_OUT), NB_OUT):
             tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)
@@ -292,6 +350,9 @@ def _combine_splits_kernel(
         tl.store(lse_ptr + r * Hq + qh, lse, mask=mg)
 
 
+TILE_TOKENS = 64
+"""Tokens of vLLM's pages one step of the kernel reads where a run of blocks is all bf16 (vLLM's
+own decode kernel reads 32-64)."""
 MAX_SPLITS = 16
 MIN_BLOCKS_PER_SPLIT = 8
 """A split walks at least this many blocks of the longest row the block table can hold: below
@@ -314,7 +375,7 @@ def mixed_decode(
     q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None, splits: int | None = None,
+    lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -327,7 +388,9 @@ def mixed_decode(
     `splits` (default `auto_splits`): programs per (row, KV head), each over a contiguous run of
     the row's blocks. With more than one, each writes its partial softmax state and a second
     launch (`_combine_splits_kernel`) merges them into `out` (and `lse`): two launches, and the
-    per-block log-sum-exp is the same either way (absolute, not relative to a split's maximum)."""
+    per-block log-sum-exp is the same either way (absolute, not relative to a split's maximum).
+    `tile_blocks` (default: 64 tokens' worth, at least 1; a power of two): blocks read as one tile
+    where they are all vLLM's pages."""
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
     if d2 != 2 * d or hq % h or out.shape != q.shape:
@@ -346,6 +409,9 @@ def mixed_decode(
     if n_split < 1:
         raise ValueError(f"mixed_decode splits a row's context over >= 1 programs, got {n_split}")
     partial = n_split > 1
+    tb = max(1, TILE_TOKENS // bs) if tile_blocks is None else tile_blocks
+    if tb < 1 or tb & (tb - 1):
+        raise ValueError(f"mixed_decode reads tiles of a power-of-two number of blocks, got {tb}")
     block_d = _p2(d, 16)
     part_ml = torch.empty(s, hq, n_split, 2, dtype=torch.float32, device=q.device) if partial else dummy
     part_acc = torch.empty(s, hq, n_split, block_d, dtype=torch.float32, device=q.device) if partial else dummy
@@ -364,7 +430,7 @@ def mixed_decode(
         lse if lse is not None else dummy, part_ml, part_acc,
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
-        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial,
+        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb,
     )  # fmt: skip
     if partial:
         _combine_splits_kernel[(s, h)](

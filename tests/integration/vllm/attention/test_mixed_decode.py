@@ -113,10 +113,14 @@ def _pools(connector: ProximaConnector, store: WorkerStore) -> torch.Tensor:
     return pool_descriptors(pools, B, DEV)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3])
-def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector, splits: int) -> None:
-    """With the context split over programs too (3 over rows of 2-5 blocks: uneven runs, and
-    splits with no block at all), the merged result and the per-block mass are the same."""
+@pytest.mark.parametrize(("splits", "tiles"), [(1, None), (1, 1), (2, 1), (3, 1), (2, 2), (1, 2)])
+def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector, splits: int,
+                                                             tiles: int | None) -> None:
+    """Whatever the split of the context over programs (3 over rows of 1-4 blocks: uneven runs,
+    and splits with no block at all) and the tile (1 block: rows a and c read their last page as a
+    tile of its own after their compressed blocks; 2 and the default 4: tiles mixing formats and
+    pages, block by block, and all-pages tiles, partial ones in rows b and d), the merged result
+    and the per-block mass are the same."""
     store, kv, meta = _world(worker_connector)
     t = worker_connector.block_table
     assert t is not None and len(t.formats) == 5  # int8, int4, fp8, int2, cluster(2)+int4
@@ -126,7 +130,7 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     lse = torch.empty(len(REQUESTS), HQ, device=DEV)
     mixed_decode(q, out, kv, meta["block_table"], meta["seq_lens"], meta["query_start_loc"], meta["slot_mapping"],
                  t.owner, t.entries, _pools(worker_connector, store), sm_scale=D**-0.5, entry_lse=ent, lse=lse,
-                 splits=splits)
+                 splits=splits, tile_blocks=tiles)
     mass = block_mass(ent, lse)
     for r, rid in enumerate(REQUESTS):
         want, want_mass = _reference(store, kv, q[r], rid)
@@ -369,7 +373,8 @@ ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32",
         "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32",
         "sm_scale_log2": "fp32"}
 kernels = [(md._mixed_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": observe,
-                                      "DOT": True, "DOT_16BIT": True, "PARTIAL": partial})]
+                                      "DOT": True, "DOT_16BIT": True, "PARTIAL": partial,
+                                      "TILE_BLOCKS": 4})]
 if partial:
     kernels.append((md._combine_splits_kernel, {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "SPLITS_PAD": 16,
                                                 "OBSERVE": observe}))

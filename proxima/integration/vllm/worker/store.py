@@ -182,7 +182,10 @@ class WorkerStore:
             self.formats = LayerFormats(policy)
             self.adopt(policy, self.policy_version)
         self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
-        self.layout = _page_layout(next(iter(kv_caches.values()))) if kv_caches else None
+        if kv_caches:
+            self.use_layout(_page_layout(next(iter(kv_caches.values()))))
+        else:
+            self.layout = None
         shapes = {tuple(t.shape) for t in kv_caches.values()}
         logger.info("proxima worker: %d KV layers, shapes %s, importance observed in %s",
                     len(kv_caches), shapes, self.observe_layer)
@@ -257,8 +260,16 @@ class WorkerStore:
 
     def page_layout(self, kv: torch.Tensor) -> PageLayout:
         if self.layout is None:
-            self.layout = _page_layout(kv)
+            self.use_layout(_page_layout(kv))
+        assert self.layout is not None
         return self.layout
+
+    def use_layout(self, layout: PageLayout) -> None:
+        """Adopt the reader's page order, its positions copied to the device now (not in a step)."""
+        self.layout = layout
+        if self.device is not None:
+            layout.positions(self.device)
+            _ = layout.is_canonical
 
     # --- executor ---------------------------------------------------------------------------
 
@@ -448,7 +459,7 @@ class WorkerStore:
             if counts is not None:
                 imp = torch.ones(counts.shape, device=k.device)
             else:  # the same per-token importance in every layer
-                imp = self.importance_of(acts, b, k.shape[2]).to(k.device).repeat(k.shape[0] // len(acts), 1, 1)
+                imp = _upload(self.importance_of(acts, b, k.shape[2]), k.device).repeat(k.shape[0] // len(acts), 1, 1)
         # Only centroids stand for several tokens (sparse rows are one token each): said here, so
         # compress_blocks need not read the counts back to find out (a sync on a GPU).
         merged = src_l.reduction == "cluster"
@@ -573,10 +584,12 @@ class WorkerStore:
         return self._decompress_rows((self.stack.index[layer],), fmt, idx)
 
 
-def _upload(rows: list[list[int]] | list[int], device: torch.device) -> torch.Tensor:
-    """A host-built index table on `device`: one pinned, non-blocking copy on a GPU (the only host
-    to device transfer a step's compression makes; the stream orders it before its readers)."""
-    host = torch.tensor(rows, dtype=torch.long)
+def _upload(rows: list[list[int]] | list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-built step data on `device`: one pinned, non-blocking copy on a GPU, no sync (the
+    stream orders it before its readers). A step makes one for its action table, and one per
+    first merge for the blocks' token importance (kept on the host, `token_importance`).
+    `bench/op_counter.py` counts calls of this function as uploads, apart from would-be syncs."""
+    host = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

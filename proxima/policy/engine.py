@@ -11,8 +11,9 @@ total cost, touching at most `budget` blocks. The engine solves it greedily in t
 
 1. each block's most *efficient* option (least cost per block freed) is ranked, and blocks are
    taken in that order until the need is met or the budget is spent; a block is offered the
-   rung the pool's present price puts it on (`settled_price`) where that is harsher, so a cold
-   block is written once rather than climbing the ladder one rung per step;
+   rung the pool's price puts it on (`settled_price`: its present savings, this step's need and
+   the queue's demand) where that is harsher, so a cold block is written once rather than
+   climbing the ladder one rung per step;
 2. if the need is still unmet, chosen blocks are upgraded to higher-ratio formats, cheapest
    increment (extra cost per extra block freed) first.
 

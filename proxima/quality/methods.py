@@ -103,9 +103,12 @@ def _policy(path: Path, ratio: float, calibrate: bool, cache: ProximaCache) -> N
     cache.apply_policy(target_ratio=ratio)
 
 
-def _format(fmt: str, cache: ProximaCache, group_size: int | None = None) -> None:
+def _format(fmt: str, cache: ProximaCache, group_size: int | None = None, pinned: int = 0) -> None:
     bs = cache.block_size
     cache.group_size = group_size
+    if pinned:
+        prot = cache.policy.protect.model_copy(update={"merged_tokens": pinned})
+        cache.policy = cache.policy.model_copy(update={"protect": prot})
     cache.compress_all(fmt, protect_sinks=bs, protect_recent=bs)
 
 
@@ -196,11 +199,15 @@ reaches at 1k-2k tokens."""
 GROUP_VARIANTS = (64,)
 """Quantization groups the uniform int4 / int2 rows are also measured at (`<method>:g<G>`; the
 plain rows use the default, 32): bench/results/experiments/groups/."""
+PIN_VARIANTS = (2, 4)
+"""Protected tokens per merged block and KV head (`protect.merged_tokens`, picked `mixed`) the
+merging rows are also measured with (`<method>:p<k>`)."""
 POLICIES = ("conservative", "balanced", "aggressive")
 FORMATS_BY_RATIO: dict[int, tuple[str, ...]] = {
     2: ("int8",),
     4: ("int4", "sparse(4)", "cluster(4)"),
     8: ("int2", "cluster(2)+int4"),
+    16: ("cluster(4)+int4",),
 }
 
 
@@ -244,6 +251,8 @@ def all_methods(experiments: Path | None = None) -> list[Method]:
                 out += [
                     Method(f"format:{f}:g{g}", "format", r, partial(_format, f, group_size=g)) for g in GROUP_VARIANTS
                 ]
+            if Format.parse(f).reduction == "cluster":
+                out += [Method(f"format:{f}:p{k}", "format", r, partial(_format, f, pinned=k)) for k in PIN_VARIANTS]
     return out
 
 

@@ -111,6 +111,12 @@ class Protect(_Model):
     with chunked prefill, the finished chunks of a long prompt are compressible while the rest
     is prefilled (admission then needs one chunk's blocks, not the whole prompt; the rest of the
     prompt attends to the compressed chunks, which costs some quality)."""
+    recent_mild_tokens: int = Field(default=0, ge=0, le=1 << 20)
+    """Blocks holding any of the last N tokens of a request (before `recent_tokens`' hot window)
+    take at most the active band's mildest permitted rung: quantized, never merged, while they are
+    recent. 0: off. For a request compressed before its question arrives, the newest context
+    (a passkey near the end) keeps its tokens; as the request grows, its blocks leave the window
+    and may be merged."""
     merged_tokens: int = Field(default=0, ge=0, le=1024)
     """When a block is merged (a cluster(R) rung, a first merge or the recompression of a merged
     block), this many of its tokens per KV head stay exact, each a centroid of count 1 in the

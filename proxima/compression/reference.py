@@ -347,7 +347,8 @@ def pinned_rows(
     for j in range(p):
         by_out = torch.where(chosen, float("-inf"), score).argmax(-1)  # first maximum
         by_rank = torch.where(chosen, r + t + 1, r).argmin(-1)
-        use_out = torch.full_like(flat, by == "outlier" or (by == "mixed" and j % 2 == 0)) | (flat & (by != "importance"))
+        turn = by == "outlier" or (by == "mixed" and j % 2 == 0)
+        use_out = torch.full_like(flat, turn) | (flat & (by != "importance"))
         pick = torch.where(use_out, by_out, by_rank)
         out[:, :, j] = pick
         chosen.scatter_(2, pick.unsqueeze(-1), True)

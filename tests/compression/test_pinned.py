@@ -185,7 +185,7 @@ def test_zero_pins_is_todays_merge():
     k, v, imp = _kv()
     a = compress_blocks("cluster(4)+int4", k, v, token_importance=imp, backend="torch", pinned_tokens=0)
     ranks = ref.token_ranks(imp, None)
-    kc, vc, lc, _ = ref.cluster(k, v, imp.clamp_min(1e-6), ranks, 16, 4)
+    kc, _vc, lc, _ = ref.cluster(k, v, imp.clamp_min(1e-6), ranks, 16, 4)
     b = compress_blocks("cluster(4)", k, v, token_importance=imp, backend="torch")
     assert torch.equal(b.k_data, kc.bfloat16()) and torch.equal(b.log_count, lc)  # type: ignore[arg-type]
     assert a.log_count is not None and torch.equal(a.log_count, lc)

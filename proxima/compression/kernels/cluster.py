@@ -135,7 +135,7 @@ def _cluster_kernel(
     pin_of = tl.full((BLOCK_T,), -1, tl.int32)  # the pinned centroid of each row, -1: none
     if HAS_PIN:
         # reference.pinned_rows: outlier = squared distance from the count-weighted mean key
-        if COUNTS:
+        if COUNTS:  # noqa: SIM108 (a Triton branch on a constexpr)
             rc0 = tl.load(cnt_ptr + row, mask=mt, other=0.0)
         else:
             rc0 = tl.where(mt, 1.0, 0.0)

@@ -475,7 +475,9 @@ def test_policy_merged_tokens_pin_tokens_in_every_layer(model, ids):
                 for h in range(src.shape[0]):
                     assert ((src[h] == kh[r, 0, h]).all(-1)).any() and ((src[h] == kh[r, 1, h]).all(-1)).any()
     plain = caches["plain"][0].proxima_layers[0].slots[blocks[0]]
-    assert plain is not None and not torch.equal(plain.decode()[2], cache.proxima_layers[0].slots[blocks[0]].decode()[2])
+    pinned_slot = cache.proxima_layers[0].slots[blocks[0]]
+    assert plain is not None and pinned_slot is not None
+    assert not torch.equal(plain.decode()[2], pinned_slot.decode()[2])
     rep = cache.compress_blocks(blocks, Format.parse("cluster(8)"))
     assert rep.actions == len(blocks)
     for layer in cache.proxima_layers:

@@ -238,7 +238,7 @@ def _choose(
     s_tab, valid = np.vstack([s_tab, s_tab]), np.vstack([valid, valid_m])
     best_l = np.argmin(eff_tab - 1e-12 * np.where(valid, s_tab, 0.0), axis=1)  # [2F]
     best_eff_f = eff_tab[np.arange(len(eff_tab)), best_l]  # [2F]
-    shrinkable: np.ndarray = valid.any(axis=1)  # [2F]
+    shrinkable = np.asarray(valid.any(axis=1))  # [2F]
     block_fid = snap.block_format + len(inv_f) * mild_mask(snap, policy)
 
     rows = np.flatnonzero(eligible_mask(snap, policy) & shrinkable[block_fid])

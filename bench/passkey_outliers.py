@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proxima.compression import reference as ref  # noqa: E402
-from proxima.integration.hf import ProximaCache, enable  # noqa: E402
-from proxima.models import load  # noqa: E402
-from proxima.quality import datasets  # noqa: E402
+from proxima.compression import reference as ref
+from proxima.integration.hf import ProximaCache, enable
+from proxima.models import load
+from proxima.quality import datasets
 
 OUT = Path(__file__).resolve().parent / "results" / "experiments" / "protected-tokens" / "passkey-outliers.json"
 

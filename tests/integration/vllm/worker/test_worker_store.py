@@ -320,7 +320,7 @@ def test_policy_merged_tokens_pin_tokens_in_the_worker_merge() -> None:
     st = WorkerStore()
     st.register(caches, policy)
     pages = {layer: st.layout.read_blocks(kv, torch.tensor([1])) for layer, kv in caches.items()}  # type: ignore[union-attr]
-    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=c2.name)]))
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=c2)]))
     rep = st.take_report()
     assert rep is not None and rep.ok == [0], rep and rep.errors
     for layer, (k, v) in pages.items():

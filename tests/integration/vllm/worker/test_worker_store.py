@@ -333,8 +333,8 @@ def test_policy_merged_tokens_pin_tokens_in_the_worker_merge() -> None:
         _kh, _vh, lc = st.read_with_counts(layer, c2, torch.tensor([10]), torch.tensor([0]))
         assert torch.equal(lc[0, :2], torch.zeros(2, H))
     rows = {layer: st.read_with_counts(layer, c2, torch.tensor([10]), torch.tensor([0])) for layer in st.kv_caches}
-    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=c4.name,
-                                                 from_fmt=c2.name, from_dst=10, from_slot=0)]))
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=c4,
+                                                 from_fmt=c2, from_dst=10, from_slot=0)]))
     rep = st.take_report()
     assert rep is not None and rep.ok == [1], rep and rep.errors
     for layer, (k2, v2, lc2) in rows.items():

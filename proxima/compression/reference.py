@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+import functools
+
 from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, VALUES_PER_BYTE
 
 # --------------------------------------------------------------------------------------------
@@ -141,6 +143,75 @@ def dequantize_kivi_values(
 
 def bits_of(quant: str) -> int:
     return 8 // VALUES_PER_BYTE.get(quant, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# lean formats (int4h / int2h, spec.LEAN_BITS): one fp16 scale per (token, head), keys rotated
+
+ROTATION_SEED = 0x50524F58  # "PROX"; changing it changes every stored int4h / int2h key
+LEAN_MIN_SCALE = 2.0**-14
+"""Smallest lean scale (float16's smallest normal): an all-zero or tiny row stays finite and exact
+to 2^-15 instead of dividing by a scale that rounded to 0 in float16."""
+
+
+def _rotation_signs(d: int) -> list[float]:
+    """d signs from splitmix64 seeded with ROTATION_SEED: plain integer arithmetic, so the same on
+    every machine and torch version (the stored keys depend on them; both integrations call this)."""
+    out, x, m = [], ROTATION_SEED, (1 << 64) - 1
+    for _ in range(d):
+        x = (x + 0x9E3779B97F4A7C15) & m
+        z = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        out.append(-1.0 if (z ^ (z >> 31)) & 1 else 1.0)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation_cpu(d: int) -> torch.Tensor:
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"the lean formats' Hadamard rotation needs a power-of-two head_dim >= 16, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:  # Sylvester: H_2n = [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.tensor(_rotation_signs(d), dtype=torch.float64)
+    return (signs[:, None] * h / d**0.5).float().contiguous()
+
+
+def rotation(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[D, D] float32 orthogonal R = diag(s) H / sqrt(D) (s: seeded random signs, H: Sylvester
+    Hadamard). Lean keys are stored as codes of k @ R and read back as k_hat @ R^T, so dot products
+    with unrotated queries are unchanged up to the quantization error."""
+    dev = torch.device(device)
+    return _rotation_cpu(d) if dev.type == "cpu" else _rotation_on(d, str(dev))
+
+
+@functools.lru_cache(maxsize=32)
+def _rotation_on(d: int, device: str) -> torch.Tensor:
+    return _rotation_cpu(d).to(device)  # one copy per device, not one per compression call
+
+
+def quantize_lean(x: torch.Tensor, bits: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, T, H, D] -> (packed [N, T, H, P] uint8, scale [N, T, H] float16).
+
+    Mid-rise grid over [-amax, amax] of the (rotated) row: scale = amax / HALF with HALF =
+    (2^bits - 1) / 2 rounded to float16 first, code = floor(x / scale + HALF + 0.5) in [0, 2^bits),
+    value = (code - HALF) * scale. No zero point is stored: the grid is symmetric."""
+    xf = x.float()
+    if rotate:
+        xf = xf @ rotation(x.shape[-1], x.device)
+    half = ((1 << bits) - 1) / 2
+    amax = xf.abs().amax(-1)
+    scale = _true_div(amax, half).clamp_min(LEAN_MIN_SCALE).to(torch.float16)
+    y = xf * (1.0 / scale.float()).unsqueeze(-1)
+    codes = torch.floor(y + (half + 0.5)).clamp(0, (1 << bits) - 1)
+    return pack_codes(codes, bits), scale
+
+
+def dequantize_lean(packed: torch.Tensor, scale: torch.Tensor, bits: int, rotate: bool) -> torch.Tensor:
+    """Inverse of `quantize_lean`, float32 [N, T, H, D] (keys rotated back)."""
+    half = ((1 << bits) - 1) / 2
+    x = (unpack_codes(packed, bits).float() - half) * scale.float().unsqueeze(-1)
+    return x @ rotation(x.shape[-1], x.device).T if rotate else x
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from enum import Enum
 import torch
 
 from proxima.compression.blocks import CompressedBlocks
-from proxima.compression.spec import SlotSpec
+from proxima.compression.spec import LEAN_BITS, SlotSpec
 from proxima.formats import HOT
 
 _TORCH_DTYPE = {
@@ -173,7 +173,8 @@ def read_slots(pool: CompressedBlocks, slot_ids: torch.Tensor, tokens: int) -> C
         return None if t is None else t[:, :n].contiguous()
 
     sub.k_data, sub.v_data = sub.k_data[:, :tokens].contiguous(), sub.v_data[:, :tokens].contiguous()
-    sub.k_scale = trim(sub.k_scale, tokens if pool.fmt.quant == "fp8" else g)
+    per_token_keys = pool.fmt.quant == "fp8" or pool.fmt.quant in LEAN_BITS  # else per key group
+    sub.k_scale = trim(sub.k_scale, tokens if per_token_keys else g)
     sub.k_zero = trim(sub.k_zero, g)
     sub.v_scale, sub.v_zero = trim(sub.v_scale, tokens), trim(sub.v_zero, tokens)
     sub.log_count = trim(sub.log_count, tokens)

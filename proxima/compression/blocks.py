@@ -47,6 +47,7 @@ class CompressedBlocks:
     """fp8: [N, C, H] f32; int8/int4/int2: [N, Gk, H, D] f16 (per channel, token groups);
     int4h/int2h: [N, C, H] f16 (per token, of the rotated key)."""
     k_zero: torch.Tensor | None = None
+    """int8/int4/int2: like k_scale; int4h/int2h: [N, 1, H, D] f16, the slot's per-channel key mean."""
     v_scale: torch.Tensor | None = None
     """fp8/int8: [N, C, H] f32; int4/int2: [N, C, H, D/G] f16 (per token, channel groups);
     int4h/int2h: [N, C, H] f16."""
@@ -255,11 +256,11 @@ def compress_blocks(
         out.k_data, out.v_data = kr.contiguous(), vr.contiguous()
     elif q in LEAN_BITS:  # one scale per (token, head); keys rotated (spec.LEAN_BITS)
         if tri:
-            out.k_data, out.k_scale = ops.quantize_lean(kr, q, is_key=True)
-            out.v_data, out.v_scale = ops.quantize_lean(vr, q, is_key=False)
+            out.k_data, out.k_scale, out.k_zero = ops.quantize_lean(kr, q, is_key=True)
+            out.v_data, out.v_scale, _ = ops.quantize_lean(vr, q, is_key=False)
         else:
-            out.k_data, out.k_scale = ref.quantize_lean(kr, LEAN_BITS[q], rotate=True)
-            out.v_data, out.v_scale = ref.quantize_lean(vr, LEAN_BITS[q], rotate=False)
+            out.k_data, out.k_scale, out.k_zero = ref.quantize_lean(kr, LEAN_BITS[q], is_key=True)
+            out.v_data, out.v_scale, _ = ref.quantize_lean(vr, LEAN_BITS[q], is_key=False)
     elif tri:
         out.k_data, out.k_scale, out.k_zero = ops.quantize(kr, q, group_size, is_key=True)
         out.v_data, out.v_scale, out.v_zero = ops.quantize(vr, q, group_size, is_key=False)
@@ -311,15 +312,15 @@ def decompress_blocks(
     if q == "bf16":
         return cb.k_data.to(cb.dtype), cb.v_data.to(cb.dtype), log_count
     if q in LEAN_BITS:
-        assert cb.k_scale is not None and cb.v_scale is not None
+        assert cb.k_scale is not None and cb.k_zero is not None and cb.v_scale is not None
         if use_triton(backend, cb.k_data):
             from proxima.compression import triton_ops as ops
 
-            kh = ops.dequantize_lean(cb.k_data, cb.k_scale, q, cb.head_dim, True, cb.dtype)
-            vh = ops.dequantize_lean(cb.v_data, cb.v_scale, q, cb.head_dim, False, cb.dtype)
+            kh = ops.dequantize_lean(cb.k_data, cb.k_scale, cb.k_zero, q, cb.head_dim, cb.dtype)
+            vh = ops.dequantize_lean(cb.v_data, cb.v_scale, None, q, cb.head_dim, cb.dtype)
             return kh, vh, log_count
-        kh = ref.dequantize_lean(cb.k_data, cb.k_scale, LEAN_BITS[q], rotate=True)
-        vh = ref.dequantize_lean(cb.v_data, cb.v_scale, LEAN_BITS[q], rotate=False)
+        kh = ref.dequantize_lean(cb.k_data, cb.k_scale, cb.k_zero, LEAN_BITS[q])
+        vh = ref.dequantize_lean(cb.v_data, cb.v_scale, None, LEAN_BITS[q])
         return kh.to(cb.dtype), vh.to(cb.dtype), log_count
     if use_triton(backend, cb.k_data):
         from proxima.compression import triton_ops as ops

@@ -190,28 +190,62 @@ def _rotation_on(d: int, device: str) -> torch.Tensor:
     return _rotation_cpu(d).to(device)  # one copy per device, not one per compression call
 
 
-def quantize_lean(x: torch.Tensor, bits: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, T, H, D] -> (packed [N, T, H, P] uint8, scale [N, T, H] float16).
+LEAN_CLIP: dict[int, tuple[int, int]] = {4: (20, 7), 2: (10, 7)}
+"""bits -> (K, n): each row's scale is the best (least squared error) of n candidates
+amax * (K - i) / K / HALF, i = 0 .. n-1 (4-bit: amax x 1.00 .. 0.70, 2-bit: 1.0 .. 0.4). A rotated
+row is close to Gaussian, where clipping its few largest values costs less than the coarser grid
+amax would give everything else (SmolLM2's real KV, bench/results/experiments/lean-formats/)."""
 
-    Mid-rise grid over [-amax, amax] of the (rotated) row: scale = amax / HALF with HALF =
-    (2^bits - 1) / 2 rounded to float16 first, code = floor(x / scale + HALF + 0.5) in [0, 2^bits),
-    value = (code - HALF) * scale. No zero point is stored: the grid is symmetric."""
-    xf = x.float()
-    if rotate:
-        xf = xf @ rotation(x.shape[-1], x.device)
+
+def lean_codes(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows y [..., D] float32 -> (codes [..., D] in [0, 2^bits) as float32, scale [...] float16).
+
+    Mid-rise grid: value = (code - HALF) * scale, HALF = (2^bits - 1) / 2, code =
+    floor(y / scale + HALF + 0.5) clamped; scale from `LEAN_CLIP`, rounded to float16 before the codes
+    are made (the stored scale is the one used). Ties between candidates go to the larger scale."""
     half = ((1 << bits) - 1) / 2
-    amax = xf.abs().amax(-1)
-    scale = _true_div(amax, half).clamp_min(LEAN_MIN_SCALE).to(torch.float16)
-    y = xf * (1.0 / scale.float()).unsqueeze(-1)
-    codes = torch.floor(y + (half + 0.5)).clamp(0, (1 << bits) - 1)
-    return pack_codes(codes, bits), scale
+    k_den, n = LEAN_CLIP[bits]
+    amax = y.abs().amax(-1)
+    best_c = best_s = best_e = None
+    for i in range(n):
+        s = _true_div(amax * float(k_den - i), k_den * half).clamp_min(LEAN_MIN_SCALE).to(torch.float16)
+        sf = s.float().unsqueeze(-1)
+        c = torch.floor(y * (1.0 / sf) + (half + 0.5)).clamp(0, 2 * half)
+        e = ((c - half) * sf - y).square().sum(-1)
+        if best_e is None:
+            best_c, best_s, best_e = c, s, e
+        else:
+            better = e < best_e
+            best_c = torch.where(better.unsqueeze(-1), c, best_c)
+            best_s, best_e = torch.where(better, s, best_s), torch.where(better, e, best_e)
+    assert best_c is not None and best_s is not None
+    return best_c, best_s
 
 
-def dequantize_lean(packed: torch.Tensor, scale: torch.Tensor, bits: int, rotate: bool) -> torch.Tensor:
-    """Inverse of `quantize_lean`, float32 [N, T, H, D] (keys rotated back)."""
+def quantize_lean(x: torch.Tensor, bits: int, is_key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [N, T, H, D] -> (packed [N, T, H, P] uint8, scale [N, T, H] float16, keys: zero [N, 1, H, D]
+    float16, the block's per-channel mean, else None).
+
+    Keys: the per-channel mean of the block's T tokens is taken out first (a key channel's offset is
+    stable over a block: KIVI's observation; rotated, it would widen every row's range), then the
+    rows are rotated. Values are rotated only. Codes from `lean_codes`."""
+    xf = x.float()
+    zero = None
+    if is_key:
+        zero = xf.mean(1, keepdim=True).to(torch.float16)
+        xf = xf - zero.float()
+    codes, scale = lean_codes(xf @ rotation(x.shape[-1], x.device), bits)
+    return pack_codes(codes, bits), scale, zero
+
+
+def dequantize_lean(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
+) -> torch.Tensor:
+    """Inverse of `quantize_lean`, float32 [N, T, H, D]: rotated back, the keys' mean added."""
     half = ((1 << bits) - 1) / 2
     x = (unpack_codes(packed, bits).float() - half) * scale.float().unsqueeze(-1)
-    return x @ rotation(x.shape[-1], x.device).T if rotate else x
+    x = x @ rotation(x.shape[-1], x.device).T
+    return x if zero is None else x + zero.float()
 
 
 # --------------------------------------------------------------------------------------------

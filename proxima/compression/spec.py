@@ -35,12 +35,14 @@ channel on synthetic KV with outlier channels, see docs/compression.md), so int8
 channel; int8 values stay per token."""
 
 LEAN_BITS: dict[str, int] = {"int4h": 4, "int2h": 2}
-"""The lean quantizations (issue 40): keys and values with one float16 scale per (token, head),
-codes on the uniform grid of 2^bits levels over [-amax, amax] (mid-rise: no zero point to store).
-Keys are first rotated by `reference.rotation(head_dim)` (a seeded randomised Hadamard matrix),
-which spreads the outlier channels so that one scale serves every channel; dequantization applies
-the inverse rotation, so every reader of dequantized keys is unchanged. Metadata: 4 bytes per
-token and head (a key scale and a value scale), against KIVI int4's 16 at G=32."""
+"""The lean quantizations (issue 40): one float16 scale per (token, head) for keys and values, codes
+on a symmetric mid-rise grid of 2^bits levels (no zero point per row), rows rotated by
+`reference.rotation(head_dim)` (a seeded randomised Hadamard matrix: it spreads outlier channels so
+that one scale serves every channel). Keys first lose their block's per-channel mean, stored as
+`k_zero` [1, D] float16 per slot and head (KIVI's key zero point with one group for the slot).
+Dequantization rotates back and adds the mean, so every reader of dequantized KV is unchanged.
+Metadata per token and head: 4 bytes of scales plus 2 x D / C of key means (C = slot tokens);
+at block 64 and head_dim 64, 6 bytes against KIVI int4's 16 (G 32) or 8 (G 64)."""
 
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
@@ -153,7 +155,11 @@ class SlotSpec:
                 MetaField("v_scale", (t,), "float32"),
             ]
         elif q in LEAN_BITS:
-            fields += [MetaField("k_scale", (t,), "float16"), MetaField("v_scale", (t,), "float16")]
+            fields += [
+                MetaField("k_scale", (t,), "float16"),
+                MetaField("k_zero", (1, self.head_dim), "float16"),
+                MetaField("v_scale", (t,), "float16"),
+            ]
         elif q in VALUES_PER_BYTE:
             vg = (t, self.head_dim // self.group_size)
             fields += [

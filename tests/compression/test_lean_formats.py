@@ -43,20 +43,25 @@ def test_triton_matches_reference(quant: str, shape: tuple[int, int, int, int], 
     k, v = realistic_kv(*shape, seed=sum(shape), device=device)
     a = compress_blocks(quant, k, v, backend="torch")
     b = compress_blocks(quant, k, v, backend="triton")
-    # values: no rotation, so the kernel is the reference step for step (bit-exact)
-    assert torch.equal(a.v_data, b.v_data) and torch.equal(a.v_scale, b.v_scale)
-    # keys: the rotation's float32 sums run in another order, so a rotated value may differ by an ulp;
-    # a code on a rounding tie may then differ by one (never more), a scale by one float16 step
-    ca, cb_ = ref.unpack_codes(a.k_data, LEAN_BITS[quant]), ref.unpack_codes(b.k_data, LEAN_BITS[quant])
-    assert (ca - cb_).abs().max() <= 1 and (ca != cb_).float().mean() < 1e-3
-    assert torch.allclose(a.k_scale.float(), b.k_scale.float(), rtol=1e-3)
-    assert a.k_scale.dtype == b.k_scale.dtype == torch.float16 and a.k_scale.shape == shape[:3]
+    bits = LEAN_BITS[quant]
+    assert a.k_zero is not None and b.k_zero is not None and a.v_zero is None and b.v_zero is None
+    assert a.k_zero.shape == (shape[0], 1, shape[2], shape[3]) and a.k_zero.dtype == torch.float16
+    # The rotation's and the mean's float32 sums run in another order than torch's: a value may move
+    # by an ulp and, on a rounding tie, a mean by a float16 step, a code by one, a row to another
+    # clipping candidate. On the CPU (interpreter) the two agree exactly; on a GPU, rarely not.
+    assert torch.allclose(a.k_zero.float(), b.k_zero.float(), rtol=1e-3, atol=1e-3)
+    for da, db, sa, sb in ((a.k_data, b.k_data, a.k_scale, b.k_scale), (a.v_data, b.v_data, a.v_scale, b.v_scale)):
+        assert sa.dtype == sb.dtype == torch.float16 and sa.shape == shape[:3]
+        assert (sa != sb).float().mean() < 1e-2
+        ca, cb_ = ref.unpack_codes(da, bits), ref.unpack_codes(db, bits)
+        same = (sa == sb).unsqueeze(-1).expand_as(ca)
+        assert (ca - cb_)[same].abs().max() <= 1 and (ca != cb_)[same].float().mean() < 1e-3
     kr, vr, _ = decompress_blocks(a, backend="torch")
     kt, vt, _ = decompress_blocks(b, backend="triton")
-    kx, _, _ = decompress_blocks(a, backend="triton")  # the same payload through both dequantizers
-    assert torch.equal(vr, vt)
-    assert rel_err(kx.float(), kr.float()) < 1e-2  # bf16 rounding of the rotated-back keys
-    tol = {"int4h": 0.12, "int2h": 0.6}[quant]
+    kx, vx, _ = decompress_blocks(a, backend="triton")  # the same payload through both dequantizers
+    assert rel_err(kx.float(), kr.float()) < 1e-2 and rel_err(vx.float(), vr.float()) < 1e-2  # bf16 rounding
+    assert rel_err(kt.float(), kr.float()) < 2e-2 and rel_err(vt.float(), vr.float()) < 2e-2
+    tol = {"int4h": 0.12, "int2h": 0.45}[quant]
     assert rel_err(kt.float(), k.float()) < tol and rel_err(vt.float(), v.float()) < tol
 
 
@@ -67,16 +72,27 @@ def test_dequantize_reads_pool_views_in_place(device: str) -> None:
     sub = cb.select(torch.tensor([4, 1, 1], device=device))
     want = decompress_blocks(sub, backend="torch")
     got = decompress_blocks(sub, backend="triton")
-    assert torch.equal(want[1], got[1]) and rel_err(got[0].float(), want[0].float()) < 1e-2
+    assert rel_err(got[0].float(), want[0].float()) < 1e-2 and rel_err(got[1].float(), want[1].float()) < 1e-2
+    assert torch.equal(got[0][1], got[0][2])  # the same slot twice
 
 
-def test_rotation_is_what_lets_one_scale_serve_the_outlier_channels() -> None:
-    """On keys with outlier channels a per-token scale unrotated is set by the outliers; rotated,
-    the same 4 bits and bytes give a smaller key error (and so attention error)."""
+def test_the_mean_and_the_rotation_each_cut_the_key_error() -> None:
+    """On keys with outlier channels (a large, stable offset: realistic_kv) one scale per token is
+    set by the outliers. Taking out the block's channel mean removes their offset, the rotation
+    spreads what is left: each step lowers the key error at the same bits and bytes."""
     k, _ = realistic_kv(8, 64, 2, 64, seed=0, outlier_channels=4, outlier_scale=12.0)
-    plain = ref.dequantize_lean(*ref.quantize_lean(k, 4, rotate=False), 4, rotate=False)
-    rotated = ref.dequantize_lean(*ref.quantize_lean(k, 4, rotate=True), 4, rotate=True)
-    assert rel_err(rotated, k.float()) < 0.6 * rel_err(plain, k.float())
+    kf, r = k.float(), ref.rotation(64)
+    mu = kf.mean(1, keepdim=True)
+
+    def err(y: torch.Tensor, back: torch.Tensor | None, add: torch.Tensor | float) -> float:
+        c, s = ref.lean_codes(y, 4)
+        yh = (c - 7.5) * s.float().unsqueeze(-1)
+        return rel_err((yh if back is None else yh @ back) + add, kf)
+
+    plain, centred, rotated = err(kf, None, 0.0), err(kf - mu, None, mu), err((kf - mu) @ r, r.T, mu)
+    assert rotated < 0.7 * centred < 0.7 * plain
+    kh, _, _ = decompress_blocks(compress_blocks("int4h", k, k, backend="torch"), backend="torch")
+    assert rel_err(kh.float(), kf) < 1.01 * rotated  # what the format does (plus bf16 rounding)
 
 
 @pytest.mark.parametrize(("block", "d", "heads"), [(64, 64, 3), (128, 128, 8)])  # SmolLM2's and the 8B's shape
@@ -84,10 +100,11 @@ def test_rotation_is_what_lets_one_scale_serve_the_outlier_channels() -> None:
 def test_bytes_held_come_close_to_the_nominal_ratio(quant: str, block: int, d: int, heads: int) -> None:
     bits = LEAN_BITS[quant]
     spec = slot_spec(quant, block_size=block, head_dim=d, num_kv_heads=heads)
-    # per token and head: keys and values d * bits / 8 bytes each, plus two float16 scales
-    per_token_head = 2 * d * bits // 8 + 2 * 2
-    assert spec.held_bytes_per_slot == block * heads * per_token_head
-    assert spec.bytes_ratio == pytest.approx(2 * d * 2 / per_token_head)
+    # per token and head: keys and values d * bits / 8 bytes each, two float16 scales, and the
+    # block's float16 key mean (d channels) shared by its tokens
+    per_block_head = block * (2 * d * bits // 8 + 2 * 2) + 2 * d
+    assert spec.held_bytes_per_slot == heads * per_block_head
+    assert spec.bytes_ratio == pytest.approx(block * 2 * d * 2 / per_block_head)
     kivi = slot_spec(quant[:-1], block_size=block, head_dim=d, num_kv_heads=heads, group_size=d)
     assert spec.bytes_ratio > kivi.bytes_ratio  # more than KIVI even at its largest group
     if quant == "int4h":
@@ -165,10 +182,13 @@ from triton.compiler import ASTSource
 from proxima.compression.kernels import lean
 
 for fn, ptrs, consts in (
-    (lean._lean_quant_kernel, {"x_ptr": "*bf16", "r_ptr": "*fp32", "d_ptr": "*u8", "s_ptr": "*fp16"},
-     {"D": 64, "ROWS": 64, "BITS": 4, "PER": 2, "ROTATE": True, "MIN_SCALE": 2.0**-14, "HW_CVT": True}),
-    (lean._lean_dequant_kernel, {"d_ptr": "*u8", "s_ptr": "*fp16", "r_ptr": "*fp32", "o_ptr": "*bf16"},
-     {"D": 128, "ROWS": 64, "BITS": 2, "PER": 4, "ROTATE": True, "HW_CVT": True}),
+    (lean._lean_quant_kernel,
+     {"x_ptr": "*bf16", "r_ptr": "*fp32", "d_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"},
+     {"D": 64, "ROWS": 32, "BITS": 4, "PER": 2, "IS_KEY": True, "K_DEN": 20, "NCLIP": 7, "MIN_SCALE": 2.0**-14,
+      "HW_CVT": True}),
+    (lean._lean_dequant_kernel,
+     {"d_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "r_ptr": "*fp32", "o_ptr": "*bf16"},
+     {"D": 128, "ROWS": 64, "BITS": 2, "PER": 4, "HAS_ZERO": True, "HW_CVT": True}),
 ):
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}

@@ -11,9 +11,9 @@ is the one the codes were made with), and k-means distances are `|k|^2 - 2 k.c +
 
 from __future__ import annotations
 
-import torch
-
 import functools
+
+import torch
 
 from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, VALUES_PER_BYTE
 
@@ -206,19 +206,19 @@ def lean_codes(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     half = ((1 << bits) - 1) / 2
     k_den, n = LEAN_CLIP[bits]
     amax = y.abs().amax(-1)
-    best_c = best_s = best_e = None
-    for i in range(n):
+
+    def candidate(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = _true_div(amax * float(k_den - i), k_den * half).clamp_min(LEAN_MIN_SCALE).to(torch.float16)
         sf = s.float().unsqueeze(-1)
         c = torch.floor(y * (1.0 / sf) + (half + 0.5)).clamp(0, 2 * half)
-        e = ((c - half) * sf - y).square().sum(-1)
-        if best_e is None:
-            best_c, best_s, best_e = c, s, e
-        else:
-            better = e < best_e
-            best_c = torch.where(better.unsqueeze(-1), c, best_c)
-            best_s, best_e = torch.where(better, s, best_s), torch.where(better, e, best_e)
-    assert best_c is not None and best_s is not None
+        return c, s, ((c - half) * sf - y).square().sum(-1)
+
+    best_c, best_s, best_e = candidate(0)
+    for i in range(1, n):
+        c, s, e = candidate(i)
+        better = e < best_e
+        best_c = torch.where(better.unsqueeze(-1), c, best_c)
+        best_s, best_e = torch.where(better, s, best_s), torch.where(better, e, best_e)
     return best_c, best_s
 
 

@@ -247,7 +247,8 @@ def check_group_size(
     the model fails at start-up with its field named, not at every compression batch."""
     if not _is_pow2(group_size):
         raise ValueError(f"{where}={group_size}: the quantization group size must be a power of two")
-    bad = sorted({f.name for f in formats if f.quant in VALUES_PER_BYTE and f.quant not in LEAN_BITS and head_dim % group_size})
+    grouped = [f for f in formats if f.quant in VALUES_PER_BYTE and f.quant not in LEAN_BITS]  # lean: no group
+    bad = sorted({f.name for f in grouped if head_dim % group_size})
     if bad:
         raise ValueError(
             f"{where}={group_size} does not divide the model's head_dim {head_dim}: {', '.join(bad)} group values "

@@ -31,7 +31,8 @@ def test_rotation_is_orthogonal_seeded_and_randomised() -> None:
         assert 0.25 * d < signs.count(-1.0) < 0.75 * d  # randomised, not the plain Hadamard matrix
     ref._rotation_cpu.cache_clear()
     again = ref.rotation(64)
-    assert torch.equal(again, ref.rotation(64)) and torch.equal(again[:, 0].sign(), torch.tensor(ref._rotation_signs(64)))
+    assert torch.equal(again, ref.rotation(64))
+    assert torch.equal(again[:, 0].sign(), torch.tensor(ref._rotation_signs(64)))
     for bad in (8, 96):
         with pytest.raises(ValueError, match="power-of-two head_dim"):
             ref.rotation(bad)
@@ -122,11 +123,13 @@ def test_spelling_grammar_and_recompression_rules() -> None:
         with pytest.raises(FormatError):
             F(bad)
     assert recompressible(F("int8"), F("int4h")) and recompressible(F("int4h"), F("int2h"))
-    assert recompressible(F("int4h"), F("cluster(2)+int4h")) and recompressible(F("cluster(2)+int4h"), F("cluster(4)+int4h"))
+    assert recompressible(F("int4h"), F("cluster(2)+int4h"))
+    assert recompressible(F("cluster(2)+int4h"), F("cluster(4)+int4h"))
     # same pack ratio: no move between int4 and int4h either way (a move must raise the ratio)
     assert not recompressible(F("int4"), F("int4h")) and not recompressible(F("int4h"), F("int4"))
     policy = parse_policy(
-        "name: lean\nbands:\n  - {name: b, enter: 0.7, exit: 0.6, target_free: 0.35, ladder: [int4h, \"cluster(2)+int4h\", int2h]}\n"
+        "name: lean\nbands:\n  - {name: b, enter: 0.7, exit: 0.6, target_free: 0.35,\n"
+        '     ladder: [int4h, "cluster(2)+int4h", int2h]}\n'
     )
     assert [f.name for f in policy.bands[0].ladder] == ["int4h", "cluster(2)+int4h", "int2h"]
 

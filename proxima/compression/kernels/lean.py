@@ -135,7 +135,9 @@ def _lean_dequant_kernel(
     tl.store(o_ptr + row[:, None] * D + od[None, :], _to_out(x, o_ptr.dtype.element_ty, HW_CVT), mask=mr[:, None])
 
 
-def quantize_lean(x: torch.Tensor, quant: str, *, is_key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def quantize_lean(
+    x: torch.Tensor, quant: str, *, is_key: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [N, T, H, D] -> (codes [N, T, H, P] uint8, scale [N, T, H] float16, keys: mean [N, 1, H, D]
     float16, else None)."""
     n, t, h, d = x.shape
@@ -156,7 +158,11 @@ def quantize_lean(x: torch.Tensor, quant: str, *, is_key: bool) -> tuple[torch.T
 
 
 def dequantize_lean(
-    data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, quant: str, head_dim: int,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    quant: str,
+    head_dim: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """codes [N, T, H, P] + scale [N, T, H] (+ key mean [N, 1, H, D]) -> [N, T, H, D] in out_dtype.

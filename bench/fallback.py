@@ -104,7 +104,10 @@ STEP_LIMIT = 400
 BAD_POLICY = """\
 schema_version: 1
 name: int2-everywhere
-description: Every eligible block into int2 (attention error ~0.4 per block on SmolLM2), as soon as any block is used; canary bounds well inside int2 damage (measured KL 0.026-0.03, top-1 0.94-0.95), so its verdicts fail by a margin, not by a coin toss at the defaults.
+description: >-
+  Every eligible block into int2 (attention error ~0.4 per block on SmolLM2), as soon as any block
+  is used; canary bounds well inside int2's damage (measured KL 0.026-0.03, top-1 0.94-0.95), so
+  its verdicts fail by a margin, not by a coin toss at the defaults.
 bands:
   - name: always
     enter: 0.02

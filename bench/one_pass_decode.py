@@ -7,6 +7,8 @@ torch.profiler on one eager call):
 * `vllm`: vLLM's `unified_attention` over every row, the whole context in bf16 pages;
 * `one_pass`: `mixed_decode` from the device block table (nothing compressed / `--fraction` of
   every row's oldest blocks in `--format`);
+* `one_pass, unsplit`: the same with every row's context in one program (`splits=1`: the kernel
+  before the split; `one_pass` splits as `auto_splits` decides, its count in the JSON);
 * `one_pass, observed layer` (mixed only): the same with the block log-sum-exp and the device
   importance update (`update_block_importance`), the observed layer's two launches;
 * `split` (mixed only): what the backend ran before: vLLM's kernel on every row, then
@@ -91,7 +93,7 @@ def main() -> None:
 
     from proxima.compression.blocks import compress_blocks
     from proxima.compression.layout import KVLayout, hot_store, slot_pool, write_slots
-    from proxima.compression.mixed_decode import mixed_decode, pool_descriptors, update_block_importance
+    from proxima.compression.mixed_decode import auto_splits, mixed_decode, pool_descriptors, update_block_importance
     from proxima.compression.paged import PagedRow, paged_attention, plan_rows
     from proxima.compression.spec import SlotSpec
     from proxima.formats import Format
@@ -132,12 +134,17 @@ def main() -> None:
     table.update([], [], {int(b): f"r{i}" for i, b in enumerate(tables[:, -1].tolist())})
     empty_desc = pool_descriptors({}, bs, dev)
 
-    def one_pass(desc: torch.Tensor) -> None:
-        mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale)
+    def one_pass(desc: torch.Tensor, splits: int | None = None) -> None:
+        mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale,
+                     splits=splits)
+
+    def one_pass_rows(desc: torch.Tensor, case: str) -> list[dict]:
+        return [{"row": name, "case": case, "ms": _graph_ms(lambda sp=sp: one_pass(desc, sp), a.iters),
+                 "launches": _launches(lambda sp=sp: one_pass(desc, sp))}
+                for name, sp in (("one_pass", None), ("one_pass, unsplit", 1))]
 
     rows = [{"row": "vllm", "case": "nothing compressed", "ms": _graph_ms(vllm, a.iters), "launches": _launches(vllm)},
-            {"row": "one_pass", "case": "nothing compressed", "ms": _graph_ms(lambda: one_pass(empty_desc), a.iters),
-             "launches": _launches(lambda: one_pass(empty_desc))}]
+            *one_pass_rows(empty_desc, "nothing compressed")]
     # the mixed batch: every row's oldest `ncomp` blocks in `fmt`, written by the product's kernels
     spec = SlotSpec(fmt, bs, d, h)
     pool = slot_pool(kv, spec)
@@ -174,8 +181,7 @@ def main() -> None:
         paged_attention(q, plan, hot, {fmt: pool}, sm_scale=scale)
 
     case = f"{a.fraction:.0%} of blocks {fmt}"
-    rows += [{"row": "one_pass", "case": case, "ms": _graph_ms(lambda: one_pass(desc), a.iters),
-              "launches": _launches(lambda: one_pass(desc))},
+    rows += [*one_pass_rows(desc, case),
              {"row": "one_pass, observed layer", "case": case, "ms": _graph_ms(observed, a.iters),
               "launches": _launches(observed)},
              {"row": "split (eager)", "case": case, "ms": _eager_ms(split, a.iters), "launches": _launches(split)}]
@@ -187,7 +193,8 @@ def main() -> None:
     meta = {"command": " ".join(sys.argv), "commit": commit.strip(), "machine": f"{gpu} {platform.node()}",
             "versions": {"torch": torch.__version__, "triton": triton.__version__, "vllm": _vllm.__version__},
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "shape": {"batch": bsz, "context": ctx, "heads": hq, "kv_heads": h, "head_dim": d, "block": bs}}
+            "shape": {"batch": bsz, "context": ctx, "heads": hq, "kv_heads": h, "head_dim": d, "block": bs},
+            "auto_splits": auto_splits(bsz, h, tables.shape[1], dev)}
     lines = ["| row | case | ms per layer (graph replay; split: eager) | launches |", "|---|---|---|---|"]
     lines += [f"| {r['row']} | {r['case']} | {r['ms']:.3f} | {r['launches']} |" for r in rows]
     print("\n".join(lines))

@@ -11,6 +11,9 @@ copy of it):
   counted, as a compiled launch does none of it;
   work in another runtime counts as launches too: the numba kernels of
   `worker/cpu_kernels.py` are wrapped the same way;
+- *uploads* are the step's allowed host-to-device copies: calls of the worker's `_upload`
+  (`worker/store.py`: a pinned, non-blocking copy on a GPU, which the GPU run's sync check
+  passes), counted apart; what they dispatch (building the host tensor) is not a would-be sync;
 - *would-be syncs* are the ops that, with the same tensors on a GPU, wait for the device or send
   a host tensor to it: reading a value back (`.item()`, `bool(t)`, `int(t)`: all
   `aten._local_scalar_dense`; `.tolist()`, `.numpy()`, `.cpu()`, wrapped as they do not
@@ -73,8 +76,12 @@ class Counts:
     """Triton / numba kernel -> launches."""
     syncs: Counter[str] = field(default_factory=Counter)
     """aten op packet -> would-be syncs."""
+    uploads: int = 0
+    """Calls of the worker's `_upload` (pinned, non-blocking host-to-device copies)."""
     paused: int = 0
     """> 0 while an interpreted Triton launch runs: its emulation is not the product's ops."""
+    uploading: int = 0
+    """> 0 inside `_upload`: building its host tensor is not a would-be sync."""
 
     @property
     def total_ops(self) -> int:
@@ -101,7 +108,7 @@ class _DispatchCounter(TorchDispatchMode):
             return func(*args, **kwargs)
         name = _packet(func)
         self.counts.ops[name] += 1
-        if _is_sync(func, args, kwargs):
+        if _is_sync(func, args, kwargs) and not self.counts.uploading:
             self.counts.syncs[name] += 1
         return func(*args, **kwargs)
 
@@ -170,6 +177,24 @@ def _launch_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
             stack.enter_context(_wrapped(cpu_kernels, name, numba_launch))
 
 
+def _upload_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
+    try:
+        from proxima.integration.vllm.worker import store
+    except ImportError:
+        return
+    original = store._upload
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts.uploads += 1
+        counts.uploading += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            counts.uploading -= 1
+
+    stack.enter_context(_patched(store, "_upload", counted))
+
+
 HOST_READS = ("tolist", "numpy", "cpu")
 """Tensor methods that read a tensor back to the host. On a CPU tensor they return without a
 dispatch (`.tolist()` reads memory directly, `.cpu()` returns the tensor), so they are wrapped.
@@ -218,6 +243,7 @@ class OpCounter:
     def __enter__(self) -> OpCounter:
         _launch_hooks(self._stack, self.counts)
         _host_read_hooks(self._stack, self.counts)
+        _upload_hooks(self._stack, self.counts)
         self._stack.enter_context(_DispatchCounter(self.counts))
         return self
 

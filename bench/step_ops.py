@@ -232,7 +232,7 @@ def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: 
             "policy": policy_name, "probe": probe, "kernels": "triton" if device == "cuda" else kernels,
             "layers": shape.layers, "group": f"{src.name}->{dst.name}",
             "actions": per_group, "ops": counts.total_ops, "launches": counts.total_launches,
-            "syncs": counts.total_syncs, "sync_ops": dict(counts.syncs),
+            "syncs": counts.total_syncs, "sync_ops": dict(counts.syncs), "uploads": counts.uploads,
             "top_ops": dict(counts.ops.most_common(8)),
         }
         if device == "cuda":
@@ -243,14 +243,14 @@ def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: 
 
 def table(rows: list[dict[str, Any]]) -> str:
     cuda = any("cuda_ms" in r for r in rows)
-    head = "| policy | probe | kernels | group | layers | actions | torch ops | launches | would-be syncs |"
+    head = "| policy | probe | kernels | group | layers | actions | torch ops | launches | uploads | would-be syncs |"
     head += " CUDA ms | CUDA kernels | sync check |" if cuda else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         probe = "on" if r["probe"] else "off"
         line = (f"| {r['policy']} | {probe} | {r.get('kernels', 'torch')} | {r['group']} | {r['layers']} | "
                 f"{r['actions']} | {r['ops']} | "
-                f"{r['launches']} | {r['syncs']} |")
+                f"{r['launches']} | {r.get('uploads', '-')} | {r['syncs']} |")
         if cuda:
             line += f" {r['cuda_ms']:.2f} | {r['cuda_kernels']} | {r['sync_error'] or 'ok'} |"
         lines.append(line)

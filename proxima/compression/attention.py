@@ -193,6 +193,7 @@ def attention_errors(
     q_valid: torch.Tensor | None = None,
     sm_scale: float | None = None,
     ref_log_count: torch.Tensor | None = None,
+    on_host: bool = True,
 ) -> torch.Tensor:
     """The compression-time probe for N blocks at once (every integration calls this one).
 
@@ -204,6 +205,8 @@ def attention_errors(
     queries (a request with fewer than W recent queries): padding counts in neither norm.
     `ref_log_count` [N, T, H]: the reference rows are themselves centroids (recompressing a
     merged block: the error is measured against what the block held before this step).
+    `on_host=False` leaves the errors on k's device (the vLLM worker reads them a step later:
+    a copy to the host here would wait for the device).
     """
     if k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"need k, v [N, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -238,4 +241,5 @@ def attention_errors(
         o, diff = o * keep, diff * keep
     num = diff.flatten(1).norm(dim=1)
     den = o.flatten(1).norm(dim=1)
-    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num)).cpu()
+    out = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+    return out.cpu() if on_host else out

@@ -10,12 +10,17 @@ partial results and no merge, and the output is written in place into vLLM's out
 Optionally (`entry_lse`) it also writes each logical block's log-sum-exp, from which the
 observed layer's per-block attention mass follows (`block_mass`) without a second pass.
 
-Speed (issue 38, item 5), where it stands: tiles are one block (vLLM's block size); both
+Speed (issue 38, item 5), where it stands: a run of vLLM's pages is read TILE_TOKENS (64) at a
+time, a tile holding any compressed block one block at a time in its format; both
 products run on tensor cores (`tl.dot`, the KV head's G query heads as M padded to 16, operands
 in the query's 16-bit dtype, fp32 accumulation) once the block and head dim reach 16; the
-dequantization stays in registers per format. Not yet: a split of long contexts over programs
-(one program walks a row's whole context). The launch grid is (rows, KV heads) and nothing is
-read back to the host: capturable in a CUDA graph. In the observed layer a second small launch
+dequantization stays in registers per format. Long contexts split over programs (`splits`,
+`auto_splits`: from the batch shape and the GPU's SM count, so a graph captured at a batch size
+replays the same split): each program walks a contiguous run of the row's blocks and a second
+small launch merges the partial softmax states (first built 2026-12-06 after the H100 measured
+the unsplit kernel at 3.7 ms per layer against vLLM's 0.45 at 8 rows x 32k; its speed on the GPU
+is not measured yet). The launch grid is (rows, KV heads, splits) and nothing is read back to
+the host: capturable in a CUDA graph. In the observed layer a second small launch
 (`update_block_importance`) folds the per-block log-sum-exp into the device importance.
 
 Named dims: S batch rows (one query token each), Hq query heads, H KV heads, G = Hq / H, D head
@@ -96,6 +101,129 @@ def _desc(desc_ptr, code, field: tl.constexpr):
 
 
 @triton.jit
+def _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h, trow, NB, j, seq_len,
+                ot, od, m2, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """Logical block `j` of the row in its own format: keys and values [BS, BLOCK_D] in float32,
+    the logit bias [BS] (log count of centroids) and which of its rows hold tokens."""
+    code = tl.load(ent_ptr + (trow * NB + j) * 2)
+    seen = tl.minimum(seq_len - j * BS, BS)
+    if code == 0:  # vLLM's bf16 page
+        blk = tl.load(bt_ptr + r * sbt + j).to(tl.int64)
+        valid = ot < seen
+        base = kv_ptr + blk * skv_b + h * skv_h + ot[:, None] * skv_t + od[None, :]
+        k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+        v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+        bias = tl.zeros((BS,), tl.float32)
+    else:
+        sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
+        quant = _desc(desc_ptr, code, 0)
+        tokens = _desc(desc_ptr, code, 1)
+        # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
+        ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
+        valid = ot < ntok
+        vm = valid[:, None] & m2
+        group = _desc(desc_ptr, code, 3)
+        row_off = sid * _desc(desc_ptr, code, 4) + ot[:, None] * _desc(desc_ptr, code, 5) \
+            + h * _desc(desc_ptr, code, 6)
+        kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
+        vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
+        ks_row = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
+        vs_row = sid * _desc(desc_ptr, code, 16) + ot * _desc(desc_ptr, code, 17) + h * _desc(desc_ptr, code, 18)
+        # Names are distinct per branch where their types differ: a compiled `if` may only
+        # carry out names of one type from both sides (the interpreter would not notice).
+        if quant == 1:  # fp8: per-token scales on keys and values
+            f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
+            f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+            f8_ksc = tl.load(f8_ks + sid * _desc(desc_ptr, code, 13) + ot * _desc(desc_ptr, code, 14)
+                             + h * _desc(desc_ptr, code, 15), mask=valid, other=0.0)
+            f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
+            f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            k = f8_k * f8_ksc[:, None]
+            v = f8_v * f8_vsc[:, None]
+        else:  # KIVI keys: per channel, a scale / zero row per group of tokens
+            per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
+            bits = 8 // per
+            ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
+            kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
+            g_off = ks_row + ((ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
+            ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
+            kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
+            shift = ((od % per) * bits).to(tl.uint8)
+            cmask = ((1 << bits) - 1).to(tl.uint8)
+            kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
+            k = ((kraw >> shift[None, :]) & cmask).to(tl.float32) * ksc + kzp
+            vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
+            if quant == 2:  # int8 values: signed codes, a scale per token
+                i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+                i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
+                v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
+            else:  # int4 / int2 values: scale and zero per token and group of channels
+                iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
+                iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
+                vg = vs_row[:, None] + (od // group)[None, :]
+                iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
+                iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
+                v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
+        bias = tl.zeros((BS,), tl.float32)
+        lc_addr = _desc(desc_ptr, code, 12)
+        if lc_addr != 0:  # centroids: log(count) on each logit
+            lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+            bias = tl.load(lc_p + sid * _desc(desc_ptr, code, 19) + ot * _desc(desc_ptr, code, 20)
+                           + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
+        k = tl.where(vm, k, 0.0)
+        v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
+    return k, v, bias, valid
+
+
+@triton.jit
+def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j0, seq_len, ott, od, m2,
+                   D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """TILE_BLOCKS consecutive logical blocks from `j0` that are all vLLM's bf16 pages, as one
+    tile [TILE_BLOCKS * BS, BLOCK_D] (each token through vLLM's block table), and its token mask."""
+    tok = j0 * BS + ott
+    valid = tok < seq_len
+    blk = tl.load(bt_ptr + r * sbt + tok // BS, mask=valid, other=0).to(tl.int64)
+    base = kv_ptr + blk[:, None] * skv_b + h * skv_h + (tok % BS)[:, None] * skv_t + od[None, :]
+    k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+    v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
+    return k, v, valid
+
+
+@triton.jit
+def _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
+                  DOT: tl.constexpr, DOT_16BIT: tl.constexpr):  # fmt: skip
+    """One tile into the online softmax: the new (max, sum, output) state, and the tile's
+    probabilities (relative to `m_use`) for the observed layer's per-block sums."""
+    if DOT:  # tensor cores: the group's query heads are M (padded to 16), operands in the
+        # query's 16-bit dtype (the model's), fp32 sums
+        if DOT_16BIT:
+            qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+        else:
+            qk = tl.dot(q, tl.trans(k))
+    else:
+        qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    s = qk * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    p_sum = tl.sum(p, axis=1)
+    l_i = l_i * alpha + p_sum
+    m_i = m_new
+    if DOT:
+        if DOT_16BIT:  # noqa: SIM108 (constexpr: one branch is compiled)
+            pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+        else:
+            pv = tl.dot(p, v)
+    else:
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + pv
+    return m_i, l_i, acc, p, m_use
+
+
+@triton.jit
 def _mixed_decode_kernel(
     q_ptr, sq_s, sq_h,  # [S, Hq, D] queries
     o_ptr, so_s, so_h,  # [S, Hq, D] output (written in place)
@@ -107,12 +235,15 @@ def _mixed_decode_kernel(
     desc_ptr,  # pool descriptors [codes, NUM_FIELDS = 23] int64
     ent_out_ptr, NB_OUT,  # [S, NB_OUT, Hq] float32 per-block log-sum-exp (OBSERVE only)
     lse_ptr,  # [S, Hq] float32 (OBSERVE only)
-    Hq, sm_scale_log2,
+    part_ml_ptr, part_acc_ptr,  # [S, Hq, SPLITS, 2] / [S, Hq, SPLITS, BLOCK_D] float32 (PARTIAL only)
+    Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr,
+    OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
     ot = tl.arange(0, BS)
@@ -129,121 +260,123 @@ def _mixed_decode_kernel(
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
     m2 = md[None, :]
-    for j in range(0, tl.cdiv(seq_len, BS)):
-        code = tl.load(ent_ptr + (trow * NB + j) * 2)
-        seen = tl.minimum(seq_len - j * BS, BS)
-        if code == 0:  # vLLM's bf16 page
-            blk = tl.load(bt_ptr + r * sbt + j).to(tl.int64)
-            valid = ot < seen
-            base = kv_ptr + blk * skv_b + h * skv_h + ot[:, None] * skv_t + od[None, :]
-            k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-            v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-            bias = tl.zeros((BS,), tl.float32)
+    # this program's share of the row's blocks: a contiguous run, as even as the split allows
+    # (SPLITS is fixed per launch shape, so a CUDA graph replays it whatever the context length)
+    nblk = tl.cdiv(seq_len, BS)
+    per = tl.cdiv(tl.cdiv(nblk, SPLITS), TILE_BLOCKS) * TILE_BLOCKS  # whole tiles
+    j_start = sp * per
+    j_end = tl.minimum(j_start + per, nblk)
+    # TILE_BLOCKS blocks at a time: a run of vLLM's pages is read as one wide tile (vLLM's own
+    # kernel reads 32-64 tokens a step; one 16-token page a step left the unsplit kernel at 3x its
+    # time on the H100), a tile holding any compressed block goes block by block in its formats.
+    otb = tl.arange(0, TILE_BLOCKS)
+    ott = tl.arange(0, TILE_BLOCKS * BS)
+    for jt in range(j_start, j_end, TILE_BLOCKS):
+        jj = jt + otb
+        codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
+        if tl.max(codes, axis=0) == 0:  # names differ per branch: their types do (see `_load_block`)
+            hk, hv, hvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, jt, seq_len, ott, od,
+                                            m2, D, BS)
+            m_i, l_i, acc, hp, hm = _softmax_step(q, hk, hv, tl.zeros((TILE_BLOCKS * BS,), tl.float32), hvalid,
+                                                  m_i, l_i, acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
+            if OBSERVE:
+                hsum = tl.sum(tl.reshape(hp, (G_PAD, TILE_BLOCKS, BS)), axis=2)
+                hent = tl.where(hsum > 0, (tl.math.log2(tl.maximum(hsum, 1e-30)) + hm[:, None]) * 0.6931471805599453,
+                                float("-inf"))
+                tl.store(ent_out_ptr + (r * NB_OUT + jj[None, :]) * Hq + qh[:, None], hent,
+                         mask=mg[:, None] & ((jj < j_end) & (jj < NB_OUT))[None, :])
         else:
-            sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
-            quant = _desc(desc_ptr, code, 0)
-            tokens = _desc(desc_ptr, code, 1)
-            # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
-            ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
-            valid = ot < ntok
-            vm = valid[:, None] & m2
-            group = _desc(desc_ptr, code, 3)
-            row_off = sid * _desc(desc_ptr, code, 4) + ot[:, None] * _desc(desc_ptr, code, 5) \
-                + h * _desc(desc_ptr, code, 6)
-            kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-            vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-            ks_row = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
-            vs_row = sid * _desc(desc_ptr, code, 16) + ot * _desc(desc_ptr, code, 17) + h * _desc(desc_ptr, code, 18)
-            # Names are distinct per branch where their types differ: a compiled `if` may only
-            # carry out names of one type from both sides (the interpreter would not notice).
-            if quant == 1:  # fp8: per-token scales on keys and values
-                f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
-                f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-                f8_ksc = tl.load(f8_ks + sid * _desc(desc_ptr, code, 13) + ot * _desc(desc_ptr, code, 14)
-                                 + h * _desc(desc_ptr, code, 15), mask=valid, other=0.0)
-                f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
-                f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                k = f8_k * f8_ksc[:, None]
-                v = f8_v * f8_vsc[:, None]
-            else:  # KIVI keys: per channel, a scale / zero row per group of tokens
-                per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
-                bits = 8 // per
-                ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
-                kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
-                g_off = ks_row + ((ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
-                ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
-                kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
-                shift = ((od % per) * bits).to(tl.uint8)
-                cmask = ((1 << bits) - 1).to(tl.uint8)
-                kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
-                k = ((kraw >> shift[None, :]) & cmask).to(tl.float32) * ksc + kzp
-                vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
-                if quant == 2:  # int8 values: signed codes, a scale per token
-                    i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-                    i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
-                    v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
-                else:  # int4 / int2 values: scale and zero per token and group of channels
-                    iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
-                    iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
-                    vg = vs_row[:, None] + (od // group)[None, :]
-                    iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
-                    iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
-                    v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
-            bias = tl.zeros((BS,), tl.float32)
-            lc_addr = _desc(desc_ptr, code, 12)
-            if lc_addr != 0:  # centroids: log(count) on each logit
-                lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-                bias = tl.load(lc_p + sid * _desc(desc_ptr, code, 19) + ot * _desc(desc_ptr, code, 20)
-                               + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
-            k = tl.where(vm, k, 0.0)
-            v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
-        if DOT:  # tensor cores: the group's query heads are M (padded to 16), operands in the
-            # query's 16-bit dtype (the model's), fp32 sums
-            if DOT_16BIT:
-                qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
-            else:
-                qk = tl.dot(q, tl.trans(k))
-        else:
-            qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        s = qk * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        p_sum = tl.sum(p, axis=1)
-        l_i = l_i * alpha + p_sum
-        m_i = m_new
-        if DOT:
-            if DOT_16BIT:  # noqa: SIM108 (constexpr: one branch is compiled)
-                pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
-            else:
-                pv = tl.dot(p, v)
-        else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        if OBSERVE:
-            ent = tl.where(p_sum > 0, (tl.math.log2(tl.maximum(p_sum, 1e-30)) + m_use) * 0.6931471805599453,
-                           float("-inf"))
-            tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, ent, mask=mg & ((og * 0 + j) < NB_OUT))
-    if OBSERVE:  # the blocks past this row's end received nothing
-        for j in range(tl.cdiv(seq_len, BS), NB_OUT):
+            for j in range(jt, tl.minimum(jt + TILE_BLOCKS, j_end)):
+                k, v, bias, valid = _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h,
+                                                trow, NB, j, seq_len, ot, od, m2, D, BS)
+                m_i, l_i, acc, p, m_use = _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
+                                                        DOT, DOT_16BIT)
+                if OBSERVE:
+                    p_sum = tl.sum(p, axis=1)
+                    ent = tl.where(p_sum > 0, (tl.math.log2(tl.maximum(p_sum, 1e-30)) + m_use) * 0.6931471805599453,
+                                   float("-inf"))
+                    tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, ent, mask=mg & ((og * 0 + j) < NB_OUT))
+    if OBSERVE:  # the blocks past this row's end received nothing (the last split says so)
+        for j in range(tl.where(sp == SPLITS - 1, nblk, NB_OUT), NB_OUT):
             tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if PARTIAL:  # this split's running max, sum and unnormalised output: `_combine_splits_kernel` merges them
+        part = (r * Hq + qh) * SPLITS + sp
+        tl.store(part_ml_ptr + part * 2, m_i, mask=mg)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=mg)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + od[None, :], acc, mask=mg[:, None])
+    else:
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(o_ptr + r * so_s + qh[:, None] * so_h + od[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=mg[:, None] & md[None, :])
+        if OBSERVE:
+            lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            tl.store(lse_ptr + r * Hq + qh, lse, mask=mg)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ml_ptr, part_acc_ptr,  # what `_mixed_decode_kernel` wrote with PARTIAL
+    o_ptr, so_s, so_h, lse_ptr, Hq, SPLITS,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    OBSERVE: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    og = tl.arange(0, G_PAD)
+    osp = tl.arange(0, SPLITS_PAD)
+    od = tl.arange(0, BLOCK_D)
+    mg = og < G
+    qh = h * G + og
+    part = (r * Hq + qh)[:, None] * SPLITS + osp[None, :]  # [G_PAD, SPLITS_PAD]
+    pm = mg[:, None] & (osp < SPLITS)[None, :]
+    m_s = tl.load(part_ml_ptr + part * 2, mask=pm, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=pm, other=0.0)
+    m = tl.max(m_s, axis=1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(l_s > 0, tl.math.exp2(m_s - m_use[:, None]), 0.0)  # an empty split weighs nothing
+    l_tot = tl.sum(w * l_s, axis=1)
+    acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    for i in range(0, SPLITS):
+        wi = tl.sum(tl.where(osp[None, :] == i, w, 0.0), axis=1)
+        a = tl.load(part_acc_ptr + ((r * Hq + qh) * SPLITS + i)[:, None] * BLOCK_D + od[None, :], mask=mg[:, None],
+                    other=0.0)
+        acc += wi[:, None] * a
+    has = l_tot > 0
+    o = acc / tl.where(has, l_tot, 1.0)[:, None]
     tl.store(o_ptr + r * so_s + qh[:, None] * so_h + od[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=mg[:, None] & md[None, :])
+             mask=mg[:, None] & (od < D)[None, :])
     if OBSERVE:
-        lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(has, (m_use + tl.math.log2(tl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + r * Hq + qh, lse, mask=mg)
+
+
+TILE_TOKENS = 64
+"""Tokens of vLLM's pages one step of the kernel reads where a run of blocks is all bf16 (vLLM's
+own decode kernel reads 32-64)."""
+MAX_SPLITS = 16
+MIN_BLOCKS_PER_SPLIT = 8
+"""A split walks at least this many blocks of the longest row the block table can hold: below
+that, the partials' write and merge cost more than the parallelism buys."""
+
+
+def auto_splits(rows: int, kv_heads: int, table_blocks: int, device: torch.device) -> int:
+    """How many programs share one row's context: enough (rows x KV heads x splits) to fill the
+    GPU twice over, never more than the table's width allows. Decided from shapes only (the batch
+    size, the block table's width, the device), never from this step's context lengths, so a CUDA
+    graph captured at a batch size replays the same split. 1 on a CPU (the interpreter: no SMs)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(1, rows * kv_heads))
+    return max(1, min(MAX_SPLITS, want, table_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
 def mixed_decode(
     q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -251,7 +384,14 @@ def mixed_decode(
     2D] 16-bit cache (block-contiguous); block_table [>= S, *] int32, seq_lens [>= S] int32,
     query_start_loc [>= S + 1], slot_mapping: vLLM's metadata of the step; owner / entries the
     device block table's (`worker/block_table.py`); descriptors from `pool_descriptors`. With
-    entry_lse [S, NB_OUT, Hq] and lse [S, Hq] (float32) also the per-block log-sum-exp."""
+    entry_lse [S, NB_OUT, Hq] and lse [S, Hq] (float32) also the per-block log-sum-exp.
+
+    `splits` (default `auto_splits`): programs per (row, KV head), each over a contiguous run of
+    the row's blocks. With more than one, each writes its partial softmax state and a second
+    launch (`_combine_splits_kernel`) merges them into `out` (and `lse`): two launches, and the
+    per-block log-sum-exp is the same either way (absolute, not relative to a split's maximum).
+    `tile_blocks` (default: 64 tokens' worth, at least 1; a power of two): blocks read as one tile
+    where they are all vLLM's pages."""
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
     if d2 != 2 * d or hq % h or out.shape != q.shape:
@@ -266,23 +406,38 @@ def mixed_decode(
     g = hq // h
     observe = entry_lse is not None
     dummy = out
+    n_split = auto_splits(s, h, block_table.shape[1], q.device) if splits is None else splits
+    if n_split < 1:
+        raise ValueError(f"mixed_decode splits a row's context over >= 1 programs, got {n_split}")
+    partial = n_split > 1
+    tb = max(1, TILE_TOKENS // bs) if tile_blocks is None else tile_blocks
+    if tb < 1 or tb & (tb - 1):
+        raise ValueError(f"mixed_decode reads tiles of a power-of-two number of blocks, got {tb}")
+    block_d = _p2(d, 16)
+    part_ml = torch.empty(s, hq, n_split, 2, dtype=torch.float32, device=q.device) if partial else dummy
+    part_acc = torch.empty(s, hq, n_split, block_d, dtype=torch.float32, device=q.device) if partial else dummy
     # tl.dot needs every dimension >= 16: the query heads are padded to 16 rows (masked), the
     # block (BS tokens) and head dim must reach 16 themselves; smaller shapes keep fp32 broadcasts.
     dot = bs >= 16 and _p2(d, 16) >= 16
     # 16-bit operands on a GPU; the interpreter multiplies bf16 dots wrongly (numpy has no bf16: a
     # 16 x 16 bf16 tl.dot is off by 1e10 in Triton 3.x's interpreter), so there it dots in fp32.
     dot_16bit = os.environ.get("TRITON_INTERPRET") != "1"
-    _mixed_decode_kernel[(s, h)](
+    _mixed_decode_kernel[(s, h, n_split)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
         kv_cache, *kv_cache.stride()[:3],
         block_table, block_table.stride(0), seq_lens, query_start_loc, slot_mapping,
         owner, entries, entries.shape[1], descriptors,
         entry_lse if observe else dummy, entry_lse.shape[1] if entry_lse is not None else 0,
-        lse if lse is not None else dummy,
-        hq, sm_scale * LOG2E,
-        G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=_p2(d, 16), BS=bs, OBSERVE=observe,
-        DOT=dot, DOT_16BIT=dot_16bit,
+        lse if lse is not None else dummy, part_ml, part_acc,
+        hq, sm_scale * LOG2E, n_split,
+        G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
+        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb,
     )  # fmt: skip
+    if partial:
+        _combine_splits_kernel[(s, h)](
+            part_ml, part_acc, out, out.stride(0), out.stride(1), lse if lse is not None else dummy, hq, n_split,
+            G=g, G_PAD=_p2(g, 1), D=d, BLOCK_D=block_d, SPLITS_PAD=_p2(n_split, 1), OBSERVE=observe,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -354,5 +509,5 @@ def block_mass(entry_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(entry_lse - lse.unsqueeze(1)).nan_to_num(0.0)
 
 
-__all__ = ["MAX_CODES", "block_mass", "mixed_decode", "pool_descriptors", "update_block_importance"]
+__all__ = ["MAX_CODES", "auto_splits", "block_mass", "mixed_decode", "pool_descriptors", "update_block_importance"]
 

@@ -11,8 +11,9 @@ total cost, touching at most `budget` blocks. The engine solves it greedily in t
 
 1. each block's most *efficient* option (least cost per block freed) is ranked, and blocks are
    taken in that order until the need is met or the budget is spent; a block is offered the
-   rung the pool's present price puts it on (`settled_price`) where that is harsher, so a cold
-   block is written once rather than climbing the ladder one rung per step;
+   rung the pool's price puts it on (`settled_price`: its present savings, this step's need and
+   the queue's demand) where that is harsher, so a cold block is written once rather than
+   climbing the ladder one rung per step;
 2. if the need is still unmet, chosen blocks are upgraded to higher-ratio formats, cheapest
    increment (extra cost per extra block freed) first.
 
@@ -237,9 +238,10 @@ def _choose(
     # Deterministic order: efficiency, then older blocks; lexsort is stable, so remaining ties
     # keep snapshot order (request, then position).
     order = part[np.lexsort((-snap.block_age[rows[part]], best_eff[part]))]
-    # Write once: each offered block goes straight to the rung the pool's present price puts it
-    # on (`settled_price`), not one rung per step; the prefix that meets the need is then shorter.
-    price = settled_price(snap, policy, ladder, floor)
+    # Write once: each offered block goes straight to the rung the pool's price puts it on
+    # (`settled_price`: its present savings, this step's need and the queue's demand), not one
+    # rung per step; the prefix that meets the need is then shorter.
+    price = settled_price(snap, policy, ladder, floor, need)
     first = best_l[fid[order]]
     settled = settled_choice(imp[order], fid[order], price, s_tab, d_tab, valid)
     offer = np.where(s_tab[fid[order], settled] > s_tab[fid[order], first], settled, first)
@@ -304,27 +306,34 @@ def _upgrade(choice: np.ndarray, saving: np.ndarray, cost: np.ndarray, need: flo
     return total
 
 
-def settled_price(snap: Snapshot, policy: Policy, ladder: list[Format], floor: float) -> float:
-    """The damage per physical block freed that the pool already pays, as if its eligible blocks
-    were compressed from scratch: the least price `p` at which giving every eligible block the
-    format minimising `importance x damage - p x freed` (over hot and the ladder, freed counted
-    from hot) frees what the eligible blocks free now. A pool with nothing compressed pays 0, and
-    its first step takes each block's mildest efficient rung, as before.
+def settled_price(snap: Snapshot, policy: Policy, ladder: list[Format], floor: float, need: float = 0.0) -> float:
+    """The damage per physical block freed that the pool will pay once this episode's demand is
+    met, as if its blocks were compressed from scratch: the least price `p` at which giving every
+    eligible block the format minimising `importance x damage - p x freed` (over hot and the
+    ladder, freed counted from hot) frees what the eligible blocks free now, plus this step's
+    `need`, plus the blocks the queue still asks for (`Snapshot.queued_blocks`). Queued blocks are
+    not in the pool yet: they are counted as blocks of the eligible blocks' importance
+    distribution, which free as much per block as the eligible ones at `p` once admitted (so the
+    goal is met at `(1 + queued / eligible) x freed(p) >= freed now + need + queued`). A pool with
+    nothing compressed, no need and no queue pays 0.
 
-    This is what makes a cold block's first compression its last under steady pressure: the old
-    engine priced each step by that step's need alone, the cheapest move being hot -> the mildest
-    rung, so on aggressive's four-rung ladder a block climbed one rung per step of rising pressure
-    (3.1 compressions per compressed block in `proxima simulate`). The pool's accumulated savings
-    say how deep the ladder is already used; a new block is put where its importance places it at
-    that depth. A falling importance or rising pressure raises its settled rung later: it is
-    recompressed then, and only then.
+    This is what makes a cold block's first compression its last: the old engine priced each step
+    by that step's need alone, the cheapest move being hot -> the mildest rung, so on aggressive's
+    four-rung ladder a block climbed one rung per step of rising pressure (3.1 compressions per
+    compressed block in `proxima simulate`); pricing the pool's present savings alone still let
+    blocks compressed early in a burst climb as the queue filled the pool (2.4). With the need and
+    the queue in the price a new block is put where its importance places it at the depth the
+    episode will reach. A falling importance or rising pressure beyond the queue's raises its
+    settled rung later: it is recompressed then, and only then.
     """
     rows = np.flatnonzero(eligible_mask(snap, policy))
     if len(rows) == 0:
         return 0.0
     imp = snap.block_importance[rows] + floor
     inv_f = np.array([1.0 / f.pack_ratio for f in snap.formats])
-    goal = float(np.sum(1.0 - inv_f[snap.block_format[rows]]))
+    queued = max(0.0, float(snap.queued_blocks))
+    goal = float(np.sum(1.0 - inv_f[snap.block_format[rows]])) + max(0.0, need) + queued
+    scale = 1.0 + queued / len(rows)
     hull_s, slopes = _hull(ladder, policy)
     if len(slopes) == 0 or goal <= 0:
         return 0.0
@@ -333,7 +342,7 @@ def settled_price(snap: Snapshot, policy: Policy, ladder: list[Format], floor: f
     # with the importances sorted once, each evaluation is K binary searches. It is a step
     # function of p, increasing: bisect p (to float resolution; the price need not be a step).
     imp_sorted = np.sort(imp)
-    gains = np.diff(hull_s)
+    gains = np.diff(hull_s) * scale
 
     def freed_at(p: float) -> float:
         with np.errstate(divide="ignore"):  # a damage-free rung (slope 0): every block passes it

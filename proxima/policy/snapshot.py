@@ -73,6 +73,9 @@ class Snapshot:
     request_prefill: np.ndarray  # bool [R]
     pending_blocks: float = 0
     """Blocks that allocations waiting this step need (a compression can make room for them)."""
+    queued_blocks: float = 0
+    """Blocks the requests queued behind those need (not pressure yet): the demand still to come
+    this episode, which the engine's settled price anticipates (`engine.settled_price`)."""
     probe_status: ProbeStatus = "ok"
 
     def __post_init__(self) -> None:
@@ -105,6 +108,7 @@ class Snapshot:
         block_size: int,
         requests: Sequence[RequestBlocks],
         pending_blocks: float = 0,
+        queued_blocks: float = 0,
         probe_status: ProbeStatus = "ok",
     ) -> Snapshot:
         fmt_index: dict[Format, int] = {HOT: 0}
@@ -151,5 +155,6 @@ class Snapshot:
             request_blocks=np.asarray(req_blocks, dtype=np.int32),
             request_prefill=np.asarray(req_prefill, dtype=bool),
             pending_blocks=pending_blocks,
+            queued_blocks=queued_blocks,
             probe_status=probe_status,
         )

@@ -19,6 +19,7 @@ the sink block always important, and identical between the vanilla and the polic
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -288,7 +289,7 @@ class Simulator:
         res.preemptions += 1
         waiting.appendleft(victim)
 
-    def _snapshot(self, pool: CounterPool, running: list[_Req], step: int, pending: int) -> Snapshot:
+    def _snapshot(self, pool: CounterPool, running: list[_Req], step: int, pending: int, queued: int = 0) -> Snapshot:
         cfg = self.cfg
         rs = [r for r in running if r.n_blocks > 0]
         counts = np.array([r.n_blocks for r in rs], dtype=np.int32)
@@ -317,6 +318,7 @@ class Simulator:
             request_blocks=counts,
             request_prefill=np.array([r.prefill_step == step for r in rs], dtype=bool),
             pending_blocks=pending,
+            queued_blocks=queued,
         )
 
     def set_policy(self, policy: Policy | None) -> None:
@@ -329,7 +331,9 @@ class Simulator:
 
     def _engine_step(self, pending: int) -> EngineState:
         assert self.policy is not None
-        snap = self._snapshot(self.pool, self.running, self.step_no, pending)
+        # The queue behind its head (whose prompt is in `pending`): the demand still to come.
+        queued = sum(self._blocks_for(r.tokens) for r in itertools.islice(self.waiting, 1, None))
+        snap = self._snapshot(self.pool, self.running, self.step_no, pending, queued)
         decision = decide(snap, self.policy, self.state)
         self.last_decision = decision
         by_id = {r.spec.request_id: r for r in self.running}

@@ -190,7 +190,7 @@ class ProximaConnector(KVConnectorBase_V1):
                    if isinstance(impl := getattr(layers.get(name), "impl", None), SlotReader)]
         store.readers = {type(impl).__name__ for impl in readers}
         if readers and kv_caches:  # the kernel that reads the pages says how they are ordered
-            store.layout = readers[0].page_layout(next(iter(kv_caches.values())))
+            store.use_layout(readers[0].page_layout(next(iter(kv_caches.values()))))
             readers[0].warm_up(store)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

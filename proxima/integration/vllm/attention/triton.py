@@ -132,13 +132,13 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
                 table.observed = -(-common_attn_metadata.max_seq_len // self.block_size)
         return px
 
-    def resolve(self, m: ProximaTritonMetadata, plan_compressed: bool = True) -> None:
+    def resolve(self, m: ProximaTritonMetadata) -> None:
         """Find this step's rows (importance observation, compressed rows) and plan the compressed
-        rows' segments (once per step, first layer; without `plan_compressed`, the observation only:
-        the one-pass decode reads the device table instead)."""
+        rows' segments (once per step, first layer of the split path; the one-pass decode reads the
+        device table instead)."""
         cm, store = m.px_common, m.px_store
         m.px_builder = m.px_common = None
-        if store is None or not store.key_blocks or cm is None or (not plan_compressed and store.observe_layer is None):
+        if store is None or not store.key_blocks or cm is None:
             return
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: n + 1].tolist()
@@ -151,7 +151,7 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
             m.px_obs = plan_observation(rids, remaps, qsl, seq_lens_all, cm.block_table_tensor[:n], self.block_size,
                                         store.observation_window)
         rows = [r for r in range(n) if remaps[r]]
-        if not rows or not plan_compressed:
+        if not rows:
             return
         idx = torch.tensor(rows, device=cm.seq_lens.device)
         tables = cm.block_table_tensor.index_select(0, idx).tolist()
@@ -240,12 +240,15 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             assert m.px_table is not None
             with times.span("attention_proxima_s", dev):
                 return self._one_pass(layer.layer_name, query, kv_cache, m, store, m.px_table, output)
-        if m.px_table is not None and kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
-            # a graph of this path would replay without its host plan: compressed rows read garbage
+        if kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+            # A graph of this path would replay without its host plan: compressed rows would read
+            # garbage. Whatever the reason (no device table, or a layer the one-pass kernel cannot read).
             raise NotImplementedError(
-                "proxima: this layer cannot run the one-pass decode (ALiBi, sinks, soft-capping or fused "
-                "output quantization) and its split path cannot be captured in a CUDA graph; set "
-                f"{ONE_PASS_ENV}=0 (graphs for decode off) or run eagerly")
+                "proxima: this layer cannot run the one-pass decode (no device block table, or ALiBi, sinks, "
+                "soft-capping or fused output quantization) and its split path cannot be captured in a CUDA "
+                f"graph; set {ONE_PASS_ENV}=0 (graphs for decode off) or run eagerly")
+        if m.px_table is not None and layer.layer_name == store.observe_layer:
+            m.px_table.observed = None  # observed on the host below: the device importance was not updated
         if m.px_builder is not None:
             with times.span("row_plan_s"):  # host work (and its small device-to-host copies)
                 m.px_builder.resolve(m)
@@ -273,10 +276,6 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
         """This layer's pool descriptor table (`worker/decode_descriptors.py`: one persistent
         tensor per layer, kept current by the connector outside the forward)."""
         return layer_descriptors(store, table, layer)
-
-    @staticmethod
-    def _block_size(store: WorkerStore, layer: str) -> int:
-        return store.geometry(layer)[2]
 
     def _one_pass(self, layer: str, query: torch.Tensor, kv_cache: torch.Tensor, m: ProximaTritonMetadata,
                   store: WorkerStore, table: DeviceBlockTable, output: torch.Tensor) -> torch.Tensor:

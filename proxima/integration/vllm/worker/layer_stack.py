@@ -175,3 +175,14 @@ class LayerStack:
         for j, i in enumerate(layers):
             p.k_layers[i].index_copy_(0, idx, k[j * a:(j + 1) * a])
             p.v_layers[i].index_copy_(0, idx, v[j * a:(j + 1) * a])
+
+
+def upload(rows: list[list[int]] | list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-built step data on `device`: one pinned, non-blocking copy on a GPU, no sync (the
+    stream orders it before its readers). A step makes one for its action table, and one per
+    first merge for the blocks' token importance (kept on the host, `token_importance`).
+    `bench/op_counter.py` counts the worker's calls of it (`store._upload`) as uploads, apart from would-be syncs."""
+    host = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -56,12 +56,25 @@ class PageLayout:
         """Keys and values of whole blocks in canonical order: [N, B, H, D] each."""
         return self.split_pages(self.pages(kv).index_select(0, blocks))
 
+    @cached_property
+    def _on_device(self) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor]]:
+        return {}
+
+    def positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`key_pos`, `value_pos` on `device`, copied once (`WorkerStore.register` calls it before
+        serving): indexing a GPU page with the host tensors would copy them in every step, a sync."""
+        got = self._on_device.get(device)
+        if got is None:
+            got = self._on_device[device] = (self.key_pos.to(device), self.value_pos.to(device))
+        return got
+
     def split_pages(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of pages [N, H, 2BD] (gathered whole) in canonical order: [N, B, H, D] each."""
         n, h = p.shape[:2]
         b, d = self.block_size, self.head_dim
-        k = p[:, :, self.key_pos].view(n, h, b, d).transpose(1, 2)
-        v = p[:, :, self.value_pos].view(n, h, b, d).transpose(1, 2)
+        key_pos, value_pos = self.positions(p.device)
+        k = p[:, :, key_pos].view(n, h, b, d).transpose(1, 2)
+        v = p[:, :, value_pos].view(n, h, b, d).transpose(1, 2)
         return k, v
 
     def read_keys(self, kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

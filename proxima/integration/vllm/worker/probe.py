@@ -10,6 +10,13 @@ compressed: `probes.choose_within_bound` tries the milder formats of the policy'
 the report tells the scheduler the first one within the bound (it plans the block into that one
 at a later step, since a milder format needs another destination) or that the block stays hot.
 
+No value is read back in the step (issue 37): the errors of the chosen and the milder formats are
+measured in one pass and copied to pinned host memory behind a CUDA event (`ProbeBatch`); the
+blocks are written meanwhile, but installed in the block map, and reported, only when the
+verdict is read (`WorkerStore.settle_probes`: at the end of the step if the copy has arrived,
+else at the next). Until then attention reads the source, which the scheduler keeps until the
+report, so a refused block simply stays where it was.
+
 One layer of L is measured (about 1/L of the compression's own cost, plus a softmax over W
 queries by one block). Blocks of a request with no recent query (not observed yet) are not
 written this step: they are reported refused in their own format (the scheduler plans them again,
@@ -27,7 +34,7 @@ import torch
 from proxima.compression.attention import attention_errors
 from proxima.compression.blocks import CompressedBlocks
 from proxima.formats import Format, recompressible
-from proxima.integration.vllm.plan import ActionId, CompressAction
+from proxima.integration.vllm.plan import ActionId, CompressAction, ProximaReport
 from proxima.policy.probes import choose_within_bound
 from proxima.policy.refusal import milder_formats  # shared with the transformers cache
 from proxima.policy.schema import CompressionProbe, Policy
@@ -97,25 +104,74 @@ class ProbeOutcome:
     """Of those, over the bound (a milder format, or none, was named for them)."""
 
 
-def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequence[CompressAction],
-                cfg: CompressionProbe, table: torch.Tensor | None = None) -> ProbeOutcome:
-    """Measure the batch's blocks in the observed layer; keep those within the bound.
+@dataclass
+class ProbeBatch:
+    """One group's blocks measured on the device, their verdict not read yet.
 
+    The errors of every candidate format (the chosen one, then the milder ones a refusal may
+    name) of every measured block are measured in one pass and copied to pinned host memory behind
+    a CUDA event: nothing waits for them in the step. The blocks are written (their slots are
+    theirs until the report), but the block map points at them only once the verdict is read
+    (`outcome`, when `ready`): until then attention reads each block's source, which the two-phase
+    commit keeps until the report."""
+
+    fmt: Format
+    from_fmt: Format
+    acts: list[CompressAction]
+    candidates: list[Format]
+    errors: torch.Tensor
+    """float32 [len(candidates), len(acts)], on the host (pinned on a GPU)."""
+    cfg: CompressionProbe
+    event: torch.cuda.Event | None = None
+    gone: set[str] = field(default_factory=set)
+    """Requests dropped since: their blocks are neither reported nor installed."""
+
+    def ready(self) -> bool:
+        """Whether the errors have arrived on the host (`event.query()` does not wait)."""
+        return self.event is None or bool(self.event.query())
+
+    def outcome(self) -> ProbeOutcome:
+        """The verdicts (`choose_within_bound` over the measured errors). Reads host memory only."""
+        table = self.errors.tolist()
+        out = ProbeOutcome()
+        for i, a in enumerate(self.acts):
+            if a.req_id in self.gone:
+                continue
+            out.measured += 1
+
+            def measure(f: Format, i: int = i) -> float:
+                err = float(table[self.candidates.index(f)][i])
+                out.errors.append((f.name, err))
+                return err
+
+            verdict = choose_within_bound(self.candidates, measure, self.cfg)
+            if verdict.chosen == self.fmt:
+                out.accepted.append(a)
+            else:
+                out.rejected[a.action_id] = verdict.chosen.name if verdict.chosen is not None else ""
+                out.refused += 1
+        return out
+
+
+def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequence[CompressAction],
+                  cfg: CompressionProbe, table: torch.Tensor | None = None
+                  ) -> tuple[ProbeOutcome, ProbeBatch | None]:
+    """Measure the batch's blocks in the observed layer, without reading anything back.
+
+    Returns the verdicts known now (blocks not measurable yet: deferred; or every block accepted
+    when there is nothing to measure with) and the measured blocks' `ProbeBatch`, or None.
     `table`: the actions' rows of the step's action table (`WorkerStore._step_tables`), read
-    instead of building indices again when every block is measurable.
-
-    Reads back to the host (GPU syncs): the first measurement of the whole batch once, then one
-    per milder format tried for a refused block."""
+    instead of building indices again when every block is measurable."""
     layer = store.observe_layer
     queries = store.recent_queries
     measurable = [a for a in acts if queries.get(a.req_id) is not None]
     unmeasured = [a for a in acts if queries.get(a.req_id) is None]
     if not cfg.enabled or layer is None:
-        return ProbeOutcome(accepted=list(acts))
+        return ProbeOutcome(accepted=list(acts)), None
     # Not measurable yet: "refused in its own format", i.e. planned again at a later step.
-    deferred = {a.action_id: fmt.name for a in unmeasured}
+    deferred = ProbeOutcome(rejected={a.action_id: fmt.name for a in unmeasured})
     if not measurable or queries.scale is None:
-        return ProbeOutcome(rejected={a.action_id: fmt.name for a in acts})
+        return ProbeOutcome(rejected={a.action_id: fmt.name for a in acts}), None
     kv = store.kv_caches[layer]
     rows = table if table is not None and len(measurable) == len(acts) else None
     k, v, counts = store.read_current(layer, from_fmt, measurable, rows)  # [N, T, H, D], log-counts or None
@@ -127,37 +183,43 @@ def check_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequenc
         assert q is not None
         q_obs[i, : len(q)] = q.to(q_obs.device, torch.float32)
         valid[i, : len(q)].fill_(True)  # a fill, not a host scalar tensor copied in
-    scale = queries.scale
-
     src_l = store.layer_format(layer, from_fmt)
-
-    def errors_of(f: Format, idx: slice) -> torch.Tensor:
-        # slices, not index lists: a list would be a host tensor sent to the device
-        sub = measurable[idx]
-        f_l = store.layer_format(layer, store.formats.current(f))
-        lc = counts[idx] if counts is not None else None  # recompressing reduced blocks: weigh by counts
-        cb = store.compress_read(src_l, f_l, k[idx], v[idx], lc, sub)  # what the executor writes
-        return attention_errors(q_obs[idx], k[idx], v[idx], cb, q_valid=valid[idx], sm_scale=scale,
-                                ref_log_count=lc)
-
-    first = errors_of(fmt, slice(None)).tolist()  # one read back for the whole batch
-    out = ProbeOutcome(rejected=deferred, measured=len(measurable))
     milder = milder_formats(store.policy, fmt, from_fmt)
     if not from_fmt.is_hot:  # a recompression: only formats this block can still move into
         milder = [f for f in milder if recompressible(src_l, store.layer_format(layer, store.formats.current(f)))]
-    for i, a in enumerate(measurable):
-        def measure(f: Format, i: int = i) -> float:
-            err = float(first[i]) if f == fmt else float(errors_of(f, slice(i, i + 1))[0])
-            out.errors.append((f.name, err))
-            return err
+    candidates = [fmt, *milder]
+    errs = []
+    for f in candidates:  # every block in every candidate: what a refusal needs is measured already
+        f_l = store.layer_format(layer, store.formats.current(f))
+        cb = store.compress_read(src_l, f_l, k, v, counts, measurable)  # what the executor writes
+        errs.append(attention_errors(q_obs, k, v, cb, q_valid=valid, sm_scale=queries.scale, ref_log_count=counts,
+                                     on_host=False))
+    dev = torch.stack(errs).float()
+    event = None
+    if dev.is_cuda:
+        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        host.copy_(dev, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        dev = host
+    return deferred, ProbeBatch(fmt, from_fmt, measurable, candidates, dev, cfg, event)
 
-        verdict = choose_within_bound([fmt, *milder], measure, cfg)
-        if verdict.chosen == fmt:
-            out.accepted.append(a)
-        else:
-            out.rejected[a.action_id] = verdict.chosen.name if verdict.chosen is not None else ""
-            out.refused += 1
-    return out
+
+def record(report: ProximaReport, fmt: Format, out: ProbeOutcome) -> None:
+    """A probe outcome of target `fmt` into the worker's report: refusals, measurements, counts."""
+    # The report counts blocks by action id, so that the ranks' counts merge into the engine's
+    # (`merge_reports`). Measured = accepted + refused, unless nothing was measured (no observed
+    # layer: all accepted); a verdict in the action's own format is a deferral, not a refusal
+    # (every milder format has a lower pack ratio than `fmt`).
+    refused = [aid for aid, verdict in out.rejected.items() if verdict != fmt.name]
+    measured = [a.action_id for a in out.accepted] + refused if out.measured else []
+    if (len(measured), len(refused)) != (out.measured, out.refused):
+        raise RuntimeError(f"proxima: the probe counted {out.measured} measured / {out.refused} refused blocks, "
+                           f"its verdicts {len(measured)} / {len(refused)}")
+    report.rejected.update(out.rejected)
+    report.probe_errors.extend(out.errors)
+    report.probe_measured_ids.extend(measured)
+    report.probe_refused_ids.extend(refused)
 
 
-__all__ = ["ProbeOutcome", "RecentQueries", "check_batch", "milder_formats"]
+__all__ = ["ProbeBatch", "ProbeOutcome", "RecentQueries", "measure_batch", "milder_formats", "record"]

@@ -29,8 +29,9 @@ from proxima.integration.vllm.worker.debug import SplitErrors, checks_values
 from proxima.integration.vllm.worker.faults import FaultInjector
 from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
 from proxima.integration.vllm.worker.layer_stack import LayerStack, SlotPool
+from proxima.integration.vllm.worker.layer_stack import upload as _upload
 from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout, token_interleaved_layout
-from proxima.integration.vllm.worker.probe import RecentQueries, check_batch
+from proxima.integration.vllm.worker.probe import ProbeBatch, RecentQueries, measure_batch, record
 from proxima.integration.vllm.worker.ranks import check_remap
 from proxima.integration.vllm.worker.timing import StepTimes
 from proxima.observation import fold_heads, observed_layer
@@ -135,6 +136,8 @@ class WorkerStore:
         """The format each layer stores, for every override table used so far (`layer_formats`)."""
         self.recent_queries = RecentQueries()
         """Each request's newest queries in the observed layer (the compression-time probe's)."""
+        self.probing: list[ProbeBatch] = []
+        """Blocks written and measured whose verdict is not read yet (`settle_probes`)."""
         self.layer_numbers: dict[str, int] = {}
         self.layout: PageLayout | None = None
         """The attention kernel's order of keys and values inside a block's page (see cpu_layout)."""
@@ -182,7 +185,9 @@ class WorkerStore:
             self.formats = LayerFormats(policy)
             self.adopt(policy, self.policy_version)
         self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
-        self.layout = _page_layout(next(iter(kv_caches.values()))) if kv_caches else None
+        self.layout = None
+        if kv_caches:
+            self.use_layout(_page_layout(next(iter(kv_caches.values()))))
         shapes = {tuple(t.shape) for t in kv_caches.values()}
         logger.info("proxima worker: %d KV layers, shapes %s, importance observed in %s",
                     len(kv_caches), shapes, self.observe_layer)
@@ -256,9 +261,15 @@ class WorkerStore:
         return self.policy is not None and self.policy.enabled and self.policy.probes.compression.enabled
 
     def page_layout(self, kv: torch.Tensor) -> PageLayout:
-        if self.layout is None:
-            self.layout = _page_layout(kv)
-        return self.layout
+        return self.layout if self.layout is not None else self.use_layout(_page_layout(kv))
+
+    def use_layout(self, layout: PageLayout) -> PageLayout:
+        """Adopt the reader's page order, its positions copied to the device now (not in a step)."""
+        self.layout = layout
+        if self.device is not None:
+            layout.positions(self.device)
+            _ = layout.is_canonical
+        return layout
 
     # --- executor ---------------------------------------------------------------------------
 
@@ -278,6 +289,9 @@ class WorkerStore:
             self.replaced.pop(rid, None)
             self.token_importance.pop(rid, None)
             self.recent_queries.drop(rid)
+            for batch in self.probing:
+                batch.gone.add(rid)
+        self.settle_probes()
         if plan.check_remap is not None:
             check_remap(self.remap, plan.check_remap, self.rank)
         self.key_blocks = dict(plan.key_blocks)
@@ -295,15 +309,16 @@ class WorkerStore:
         for (name, from_fmt), acts in by_fmt.items():
             fmt = Format.parse(name)
             t0 = time.perf_counter()
+            pending: ProbeBatch | None = None
             try:
                 planned = acts
-                acts = self._probe(fmt, from_fmt, acts, tables.get((name, from_fmt)))
+                acts, pending = self._probe(fmt, from_fmt, acts, tables.get((name, from_fmt)))
                 t1 = time.perf_counter()
                 self.report.probe_seconds += t1 - t0
                 t0 = t1
                 if acts:
                     table = tables[(name, from_fmt)]
-                    if len(acts) != len(planned):  # the probe refused some: their rows leave the table
+                    if len(acts) != len(planned):  # some not measurable yet: their rows leave the table
                         kept = {a.action_id for a in acts}
                         table = table[_upload([i for i, a in enumerate(planned) if a.action_id in kept], table.device)]
                     self._compress(fmt, from_fmt, acts, table)
@@ -312,15 +327,36 @@ class WorkerStore:
                 self.report.failed.extend(a.action_id for a in acts)
                 self.report.errors.append(f"{type(e).__name__}: {e}")
                 continue
-            stored = self.formats.stored(fmt)
-            for a in acts:
-                blocks = self.remap.setdefault(a.req_id, {})
-                old = blocks.get(a.index)
-                if old is not None and not from_fmt.is_hot:
-                    self.replaced.setdefault(a.req_id, {})[a.index] = (a.action_id, old)
-                blocks[a.index] = (stored, a.dst, a.slot)
             self.report.kernel_seconds += time.perf_counter() - t0
-            self.report.ok.extend(a.action_id for a in acts)
+            if pending is not None:
+                self.probing.append(pending)  # installed and reported with its verdict
+            else:
+                self._commit(fmt, from_fmt, acts)
+
+    def _commit(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
+        """Point the block map at the actions' written slots and report them written."""
+        stored = self.formats.stored(fmt)
+        for a in acts:
+            blocks = self.remap.setdefault(a.req_id, {})
+            old = blocks.get(a.index)
+            if old is not None and not from_fmt.is_hot:
+                self.replaced.setdefault(a.req_id, {})[a.index] = (a.action_id, old)
+            blocks[a.index] = (stored, a.dst, a.slot)
+        self.report.ok.extend(a.action_id for a in acts)
+
+    def settle_probes(self) -> None:
+        """Read the verdicts whose errors have arrived (`ProbeBatch.ready`: never waits): install
+        and report the accepted blocks, report the refused ones (their slots are abandoned; the
+        scheduler releases them). Called before a step's work and when its report is taken."""
+        waiting = []
+        for batch in self.probing:
+            if not batch.ready():
+                waiting.append(batch)
+                continue
+            out = batch.outcome()
+            record(self.report, batch.fmt, out)
+            self._commit(batch.fmt, batch.from_fmt, out.accepted)
+        self.probing = waiting
 
     def revoke(self, actions: list[CompressAction]) -> None:
         """Point the block map back where it was for actions that failed (or were refused by the
@@ -360,27 +396,16 @@ class WorkerStore:
         hit = self.remap.get(a.req_id, {}).get(a.index)
         return hit[0] if hit is not None else Format.parse(a.from_fmt)
 
-    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction],
-               table: torch.Tensor | None = None) -> list[CompressAction]:
-        """The compression-time probe (`worker_probe`): the actions within the error bound; the
-        refused ones and every measurement go into the report."""
+    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], table: torch.Tensor | None = None
+               ) -> tuple[list[CompressAction], ProbeBatch | None]:
+        """The compression-time probe (`worker/probe.py`): the actions to write now, and their
+        measurement when the probe runs (their verdict is read later, `settle_probes`); blocks
+        not measurable yet go into the report now."""
         if self.policy is None or not self.policy.probes.compression.enabled:
-            return acts
-        out = check_batch(self, fmt, from_fmt, acts, self.policy.probes.compression, table)
-        # The report counts blocks by action id, so that the ranks' counts merge into the engine's
-        # (`merge_reports`). Measured = accepted + refused, unless nothing was measured (no observed
-        # layer: all accepted); a verdict in the action's own format is a deferral, not a refusal
-        # (every milder format has a lower pack ratio than `fmt`).
-        refused = [aid for aid, verdict in out.rejected.items() if verdict != fmt.name]
-        measured = [a.action_id for a in out.accepted] + refused if out.measured else []
-        if (len(measured), len(refused)) != (out.measured, out.refused):
-            raise RuntimeError(f"proxima: the probe counted {out.measured} measured / {out.refused} refused blocks, "
-                               f"its verdicts {len(measured)} / {len(refused)}")
-        self.report.rejected.update(out.rejected)
-        self.report.probe_errors.extend(out.errors)
-        self.report.probe_measured_ids.extend(measured)
-        self.report.probe_refused_ids.extend(refused)
-        return out.accepted
+            return acts, None
+        now, batch = measure_batch(self, fmt, from_fmt, acts, self.policy.probes.compression, table)
+        record(self.report, fmt, now)
+        return (batch.acts if batch is not None else now.accepted), batch
 
     def _step_tables(self, groups: dict[tuple[str, Format], list[CompressAction]]
                      ) -> dict[tuple[str, Format], torch.Tensor]:
@@ -448,7 +473,7 @@ class WorkerStore:
             if counts is not None:
                 imp = torch.ones(counts.shape, device=k.device)
             else:  # the same per-token importance in every layer
-                imp = self.importance_of(acts, b, k.shape[2]).to(k.device).repeat(k.shape[0] // len(acts), 1, 1)
+                imp = _upload(self.importance_of(acts, b, k.shape[2]), k.device).repeat(k.shape[0] // len(acts), 1, 1)
         # Only centroids stand for several tokens (sparse rows are one token each): said here, so
         # compress_blocks need not read the counts back to find out (a sync on a GPU).
         merged = src_l.reduction == "cluster"
@@ -496,6 +521,7 @@ class WorkerStore:
         return next(iter(self.kv_caches.values())).device if self.kv_caches else None
 
     def take_report(self) -> ProximaReport | None:
+        self.settle_probes()  # the step's verdicts, if their errors arrived during the forward
         rep, self.report = self.report, ProximaReport()
         rep.timings = self.times.take()
         return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings or rep.drift
@@ -571,12 +597,3 @@ class WorkerStore:
         fmt = self.layer_format(layer, fmt)
         idx = (dst * fmt.pack_ratio + slot).to(self.kv_caches[layer].device)
         return self._decompress_rows((self.stack.index[layer],), fmt, idx)
-
-
-def _upload(rows: list[list[int]] | list[int], device: torch.device) -> torch.Tensor:
-    """A host-built index table on `device`: one pinned, non-blocking copy on a GPU (the only host
-    to device transfer a step's compression makes; the stream orders it before its readers)."""
-    host = torch.tensor(rows, dtype=torch.long)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)

@@ -21,6 +21,7 @@ from proxima.integration.vllm.attention import triton as cb
 from proxima.integration.vllm.connector import ProximaConnector
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
 from proxima.integration.vllm.worker.store import WorkerStore
+from tests.integration.vllm.attention.test_cuda_backend import parent_kernel_stub  # noqa: F401 (a fixture)
 from tests.integration.vllm.engine_helpers import compression_probe_off
 
 NB, H, HQ, B, D = 40, 2, 4, 16, 32
@@ -112,7 +113,14 @@ def _pools(connector: ProximaConnector, store: WorkerStore) -> torch.Tensor:
     return pool_descriptors(pools, B, DEV)
 
 
-def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector) -> None:
+@pytest.mark.parametrize(("splits", "tiles"), [(1, None), (1, 1), (2, 1), (3, 1), (2, 2), (1, 2)])
+def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector, splits: int,
+                                                             tiles: int | None) -> None:
+    """Whatever the split of the context over programs (3 over rows of 1-4 blocks: uneven runs,
+    and splits with no block at all) and the tile (1 block: rows a and c read their last page as a
+    tile of its own after their compressed blocks; 2 and the default 4: tiles mixing formats and
+    pages, block by block, and all-pages tiles, partial ones in rows b and d), the merged result
+    and the per-block mass are the same."""
     store, kv, meta = _world(worker_connector)
     t = worker_connector.block_table
     assert t is not None and len(t.formats) == 5  # int8, int4, fp8, int2, cluster(2)+int4
@@ -121,7 +129,8 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     ent = torch.empty(len(REQUESTS), 5, HQ, device=DEV)
     lse = torch.empty(len(REQUESTS), HQ, device=DEV)
     mixed_decode(q, out, kv, meta["block_table"], meta["seq_lens"], meta["query_start_loc"], meta["slot_mapping"],
-                 t.owner, t.entries, _pools(worker_connector, store), sm_scale=D**-0.5, entry_lse=ent, lse=lse)
+                 t.owner, t.entries, _pools(worker_connector, store), sm_scale=D**-0.5, entry_lse=ent, lse=lse,
+                 splits=splits, tile_blocks=tiles)
     mass = block_mass(ent, lse)
     for r, rid in enumerate(REQUESTS):
         want, want_mass = _reference(store, kv, q[r], rid)
@@ -328,6 +337,29 @@ def test_the_observed_layer_on_the_one_pass_path_still_reports_importance(
         assert float((out[r].float() - want).norm() / want.norm()) < 1e-2, rid
 
 
+
+@pytest.mark.usefixtures("parent_kernel_stub")
+def test_an_observed_layer_the_one_pass_kernel_cannot_read_is_observed_on_the_host(
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The builder marks the device importance as observed this step; when the observed layer then
+    takes the split path (here: soft-capping, which the one-pass kernel refuses), the mark is taken
+    back, so the connector reports the host's observation instead of reading a device average that
+    nothing updated."""
+    from tests.integration.vllm.attention.test_cuda_backend import _builder
+
+    _, kv, meta = _world(worker_connector)
+    impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl
+    monkeypatch.setattr(impl, "logits_soft_cap", 30.0)
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16()
+    m = _builder().build(0, _common(meta))
+    assert m.px_table is not None and m.px_table.observed is not None
+    with pytest.raises(NotImplementedError, match="soft-capping"):  # compressed rows, refused by the split path
+        impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, m, torch.empty_like(q))
+    assert m.px_table.observed is None
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and set(rep.importance) == set(REQUESTS)  # type: ignore[attr-defined]
+
 COMPILE = """
 import sys
 import triton
@@ -335,28 +367,35 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from proxima.compression import mixed_decode as md
 
-fn = md._mixed_decode_kernel
+observe, partial = sys.argv[1] == "1", sys.argv[2] == "1"
 ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_ptr": "*i32",
         "qsl_ptr": "*i32", "slot_ptr": "*i64", "owner_ptr": "*i32", "ent_ptr": "*i32", "desc_ptr": "*i64",
-        "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale_log2": "fp32"}
-consts = {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": sys.argv[1] == "1", "DOT": True,
-          "DOT_16BIT": True}
-names = list(fn.arg_names)
-sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-print(".entry _mixed_decode_kernel" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+        "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32",
+        "sm_scale_log2": "fp32"}
+kernels = [(md._mixed_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": observe,
+                                      "DOT": True, "DOT_16BIT": True, "PARTIAL": partial,
+                                      "TILE_BLOCKS": 4})]
+if partial:
+    kernels.append((md._combine_splits_kernel, {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "SPLITS_PAD": 16,
+                                                "OBSERVE": observe}))
+for fn, consts in kernels:
+    names = list(fn.arg_names)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    print(f".entry {fn.__name__}" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
 """
 
 
-@pytest.mark.parametrize("observe", [False, True])
-def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool) -> None:
+@pytest.mark.parametrize(("observe", "partial"), [(False, False), (True, False), (True, True)])
+def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool, partial: bool) -> None:
     """The interpreter runs Python, so it accepts what the compiler refuses (e.g. a runtime `if`
-    whose branches leave one name with two types). Compile the kernel for sm_90 to PTX, in a
-    process without TRITON_INTERPRET (this one's decorators built interpreter wrappers)."""
+    whose branches leave one name with two types). Compile the kernels (with a split context:
+    also the merge) for sm_90 to PTX, in a process without TRITON_INTERPRET (this one's
+    decorators built interpreter wrappers)."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE, "1" if observe else "0"], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip().endswith("True"), res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-c", COMPILE, str(int(observe)), str(int(partial))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.split() == ["True"] * (1 + partial), res.stderr[-2000:]

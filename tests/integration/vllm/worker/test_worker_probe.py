@@ -109,7 +109,9 @@ def test_probe_refuses_a_format_over_its_bound_and_names_the_milder_one() -> Non
     # r: int2 over the bound, int8 within; new: not measurable yet, so not written (planned again).
     assert rep.rejected == {0: "int8", 2: "int8"} and rep.ok == [1] and not rep.failed
     assert "r" not in st.remap and "s" in st.remap and "new" not in st.remap
-    assert all(torch.equal(before[k][10], caches[k][10]) for k in caches)  # the refused block wrote nothing
+    # The refused block was written (its errors are read after the step's work, `ProbeBatch`)
+    # but never installed: attention reads its source, which the scheduler keeps.
+    assert all(torch.equal(before[k][1], caches[k][1]) for k in caches) and not st.probing
     assert rep.probe_measured == 2 and rep.probe_refused == 1 and rep.probe_seconds > 0
     errs = dict(rep.probe_errors)
     bound = st.policy.probes.compression  # type: ignore[union-attr]
@@ -143,3 +145,21 @@ def test_recent_queries_keep_the_newest_window() -> None:
     assert got is not None and torch.equal(got, torch.cat([a[1:], a[:2] + 1000])[-4:])
     st.apply(ProximaPlan(dropped=["r"]))
     assert st.recent_queries.get("r") is None
+
+
+def test_a_measured_block_is_installed_only_when_its_verdict_is_read() -> None:
+    """No read back in the step: the probe's errors are read when the step's report is taken (or
+    at the next step); until then the block map keeps the source, which attention reads."""
+    st, _ = _store(_policy())
+    _queries(st, "s")
+    st.apply(ProximaPlan(actions=[CompressAction(1, "s", 0, src=2, dst=11, slot=0, fmt="int8")]))
+    assert "s" not in st.remap and len(st.probing) == 1
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [1] and st.remap["s"][0][1:] == (11, 0) and not st.probing
+    # A request dropped before its verdict is read: neither installed nor reported.
+    _queries(st, "t")
+    st.apply(ProximaPlan(actions=[CompressAction(2, "t", 0, src=3, dst=12, slot=0, fmt="int8")]))
+    st.apply(ProximaPlan(dropped=["t"]))
+    rep = st.take_report()
+    assert "t" not in st.remap and not st.probing
+    assert rep is None or (2 not in rep.ok and 2 not in rep.rejected and not rep.probe_measured_ids)

@@ -176,6 +176,8 @@ def compress_blocks(
     source_tokens: int | None = None,
     check_values: bool = True,
     rows_merged: bool | None = None,
+    pinned_tokens: int = 0,
+    pin_by: str = "mixed",
 ) -> CompressedBlocks:
     """Compress N blocks of one format.
 
@@ -194,9 +196,20 @@ def compress_blocks(
     `check_values` (NaN in `token_importance` / `log_count` raises); `rows_merged` None finds out
     from `log_count` whether its rows stand for several tokens (True: they do, a cluster source;
     False: each is one token, the count is ignored).
+
+    `pinned_tokens` P (cluster formats; a policy's `protect.merged_tokens`): a merge keeps the P
+    rows `reference.pinned_rows` picks by `pin_by` as they are, each its own centroid, and merges
+    the rest into the other C - P rows: a merged block is "P exact tokens plus C - P centroids"
+    in the same bytes. A recompression picks again among its rows (a pinned row still picked
+    stays a singleton; a merged row picked keeps its count). Capped at C - 1 (one centroid is
+    left for the rest); 0 merges every row, as before.
     """
     fmt = _as_format(fmt)
     _check_inputs(fmt, k, v, token_importance, protected, group_size, check_values)
+    if pinned_tokens < 0:
+        raise ValueError(f"pinned_tokens must be >= 0, got {pinned_tokens}")
+    if pin_by not in ref.PIN_BY:
+        raise ValueError(f"pin_by must be one of {ref.PIN_BY}, got {pin_by!r}")
     if cluster_iters < 1:
         raise ValueError(f"cluster_iters must be >= 1, got {cluster_iters}")
     tri = use_triton(backend, k)
@@ -207,6 +220,7 @@ def compress_blocks(
     keep = kept_count(fmt, src_t)
     if src_t < t or keep > t:
         raise ValueError(f"{fmt}: keeps {keep} of source_tokens={src_t}, but {t} rows were given")
+    pins = min(pinned_tokens, keep - 1) if fmt.reduction == "cluster" else 0
     counts = _row_counts(fmt, log_count if rows_merged is not False else None, (n, t, h), check_values, rows_merged)
     imp = token_importance
     if imp is None:
@@ -226,11 +240,14 @@ def compress_blocks(
         rank_imp = torch.where(counts > 0, imp.float(), torch.full_like(w, -1.0))
         if tri:
             kr, vr, out.log_count = ops.cluster(
-                k, v, w, protected, keep, cluster_iters, importance=rank_imp, out_dtype=k.dtype, counts=counts
+                k, v, w, protected, keep, cluster_iters, importance=rank_imp, out_dtype=k.dtype, counts=counts,
+                n_pinned=pins, pin_by=pin_by,
             )
         else:
             ranks = ref.token_ranks(rank_imp, protected)
-            kc, vc, out.log_count, _ = ref.cluster(k, v, w, ranks, keep, cluster_iters, counts=counts)
+            kc, vc, out.log_count, _ = ref.cluster(
+                k, v, w, ranks, keep, cluster_iters, counts=counts, n_pinned=pins, pin_by=pin_by, importance=rank_imp
+            )
             kr, vr = kc.to(k.dtype), vc.to(k.dtype)
     elif fmt.reduction == "sparse":
         if tri:
@@ -244,11 +261,14 @@ def compress_blocks(
         if tri:
             # the kernel writes the source dtype itself (a pass over the centroids fewer)
             kr, vr, out.log_count = ops.cluster(
-                k, v, w, protected, keep, cluster_iters, importance=imp, out_dtype=k.dtype
+                k, v, w, protected, keep, cluster_iters, importance=imp, out_dtype=k.dtype,
+                n_pinned=pins, pin_by=pin_by,
             )
         else:
             ranks = ref.token_ranks(imp, protected)
-            kc, vc, out.log_count, _ = ref.cluster(k, v, w, ranks, keep, cluster_iters)
+            kc, vc, out.log_count, _ = ref.cluster(
+                k, v, w, ranks, keep, cluster_iters, n_pinned=pins, pin_by=pin_by, importance=imp
+            )
             kr, vr = kc.to(k.dtype), vc.to(k.dtype)
 
     q = fmt.quant

@@ -298,6 +298,9 @@ def cluster(
     n_centroids: int,
     iters: int,
     counts: torch.Tensor | None = None,
+    n_pinned: int = 0,
+    pin_by: str = "mixed",
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """STAR-KV: importance-weighted k-means of each (block, head)'s keys.
 
@@ -308,27 +311,51 @@ def cluster(
     counts: [N, T, H] tokens each input row stands for (None: one each). Re-merging centroids
     passes their counts, so a centroid's count is the number of *original* tokens it holds (the
     caller folds counts into `weights` too).
+    n_pinned: P rows per (block, head) stay as they are, each a centroid of its own (the first
+    P outputs, its key and value bit-exact, its count its own: 1 for a token): the protected
+    tokens of a merged block (`pinned_rows` picks them by `pin_by` from `importance`, the values
+    `ranks` were made from, and the keys). The other T - P rows are merged into C - P centroids,
+    seeded and moved as above but never joined to a pinned centroid. 0 <= P < C.
     Returns (k_c [N, C, H, D] f32, v_c [N, C, H, D] f32, log_count [N, C, H] f32 (-inf when
     empty), assign [N, T, H] int64).
     """
     kf, vf, w = k.float().transpose(1, 2), v.float().transpose(1, 2), weights.float().transpose(1, 2)
-    c = n_centroids
-    seed_tok = seed_tokens(k, weights, ranks, c).transpose(1, 2)  # [N, H, C]
+    c, p = n_centroids, n_pinned
+    if not 0 <= p < c:
+        raise ValueError(f"n_pinned must be in [0, {c}) for {c} centroids, got {p}")
+    cols = torch.arange(c, device=k.device)
+    pins = torch.zeros(k.shape[0], 0, k.shape[2], dtype=torch.int64, device=k.device)
+    if p:
+        imp = importance if importance is not None else weights
+        pins = pinned_rows(k, imp, ranks, counts, p, pin_by)  # [N, P, H]
+    pinned = torch.zeros(ranks.shape, dtype=torch.bool, device=k.device).scatter_(1, pins, True)
+    rest = seed_tokens(k, weights, ranks, c - p, exclude=pinned)
+    seed_tok = torch.cat([pins, rest], 1).transpose(1, 2)  # [N, H, C]
     cent = kf.gather(2, seed_tok.unsqueeze(-1).expand(-1, -1, -1, kf.shape[-1]))  # [N, H, C, D]
     knorm = (kf * kf).sum(-1, keepdim=True)  # [N, H, T, 1]
+    # A pinned row belongs to its own centroid (distance -inf), and no other row may join it (inf).
+    pin_col = torch.full(ranks.shape, -1, dtype=torch.int64, device=k.device)
+    pin_col.scatter_(1, pins, cols[:p].view(1, p, 1).expand_as(pins))
+    own = pin_col.transpose(1, 2).unsqueeze(-1) == cols  # [N, H, T, C]
+    pin_dist = torch.where(own, float("-inf"), float("inf"))
     assign = torch.zeros(kf.shape[:3], dtype=torch.int64, device=k.device)
     for _ in range(iters):
         dist = knorm - 2 * (kf @ cent.transpose(-1, -2)) + (cent * cent).sum(-1).unsqueeze(-2)
+        dist = torch.where(cols < p, pin_dist, dist)
         assign = dist.argmin(-1)  # torch returns the first minimum
-        onehot = (assign.unsqueeze(-1) == torch.arange(c, device=k.device)).float()  # [N,H,T,C]
+        onehot = (assign.unsqueeze(-1) == cols).float()  # [N,H,T,C]
         aw = onehot * w.unsqueeze(-1)
         sw = aw.sum(2)  # [N, H, C]
         new = (aw.transpose(-1, -2) @ kf) / sw.clamp_min(1e-30).unsqueeze(-1)
-        cent = torch.where((sw > 0).unsqueeze(-1), new, cent)
-    onehot = (assign.unsqueeze(-1) == torch.arange(c, device=k.device)).float()
+        # a pinned centroid is its row's key as read: w k / w would round it
+        cent = torch.where(((sw > 0) & (cols >= p)).unsqueeze(-1), new, cent)
+    onehot = (assign.unsqueeze(-1) == cols).float()
     aw = onehot * w.unsqueeze(-1)
     sw = aw.sum(2)
     vc = (aw.transpose(-1, -2) @ vf) / sw.clamp_min(1e-30).unsqueeze(-1)
+    if p:
+        vpin = vf.gather(2, pins.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, vf.shape[-1]))
+        vc = torch.cat([vpin, vc[:, :, p:]], 2)
     count = onehot.sum(2) if counts is None else (onehot * counts.float().transpose(1, 2).unsqueeze(-1)).sum(2)
     log_count = torch.where(count > 0, count.log(), torch.full_like(count, float("-inf")))
     return (
@@ -339,13 +366,17 @@ def cluster(
     )
 
 
-def seed_tokens(k: torch.Tensor, weights: torch.Tensor, ranks: torch.Tensor, c: int) -> torch.Tensor:
+def seed_tokens(
+    k: torch.Tensor, weights: torch.Tensor, ranks: torch.Tensor, c: int, exclude: torch.Tensor | None = None
+) -> torch.Tensor:
     """Deterministic k-means seeds: the most important token first, then each next seed is the
     token maximising weight * (squared distance to the nearest seed so far), first index on
     ties (a weighted farthest-point start). Duplicated keys have distance 0 and are never
     picked while a distinct key is left; if none is left, the best-ranked unchosen token is.
     Plain top-c-by-importance seeds were tried first and left whole mixture components without
     a centroid (objective 4.7x scikit-learn's best k-means++ on a Gaussian mixture; this: 1.0x).
+    `exclude` [N, T, H] bool: rows that are never seeds (pinned rows: they take no part in the
+    merge, so the farthest-point distances do not count them either).
     k [N, T, H, D], weights [N, T, H] > 0, ranks [N, T, H] -> [N, C, H] int64.
     """
     kf = k.float().transpose(1, 2)  # [N, H, T, D]
@@ -353,6 +384,8 @@ def seed_tokens(k: torch.Tensor, weights: torch.Tensor, ranks: torch.Tensor, c: 
     w = weights.float().transpose(1, 2)
     n, h, t, _ = kf.shape
     chosen = torch.zeros(n, h, t, dtype=torch.bool, device=k.device)
+    if exclude is not None:
+        chosen = exclude.transpose(1, 2).clone()
     mind = torch.full((n, h, t), float("inf"), device=k.device)
     out = torch.zeros(n, h, c, dtype=torch.int64, device=k.device)
     for j in range(c):
@@ -367,6 +400,63 @@ def seed_tokens(k: torch.Tensor, weights: torch.Tensor, ranks: torch.Tensor, c: 
         chosen.scatter_(2, pick.unsqueeze(-1), True)
         seed = kf.gather(2, pick.view(n, h, 1, 1).expand(-1, -1, 1, kf.shape[-1]))
         mind = torch.minimum(mind, ((kf - seed) ** 2).sum(-1))
+    return out.transpose(1, 2)
+
+
+PIN_BY = ("mixed", "outlier", "importance")
+"""How a merged block's protected tokens are picked (`pinned_rows`)."""
+
+
+def outlier_scores(k: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    """Squared distance of each row's key from the block's mean key (per head, rows weighted by
+    their counts), -1 for an empty row: the tokens no mean stands for. k [N, T, H, D] -> [N, T, H].
+
+    Why: a block compressed before its question (the `after` setting) holds tokens no observed
+    query has looked at, so importance cannot mark them; a token unlike the rest of its block is
+    what a merge would blur most."""
+    kf = k.float()
+    c = torch.ones(k.shape[:3], device=k.device) if counts is None else counts.float()
+    mean = (kf * c.unsqueeze(-1)).sum(1, keepdim=True) / c.sum(1).clamp_min(1e-30).unsqueeze(1).unsqueeze(-1)
+    s = ((kf - mean) ** 2).sum(-1)
+    return torch.where(c > 0, s, torch.full_like(s, -1.0))
+
+
+def pinned_rows(
+    k: torch.Tensor,
+    importance: torch.Tensor,
+    ranks: torch.Tensor,
+    counts: torch.Tensor | None,
+    p: int,
+    by: str = "mixed",
+) -> torch.Tensor:
+    """The P rows of each (block, head) a merge keeps as they are, in pick order: [N, P, H] int64.
+
+    `by`: "importance" takes the best `ranks` (protected tokens first, then importance; lowest
+    index on ties), "outlier" the highest `outlier_scores`, "mixed" alternates, an outlier first,
+    so that a block compressed before its question keeps what no query marked. Where importance
+    says nothing (every non-empty row's `importance` equal: a block never observed, or the
+    merged rows the vLLM worker ranks uniformly) every pick of "mixed" is an outlier.
+    Lowest index on ties throughout; empty rows (count 0) come last by either score."""
+    if by not in PIN_BY:
+        raise ValueError(f"pin_by must be one of {PIN_BY}, got {by!r}")
+    n, t, h = ranks.shape
+    score = outlier_scores(k, counts).transpose(1, 2)  # [N, H, T]
+    r = ranks.transpose(1, 2)
+    live = torch.ones(n, h, t, dtype=torch.bool, device=k.device) if counts is None else counts.transpose(1, 2) > 0
+    imp = importance.float().transpose(1, 2)
+    hi = torch.where(live, imp, float("-inf")).amax(-1)
+    lo = torch.where(live, imp, float("inf")).amin(-1)
+    flat = hi == lo  # [N, H]: importance ranks nothing here
+    chosen = torch.zeros(n, h, t, dtype=torch.bool, device=k.device)
+    out = torch.zeros(n, h, p, dtype=torch.int64, device=k.device)
+    for j in range(p):
+        by_out = torch.where(chosen, float("-inf"), score).argmax(-1)  # first maximum
+        by_rank = torch.where(chosen, r + t + 1, r).argmin(-1)
+        turn = by == "outlier" or (by == "mixed" and j % 2 == 0)
+        use_out = torch.full_like(flat, turn) | (flat & (by != "importance"))
+        pick = torch.where(use_out, by_out, by_rank)
+        out[:, :, j] = pick
+        chosen.scatter_(2, pick.unsqueeze(-1), True)
     return out.transpose(1, 2)
 
 

@@ -162,6 +162,16 @@ def eligible_mask(snap: Snapshot, policy: Policy) -> np.ndarray:
     )
 
 
+def mild_mask(snap: Snapshot, policy: Policy) -> np.ndarray:
+    """Blocks in a request's `protect.recent_mild_tokens` window (any of their tokens among the
+    request's last N): they may take only the ladder's mildest rung. One bool per block."""
+    n = policy.protect.recent_mild_tokens
+    if n == 0:
+        return np.zeros(len(snap.block_index), dtype=bool)
+    end = (snap.block_index.astype(np.int64) + 1) * snap.block_size
+    return end > (snap.request_tokens - n)[snap.block_request]
+
+
 def decide(snap: Snapshot, policy: Policy, state: EngineState) -> Decision:
     """Choose this step's compression actions. Pure and deterministic."""
     pressure = snap.pressure
@@ -220,14 +230,22 @@ def _choose(
     with np.errstate(divide="ignore", invalid="ignore"):
         eff_tab = np.where(valid, d_tab / np.where(valid, s_tab, 1.0), np.inf)
     # Among equally efficient options prefer the one that frees more (fewer actions for the need).
-    best_l = np.argmin(eff_tab - 1e-12 * np.where(valid, s_tab, 0.0), axis=1)  # [F]
-    best_eff_f = eff_tab[np.arange(len(inv_f)), best_l]  # [F]
-    shrinkable = valid.any(axis=1)  # [F]
+    # A block in the recent-mild window (`mild_mask`) is offered the mildest rung only: its
+    # options are a second copy of the tables, every other rung invalid, addressed as format
+    # F + its format, so every step below stays one gather per block.
+    valid_m = valid & (np.arange(len(ladder)) == 0)[None, :]
+    d_tab = np.vstack([d_tab, np.where(valid_m, d_tab, np.inf)])
+    eff_tab = np.vstack([eff_tab, np.where(valid_m, eff_tab, np.inf)])
+    s_tab, valid = np.vstack([s_tab, s_tab]), np.vstack([valid, valid_m])
+    best_l = np.argmin(eff_tab - 1e-12 * np.where(valid, s_tab, 0.0), axis=1)  # [2F]
+    best_eff_f = eff_tab[np.arange(len(eff_tab)), best_l]  # [2F]
+    shrinkable = np.asarray(valid.any(axis=1))  # [2F]
+    block_fid = snap.block_format + len(inv_f) * mild_mask(snap, policy)
 
-    rows = np.flatnonzero(eligible_mask(snap, policy) & shrinkable[snap.block_format])
+    rows = np.flatnonzero(eligible_mask(snap, policy) & shrinkable[block_fid])
     if len(rows) == 0:
         return Decision(state, pressure, band_name, need, reason="no eligible block")
-    fid = snap.block_format[rows]
+    fid = block_fid[rows]
     imp = snap.block_importance[rows]
     floor = _IMPORTANCE_FLOOR_FRACTION * float(imp.mean()) + _IMPORTANCE_FLOOR_ABS
     imp = imp + floor
@@ -294,6 +312,8 @@ def _upgrade(choice: np.ndarray, saving: np.ndarray, cost: np.ndarray, need: flo
         up = np.argmin(eff - 1e-12 * ds, axis=1)
         up_eff = eff[rows, up]
         cand = np.flatnonzero(np.isfinite(up_eff))
+        if len(cand) == 0:  # every harsher option is closed (unreachable, or a recent-mild block)
+            break
         cand = cand[np.lexsort((cand, up_eff[cand]))]
         gain = np.cumsum(ds[cand, up[cand]])
         if total + gain[-1] >= need - 1e-9:

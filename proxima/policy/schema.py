@@ -111,6 +111,22 @@ class Protect(_Model):
     with chunked prefill, the finished chunks of a long prompt are compressible while the rest
     is prefilled (admission then needs one chunk's blocks, not the whole prompt; the rest of the
     prompt attends to the compressed chunks, which costs some quality)."""
+    recent_mild_tokens: int = Field(default=0, ge=0, le=1 << 20)
+    """Blocks holding any of the last N tokens of a request (before `recent_tokens`' hot window)
+    take at most the active band's mildest permitted rung: quantized, never merged, while they are
+    recent. 0: off. For a request compressed before its question arrives, the newest context
+    (a passkey near the end) keeps its tokens; as the request grows, its blocks leave the window
+    and may be merged."""
+    merged_tokens: int = Field(default=0, ge=0, le=1024)
+    """When a block is merged (a cluster(R) rung, a first merge or the recompression of a merged
+    block), this many of its tokens per KV head stay exact, each a centroid of count 1 in the
+    block's own slot: "k exact tokens plus C - k centroids" in the same bytes (capped at C - 1
+    rows of a slot of C). 0: every row is a centroid. Which tokens: `merged_by`."""
+    merged_by: Literal["mixed", "outlier", "importance"] = "mixed"
+    """How `merged_tokens` are picked per (block, KV head): `importance` (observed attention),
+    `outlier` (the keys farthest from the block's mean key: what a block compressed before its
+    question holds that no query has marked) or `mixed` (alternately, an outlier first; all
+    outliers where the block's importance is uniform)."""
 
 
 class Budget(_Model):
@@ -416,6 +432,14 @@ class Policy(_Model):
             raise ValueError(f"band names must be unique, got {names}")
         if self.enabled and not self.bands:
             raise ValueError("an enabled policy needs at least one band (or set enabled: false)")
+        if self.protect.merged_tokens and self.enabled:
+            stored = {self.layer_format(f, li) for f in self.all_formats()
+                      for li in {0, *(i for ov in self.layer_overrides for i in ov.layers)}}
+            if not any(f.reduction == "cluster" for f in stored):
+                raise ValueError(
+                    f"protect.merged_tokens: {self.protect.merged_tokens} protects tokens inside merged blocks, "
+                    "but no band's ladder merges (a cluster(R) format); set it to 0 or add a cluster rung"
+                )
         return self
 
     @property

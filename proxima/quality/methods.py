@@ -103,9 +103,14 @@ def _policy(path: Path, ratio: float, calibrate: bool, cache: ProximaCache) -> N
     cache.apply_policy(target_ratio=ratio)
 
 
-def _format(fmt: str, cache: ProximaCache, group_size: int | None = None) -> None:
+def _format(
+    fmt: str, cache: ProximaCache, group_size: int | None = None, pinned: int = 0, pin_by: str = "mixed"
+) -> None:
     bs = cache.block_size
     cache.group_size = group_size
+    if pinned:
+        prot = cache.policy.protect.model_copy(update={"merged_tokens": pinned, "merged_by": pin_by})
+        cache.policy = cache.policy.model_copy(update={"protect": prot})
     cache.compress_all(fmt, protect_sinks=bs, protect_recent=bs)
 
 
@@ -196,11 +201,16 @@ reaches at 1k-2k tokens."""
 GROUP_VARIANTS = (64,)
 """Quantization groups the uniform int4 / int2 rows are also measured at (`<method>:g<G>`; the
 plain rows use the default, 32): bench/results/experiments/groups/."""
+PIN_VARIANTS = ((2, "mixed"), (4, "mixed"), (16, "mixed"), (4, "outlier"), (4, "importance"))
+"""Protected tokens per merged block and KV head (`protect.merged_tokens`, `merged_by`) the merging
+rows are also measured with (`<method>:p<k>` for `mixed`, `<method>:p<k>-<merged_by>` otherwise):
+bench/results/experiments/protected-tokens/."""
 POLICIES = ("conservative", "balanced", "aggressive")
 FORMATS_BY_RATIO: dict[int, tuple[str, ...]] = {
     2: ("int8",),
     4: ("int4", "int4h", "sparse(4)", "cluster(4)"),
     8: ("int2", "int2h", "cluster(2)+int4"),
+    16: ("cluster(4)+int4",),
 }
 
 
@@ -245,6 +255,12 @@ def all_methods(experiments: Path | None = None) -> list[Method]:
             if Format.parse(f).reduction is None and f in ("int4", "int2"):  # KIVI-grouped: a group to vary
                 out += [
                     Method(f"format:{f}:g{g}", "format", r, partial(_format, f, group_size=g)) for g in GROUP_VARIANTS
+                ]
+            if Format.parse(f).reduction == "cluster" and Format.parse(f).quant != "bf16":  # the merges policies ship
+                out += [
+                    Method(f"format:{f}:p{k}" + ("" if by == "mixed" else f"-{by}"), "format", r,
+                           partial(_format, f, pinned=k, pin_by=by))
+                    for k, by in PIN_VARIANTS
                 ]
     return out
 

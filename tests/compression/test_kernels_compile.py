@@ -1,5 +1,6 @@
 """The k-means kernel compiles for the H200 (sm_90 PTX) without a GPU, first merges and
-recompressions (COUNTS) alike, with the launch settings `compress_blocks` uses.
+recompressions (COUNTS) alike, with and without pinned rows (HAS_PIN, `protect.merged_tokens`),
+with the launch settings `compress_blocks` uses.
 
 The interpreter runs Python, so it accepts what the compiler refuses (a runtime `if` whose
 branches leave a name with two types, a mask of the wrong shape). The compile runs in a process
@@ -21,12 +22,13 @@ from proxima.compression import blocks
 from proxima.compression.kernels import cluster as kc
 
 counts = sys.argv[1] == "1"
+pin_by = int(sys.argv[2])  # -1: no pinned rows, else reference.PIN_BY's index
 fn = kc._cluster_kernel
 ptrs = {"k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "imp_ptr": "*fp32", "prot_ptr": "*fp32",
         "ko_ptr": "*bf16", "vo_ptr": "*bf16", "lc_ptr": "*fp32", "cnt_ptr": "*fp32"}
 consts = {"ITERS": blocks.DEFAULT_CLUSTER_ITERS, "HAS_PROT": False, "COUNTS": counts, "D": 128, "BLOCK_T": 32,
           "BLOCK_D": 128, "BLOCK_C": 16, "EXACT16": True, "BF16": kc.CLUSTER_BF16, "PRECISION": "tf32",
-          "HW_CVT": True}
+          "HW_CVT": True, "HAS_PIN": pin_by >= 0, "PIN_BY": max(pin_by, 0)}
 names = list(fn.arg_names)
 sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
 src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
@@ -36,9 +38,9 @@ print(".entry _cluster_kernel" in ptx)
 """
 
 
-@pytest.mark.parametrize("counts", [False, True])
-def test_the_cluster_kernel_compiles_for_the_h200_without_a_gpu(counts: bool) -> None:
+@pytest.mark.parametrize(("counts", "pin_by"), [(False, -1), (True, -1), (False, 0), (True, 0), (False, 2)])
+def test_the_cluster_kernel_compiles_for_the_h200_without_a_gpu(counts: bool, pin_by: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE, "1" if counts else "0"], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", COMPILE, "1" if counts else "0", str(pin_by)], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("True"), res.stderr[-2000:]

@@ -217,3 +217,37 @@ def test_snapshot_rejects_mismatched_columns() -> None:
         )
     with pytest.raises(ValueError, match="free_blocks"):
         Snapshot.build(total_blocks=4, free_blocks=5, block_size=B, requests=[])
+
+
+@settings(max_examples=100, deadline=None)
+@given(snap=snapshots(), band=st.sampled_from([None, 0, 1]), level=st.integers(0, 3), mild=st.integers(0, 6 * B))
+def test_recent_mild_window_takes_only_the_mildest_rung(snap: Snapshot, band: int | None, level: int,
+                                                        mild: int) -> None:
+    policy = _policy(**{"protect.recent_mild_tokens": mild, "budget.max_blocks_per_step": 10_000})
+    d = decide(snap, policy, EngineState(active_band=band, fallback_level=level))
+    if d.state.active_band is None:
+        return
+    lvl = policy.fallback.levels[level]
+    mildest = [f for f in policy.bands[d.state.active_band].ladder if lvl.permits(f)][:1]
+    for row, fmt in zip(d.rows, d.targets, strict=True):
+        r = int(snap.block_request[row])
+        if (int(snap.block_index[row]) + 1) * B > int(snap.request_tokens[r]) - mild:
+            assert [fmt] == mildest
+
+
+def test_recent_mild_window_keeps_the_newest_blocks_unmerged() -> None:
+    """Band high under heavy pressure: without the window the engine merges blocks near the end
+    too; with a 64-token window the blocks holding the last 64 tokens (before the hot recent 32)
+    are int4, and the need is met by merging older blocks harder."""
+    snap = _simple(40, [1.0 - i / 40 for i in range(40)], free=0, total=41)  # the newest matter least
+    policy = _policy(**{"budget.max_blocks_per_step": 24})  # 24 blocks must free 21: harsher than int4
+    plain = decide(snap, policy, EngineState())
+    assert plain.band == "high"
+    newest = {a.block_index: a.to_format.name for a in plain.actions if a.block_index >= 34}
+    assert set(newest.values()) - {"int4"}  # something near the end is merged or int2 without the window
+    d = decide(snap, policy.model_copy(update={"protect": policy.protect.model_copy(
+        update={"recent_mild_tokens": 64})}), EngineState())
+    fmts = {a.block_index: a.to_format.name for a in d.actions}
+    assert all(fmts[i] == "int4" for i in fmts if (i + 1) * B > 40 * B - 64)
+    assert any(fmts[i] == "int4" for i in fmts if (i + 1) * B > 40 * B - 64)
+    assert any(f != "int4" for i, f in fmts.items() if (i + 1) * B <= 40 * B - 64)  # older ones merge

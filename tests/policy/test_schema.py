@@ -140,3 +140,32 @@ def test_storage_group_sizes_are_powers_of_two_of_known_quantizations() -> None:
 def test_storage_group_size_must_be_a_power_of_two(bad: str) -> None:
     [p] = _problem(GOOD + f"storage:\n  group_size: {bad}\n")
     assert p.field == "storage.group_size" and p.source == "p.yaml" and p.line == 10
+
+
+MERGING = GOOD.replace("[int8, int4]", '[int4, "cluster(2)+int4"]')
+
+
+def test_merged_tokens_parse_and_default_to_todays_merge() -> None:
+    assert parse_policy(MERGING).protect.merged_tokens == 0
+    p = parse_policy(MERGING + "protect:\n  merged_tokens: 2\n  merged_by: outlier\n")
+    assert (p.protect.merged_tokens, p.protect.merged_by) == (2, "outlier")
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ("merged_tokens: -1", "protect.merged_tokens"),
+    ("merged_tokens: two", "protect.merged_tokens"),
+    ("merged_tokens: true", "protect.merged_tokens"),
+    ("merged_by: norm", "protect.merged_by"),
+])
+def test_bad_merged_tokens_name_their_field(value: str, field: str) -> None:
+    [p] = _problem(MERGING + f"protect:\n  {value}\n")
+    assert p.field == field and p.line == 10  # the line of the value (protect: is line 9)
+
+
+def test_merged_tokens_without_a_merging_rung_is_an_error_naming_the_field() -> None:
+    [p] = _problem(GOOD + "protect:\n  merged_tokens: 2\n")
+    assert "protect.merged_tokens: 2" in p.message and "cluster" in p.message
+    # a layer override that stores a merge in some layers is enough
+    text = GOOD.replace("[int8, int4]", "[int8, sparse(4)]") + (
+        "protect:\n  merged_tokens: 2\nlayer_overrides:\n  - layers: [0]\n    substitute: {sparse(4): cluster(4)}\n")
+    assert parse_policy(text).protect.merged_tokens == 2

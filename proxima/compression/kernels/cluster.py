@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from proxima.compression.kernels.common import INTERPRET, _p2, _ranks, _to_out
+from proxima.compression.reference import PIN_BY
 
 
 @triton.jit
@@ -87,8 +88,11 @@ def _cluster_kernel(
     T,
     H,
     C,
+    P,  # pinned rows (protected tokens kept as they are), 0 <= P < C
     ITERS: tl.constexpr,
     HAS_PROT: tl.constexpr,
+    HAS_PIN: tl.constexpr,  # P > 0
+    PIN_BY: tl.constexpr,  # 0 mixed, 1 outlier, 2 importance (reference.PIN_BY's order)
     COUNTS: tl.constexpr,  # rows are centroids being merged again: a centroid's count sums theirs
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -106,7 +110,11 @@ def _cluster_kernel(
     Merging centroids again (COUNTS) is the same program: the caller folds the counts into the
     weights (an empty centroid, count 0, weighs 0 and so never moves a mean nor is picked as a
     seed while a weighted row is left) and ranks empty rows last through `imp_ptr`, as
-    `compress_blocks` does for the reference; only the new counts differ, summed from the rows'."""
+    `compress_blocks` does for the reference; only the new counts differ, summed from the rows'.
+
+    Pinned rows (HAS_PIN, `reference.pinned_rows`): P rows picked first are the first P
+    centroids, never moved and joined by no other row; their keys and values are copied, so a
+    protected token comes out bit-exact with its own count."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     ot = tl.arange(0, BLOCK_T)
@@ -122,16 +130,43 @@ def _cluster_kernel(
     w = tl.load(w_ptr + row, mask=mt, other=0.0)
     rank = _ranks(imp_ptr, prot_ptr, n, h, T, H, HAS_PROT, BLOCK_T, False)  # [BLOCK_T] as columns
     BIG = BLOCK_T + 1
-    # Seeds as reference.seed_tokens: the best rank first, then weighted farthest point (first
-    # index on ties), the best-ranked unchosen token once every unchosen one is a duplicate.
-    # Squared distances to a seed are from differences, as in the reference, so a duplicate's is
-    # exactly 0 (a |k|^2 - 2 k.s + |s|^2 form would leave it a rounding error above 0).
-    pick = tl.argmin(tl.where(mt, rank, BIG), axis=0)
     chosen = ot < 0
-    mind = tl.full((BLOCK_T,), float("inf"), tl.float32)
     seeds = tl.zeros((BLOCK_C,), tl.int64)
-    for j in range(C):
-        if j > 0:
+    pin_of = tl.full((BLOCK_T,), -1, tl.int32)  # the pinned centroid of each row, -1: none
+    if HAS_PIN:
+        # reference.pinned_rows: outlier = squared distance from the count-weighted mean key
+        if COUNTS:  # noqa: SIM108 (a Triton branch on a constexpr)
+            rc0 = tl.load(cnt_ptr + row, mask=mt, other=0.0)
+        else:
+            rc0 = tl.where(mt, 1.0, 0.0)
+        live = (rc0 > 0) & mt
+        mean = tl.sum(K * rc0[:, None], axis=0) / tl.maximum(tl.sum(rc0, axis=0), 1e-30)
+        dev = K - mean[None, :]
+        score = tl.where(live, tl.sum(dev * dev, axis=1), -1.0)
+        score = tl.where(mt, score, float("-inf"))
+        impv = tl.load(imp_ptr + row, mask=mt, other=0.0).to(tl.float32)
+        flat = tl.max(tl.where(live, impv, float("-inf")), axis=0) == tl.min(tl.where(live, impv, float("inf")), axis=0)
+        for j in range(P):
+            p_out = tl.argmax(tl.where(chosen, float("-inf"), score), axis=0, tie_break_left=True)
+            p_rank = tl.argmin(tl.where((~chosen) & mt, rank, BIG), axis=0)
+            if PIN_BY == 1:
+                pick = p_out
+            elif PIN_BY == 2:
+                pick = p_rank
+            else:
+                pick = tl.where((j % 2 == 0) | flat, p_out, p_rank)
+            chosen = chosen | (ot == pick)
+            pin_of = tl.where(ot == pick, j, pin_of)
+            seeds = tl.where(oc == j, (n * T + pick) * H + h, seeds)
+    # Seeds of the other centroids as reference.seed_tokens: the best-ranked unpinned row first,
+    # then weighted farthest point (first index on ties), the best-ranked unchosen token once
+    # every unchosen one is a duplicate. Squared distances to a seed are from differences, as in
+    # the reference, so a duplicate's is exactly 0 (a |k|^2 - 2 k.s + |s|^2 form would leave it
+    # a rounding error above 0).
+    pick = tl.argmin(tl.where((~chosen) & mt, rank, BIG), axis=0)
+    mind = tl.full((BLOCK_T,), float("inf"), tl.float32)
+    for j in range(P, C):
+        if j > P:
             sc = tl.where((~chosen) & mt, w * mind, -1.0)
             best, far = tl.max(sc, axis=0, return_indices=True, return_indices_tie_break_left=True)
             if best > 0:  # noqa: SIM108 (a Triton branch: the argmin runs only when needed)
@@ -161,6 +196,9 @@ def _cluster_kernel(
             kc = _dot_f32(K, tl.trans(cent), EXACT_A=EXACT16, EXACT_B=False, PRECISION=PRECISION)
         dist = knorm[:, None] - 2.0 * kc + cn[None, :]
         dist = tl.where(mc[None, :], dist, float("inf"))
+        if HAS_PIN:  # a pinned row keeps its own centroid, which no other row joins
+            pin_d = tl.where(pin_of[:, None] == oc[None, :], float("-inf"), float("inf"))
+            dist = tl.where((oc < P)[None, :], pin_d, dist)
         assign = tl.argmin(dist, axis=1, tie_break_left=True)
         onehot = (assign[:, None] == oc[None, :]) & mt[:, None]
         aw = tl.where(onehot, w[:, None], 0.0)
@@ -169,13 +207,16 @@ def _cluster_kernel(
             new = _dot_bf16x3(tl.trans(aw), K16, False, PRECISION == "ieee")
         else:
             new = _dot_f32(tl.trans(aw), K, EXACT_A=False, EXACT_B=EXACT16, PRECISION=PRECISION)
-        cent = tl.where((sw > 0)[:, None], new / tl.maximum(sw, 1e-30)[:, None], cent)
+        cent = tl.where(((sw > 0) & (oc >= P))[:, None], new / tl.maximum(sw, 1e-30)[:, None], cent)
     V16 = tl.load(v_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0)
     if BF16:
         vc = _dot_bf16x3(tl.trans(aw), V16, False, PRECISION == "ieee")
     else:
         vc = _dot_f32(tl.trans(aw), V16.to(tl.float32), EXACT_A=False, EXACT_B=EXACT16, PRECISION=PRECISION)
     vc = vc / tl.maximum(sw, 1e-30)[:, None]
+    if HAS_PIN:  # copied, not w v / w
+        mp = (oc < P)[:, None] & md[None, :]
+        vc = tl.where(mp, tl.load(v_ptr + seeds[:, None] * D + od[None, :], mask=mp, other=0.0).to(tl.float32), vc)
     if COUNTS:
         rc = tl.load(cnt_ptr + row, mask=mt, other=0.0)
         count = tl.sum(tl.where(onehot, rc[:, None], 0.0), axis=0)
@@ -206,6 +247,8 @@ def cluster(
     importance: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     counts: torch.Tensor | None = None,
+    n_pinned: int = 0,
+    pin_by: str = "mixed",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (k_c [N, C, H, D] out_dtype, v_c, log_count [N, C, H] f32); see reference.cluster.
 
@@ -214,7 +257,12 @@ def cluster(
     `weights` and ranks empty rows last through `importance` (see `compress_blocks`).
 
     `out_dtype` other than float32 equals `reference.cluster(...)[0].to(out_dtype)` (the kernel
-    rounds once, to nearest even), which saves compress_blocks a pass over the centroids."""
+    rounds once, to nearest even), which saves compress_blocks a pass over the centroids.
+
+    `n_pinned` rows picked by `pin_by` stay as they are (`reference.cluster(..., n_pinned=,
+    pin_by=, importance=)`, the same picks from the same `importance`)."""
+    if not 0 <= n_pinned < n_centroids:
+        raise ValueError(f"n_pinned must be in [0, {n_centroids}) for {n_centroids} centroids, got {n_pinned}")
     n, t, h, d = k.shape
     k, v = k.contiguous(), v.contiguous()
     w = weights.float().contiguous()
@@ -226,8 +274,9 @@ def cluster(
     cnt = counts.float().contiguous() if counts is not None else w
     if n:
         _cluster_kernel[(n, h)](
-            k, v, w, imp, prot, ko, vo, lc, cnt, t, h, n_centroids,
-            ITERS=iters, HAS_PROT=protected is not None, COUNTS=counts is not None, D=d,
+            k, v, w, imp, prot, ko, vo, lc, cnt, t, h, n_centroids, n_pinned,
+            ITERS=iters, HAS_PROT=protected is not None, HAS_PIN=n_pinned > 0, PIN_BY=PIN_BY.index(pin_by),
+            COUNTS=counts is not None, D=d,
             BLOCK_T=_p2(t, 16), BLOCK_D=_p2(d, 16), BLOCK_C=_p2(n_centroids, 16),
             EXACT16=k.dtype in (torch.bfloat16, torch.float16), BF16=k.dtype == torch.bfloat16 and CLUSTER_BF16,
             PRECISION="ieee" if INTERPRET else "tf32",

@@ -207,9 +207,11 @@ class CacheCompression:
             group = self.group_for(lf)
             where = self.policy.storage.field_for(lf) if self._group_size is None else "ProximaCache(group_size=)"
             check_group_size(group, kk.shape[-1], (lf,), where)
+            prot = self.policy.protect
             cb = compress_blocks(
                 lf, kk, vv, token_importance=timp, group_size=group, log_count=lc,
                 source_tokens=layer.block_size, backend=self.backend,
+                pinned_tokens=prot.merged_tokens, pin_by=prot.merged_by,
             )
             measured = (measure and li == observed_layer(len(self.proxima_layers))) or self.record_probes
             err = self._probe(li, kk, vv, cb, b, lc) if measured else torch.zeros(len(blocks))  # [n]

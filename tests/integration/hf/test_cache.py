@@ -445,3 +445,46 @@ probes:
     assert rep.rejected == 3  # each block refused once, in int2
     assert [cache.chosen[i].name for i in (1, 2, 3)] == ["cluster(4)"] * 3
     assert all(layer.formats[2].name == "cluster(4)" for layer in cache.proxima_layers)
+
+
+@torch.no_grad()
+def test_policy_merged_tokens_pin_tokens_in_every_layer(model, ids):
+    """`protect.merged_tokens: 2` in the cache's policy: every merged block keeps two rows per
+    (batch, head) of count 1 ahead of its centroids, in every layer, first merge and
+    recompression alike; each is one of the block's tokens as it was (bf16 cluster: bit-exact)."""
+    enable(model)
+    policy = _without_compression_probe("proxima/policies/aggressive.yaml")
+    pinned = policy.model_copy(update={"protect": policy.protect.model_copy(update={"merged_tokens": 2})})
+    caches = {}
+    for name, pol in (("plain", policy), ("pinned", pinned)):
+        cache = ProximaCache(pol, block_size=32)
+        model(ids, past_key_values=cache)
+        hot = [layer.materialize()[0].clone() for layer in cache.proxima_layers]  # [B, H, T, D]
+        cache.compress_all("cluster(2)", protect_sinks=32, protect_recent=32)
+        caches[name] = (cache, hot)
+    cache, hot = caches["pinned"]
+    blocks = [i for i, f in enumerate(cache.block_formats()) if not f.is_hot]
+    for layer, wk in zip(cache.proxima_layers, hot, strict=True):
+        for i in blocks:
+            slot = layer.slots[i]
+            assert slot is not None
+            kh, _vh, lc = slot.decode()
+            for r in slot.rows:
+                assert torch.equal(lc[r, :2], torch.zeros_like(lc[r, :2]))
+                src = wk[r % wk.shape[0], :, i * 32:(i + 1) * 32].to(kh.dtype)  # [H, 32, D], as stored
+                for h in range(src.shape[0]):
+                    assert ((src[h] == kh[r, 0, h]).all(-1)).any() and ((src[h] == kh[r, 1, h]).all(-1)).any()
+    plain = caches["plain"][0].proxima_layers[0].slots[blocks[0]]
+    pinned_slot = cache.proxima_layers[0].slots[blocks[0]]
+    assert plain is not None and pinned_slot is not None
+    assert not torch.equal(plain.decode()[2], pinned_slot.decode()[2])
+    rep = cache.compress_blocks(blocks, Format.parse("cluster(8)"))
+    assert rep.actions == len(blocks)
+    for layer in cache.proxima_layers:
+        for i in blocks:
+            slot = layer.slots[i]
+            assert slot is not None
+            _kh, _vh, lc = slot.decode()
+            assert torch.allclose(lc[slot.rows].exp().sum(1), torch.full_like(lc[slot.rows][:, 0], 32.0), atol=1e-3)
+            # two pinned rows again: singletons kept, or merged rows with their counts
+            assert lc[slot.rows, :2].isfinite().all()

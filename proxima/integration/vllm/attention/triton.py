@@ -196,8 +196,11 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             _n, h, b, d = store.geometry(layer)
             k = torch.zeros(1, b, h, d, dtype=kv.dtype, device=kv.device)
             imp = torch.ones(1, b, h, device=kv.device) if stored.reduction is not None else None
+            prot = store.policy.protect if store.policy is not None else None
+            # the policy's pinned merge is its own kernel specialization: compiled here too
             cb = compress_blocks(stored, k, k, token_importance=imp, group_size=store.group_for(stored),
-                                 backend=self.kernel_backend)
+                                 backend=self.kernel_backend, pinned_tokens=prot.merged_tokens if prot else 0,
+                                 pin_by=prot.merged_by if prot else "mixed")
             decompress_blocks(cb, backend=self.kernel_backend)
             store.dtypes.setdefault(stored, (cb.k_data.dtype, cb.v_data.dtype))
             hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=h, head_dim=d)

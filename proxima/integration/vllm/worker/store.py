@@ -477,10 +477,13 @@ class WorkerStore:
         # Only centroids stand for several tokens (sparse rows are one token each): said here, so
         # compress_blocks need not read the counts back to find out (a sync on a GPU).
         merged = src_l.reduction == "cluster"
+        prot = self.policy.protect if self.policy is not None else None
         return compress_blocks(dst_l, k, v, token_importance=imp, group_size=self.group_for(dst_l),
                                backend=_kernels(k, self.cpu_kernels), log_count=counts if merged else None,
                                source_tokens=b,
-                               check_values=checks_values(), rows_merged=merged if counts is not None else None)
+                               check_values=checks_values(), rows_merged=merged if counts is not None else None,
+                               pinned_tokens=prot.merged_tokens if prot is not None else 0,
+                               pin_by=prot.merged_by if prot is not None else "mixed")
 
     def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction],
                      table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

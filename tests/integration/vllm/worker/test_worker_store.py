@@ -305,3 +305,43 @@ def test_a_group_that_does_not_divide_head_dim_fails_at_registration() -> None:
     want = r"storage\.group_sizes\.int4=128 does not divide the model's head_dim 64: cluster\(2\)\+int4"
     with pytest.raises(ValueError, match=want):
         WorkerStore().register(caches, _policy_with_group(32, {"int4": 128}))
+
+
+def test_policy_merged_tokens_pin_tokens_in_the_worker_merge() -> None:
+    """`protect.merged_tokens` reaches the worker's merge: a first merge and a recompression store
+    exactly what `compress_blocks(..., pinned_tokens=2)` makes of the same rows (the transformers
+    cache's call), two singleton rows per head ahead of the centroids; with 0 the slot differs."""
+    from proxima.compression import compress_blocks
+
+    base = _policy_with_group(32)
+    policy = base.model_copy(update={"protect": base.protect.model_copy(update={"merged_tokens": 2})})
+    c2, c4 = Format.parse("cluster(2)+int4"), Format.parse("cluster(4)+int4")
+    torch.manual_seed(0)
+    caches = {f"layer.{i}": torch.randn(NB, H, B, 2 * D).to(torch.bfloat16) for i in range(2)}
+    st = WorkerStore()
+    st.register(caches, policy)
+    pages = {layer: st.layout.read_blocks(kv, torch.tensor([1])) for layer, kv in caches.items()}  # type: ignore[union-attr]
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=c2.name)]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [0], rep and rep.errors
+    for layer, (k, v) in pages.items():
+        want = compress_blocks(c2, k, v, token_importance=torch.ones(1, B, H), pinned_tokens=2, backend="torch")
+        plain = compress_blocks(c2, k, v, token_importance=torch.ones(1, B, H), backend="torch")
+        pool = st.pool(layer, c2)
+        sid = 10 * c2.pack_ratio
+        assert torch.equal(want.k_data[0].view(torch.uint8), pool.k[sid])
+        assert not torch.equal(plain.k_data[0].view(torch.uint8), pool.k[sid])
+        _kh, _vh, lc = st.read_with_counts(layer, c2, torch.tensor([10]), torch.tensor([0]))
+        assert torch.equal(lc[0, :2], torch.zeros(2, H))
+    rows = {layer: st.read_with_counts(layer, c2, torch.tensor([10]), torch.tensor([0])) for layer in st.kv_caches}
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=-1, dst=11, slot=0, fmt=c4.name,
+                                                 from_fmt=c2.name, from_dst=10, from_slot=0)]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [1], rep and rep.errors
+    for layer, (k2, v2, lc2) in rows.items():
+        want = compress_blocks(c4, k2, v2, token_importance=torch.ones(lc2.shape), log_count=lc2,
+                               source_tokens=B, pinned_tokens=2, backend="torch")
+        pool = st.pool(layer, c4)
+        assert torch.equal(want.k_data[0].view(torch.uint8), pool.k[11 * c4.pack_ratio])
+        _kh, _vh, lc = st.read_with_counts(layer, c4, torch.tensor([11]), torch.tensor([0]))
+        assert torch.allclose(lc.exp().sum(1), torch.full((1, H), float(B)))

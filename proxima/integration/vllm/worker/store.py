@@ -34,7 +34,8 @@ from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout
 from proxima.integration.vllm.worker.probe import ProbeBatch, RecentQueries, measure_batch, record
 from proxima.integration.vllm.worker.ranks import check_remap
 from proxima.integration.vllm.worker.timing import StepTimes
-from proxima.observation import fold_heads, observed_layer
+from proxima.integration.vllm.worker.token_importance import block_mass, fold_observation
+from proxima.observation import observed_layer
 from proxima.policy.schema import Policy, Storage
 
 logger = logging.getLogger("proxima.vllm")
@@ -533,44 +534,12 @@ class WorkerStore:
     # --- importance -------------------------------------------------------------------------
 
     def observe(self, req_id: str, mass: torch.Tensor, *, reset: bool) -> None:
-        """Fold one observation into a request's token importance.
-
-        mass: float32 [tokens, H_kv], the attention mass each token got from the observed queries
-        (NaN where the token could not be seen: compressed blocks keep their last value).
-        `reset` (a prefill chunk's observation window) replaces the history of the tokens it saw; decode steps update
-        the moving average, and a token seen for the first time starts at its first mass.
-        """
-        old = self.token_importance.get(req_id)
-        n = mass.shape[0]
-        seen = ~torch.isnan(mass)
-        if old is None:
-            new = torch.where(seen, mass, torch.zeros_like(mass))
-        elif reset:  # unseen tokens (chunks compressed earlier in the prefill) keep their last value
-            kept = torch.zeros_like(mass)
-            m = min(n, old.shape[0])
-            kept[:m] = old[:m]
-            new = torch.where(seen, mass, kept)
-        else:
-            new = torch.zeros_like(mass)
-            m = min(n, old.shape[0])
-            new[:m] = old[:m]
-            upd = torch.full_like(mass, float("nan"))
-            upd[:m] = self.ema_decay * old[:m] + (1 - self.ema_decay) * mass[:m]
-            upd[m:] = mass[m:]
-            new = torch.where(seen, upd, new)
+        """Fold one observation into a request's token importance (`token_importance.py`: mass
+        [tokens, H_kv], NaN where unseen) and report its per-block mass to the scheduler."""
+        new = fold_observation(self.token_importance.get(req_id), mass, reset=reset, decay=self.ema_decay)
         self.token_importance[req_id] = new
-        # One number per block for the scheduler: the block's mass (summed over its tokens), folded
-        # over heads as the policy says (`observation.fold_heads`); blocks with no visible token
-        # this step are NaN (the scheduler keeps theirs).
         b = next(iter(self.kv_caches.values())).shape[2]
-        nb = -(-n // b)
-        pad = torch.zeros(nb * b, new.shape[1])
-        pad[:n] = new
-        per_block = fold_heads(pad.view(nb, b, -1).sum(1), self.aggregate, 1)
-        vis = torch.zeros(nb * b, dtype=torch.bool)
-        vis[:n] = seen.any(1)
-        per_block[~vis.view(nb, b).any(1)] = float("nan")
-        self.report.importance[req_id] = per_block.tolist()
+        self.report.importance[req_id] = block_mass(new, (~torch.isnan(mass)).any(1), b, self.aggregate)
         self.report.importance_fold = self.aggregate  # how the ranks' reports merge (`merge_reports`)
 
     def importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor:

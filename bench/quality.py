@@ -78,9 +78,12 @@ FULL_METHODS = (
     "fp8",
     "kivi-int4",
     "kivi-int4:g64",
+    "lean-int4h",
     "format:int8",
     "format:int4",
+    "format:int4h",
     "format:int2",
+    "format:int2h",
     "format:int2:g64",
     "format:sparse(4)",
     "format:cluster(2)+int4",
@@ -92,7 +95,7 @@ FULL_METHODS = (
     "streaming_llm@4x",
     "streaming_llm@8x",
 )
-"""The methods of a `--full` run unless `--methods` says otherwise (22 + baseline, which is always
+"""The methods of a `--full` run unless `--methods` says otherwise (25 + baseline, which is always
 added): the shipped policies as written (aggressive at 4x and 8x), the best experimental ones, a
 curve of uniform formats from 1.8x to 5x bytes in both placements, and the token-eviction
 references at 4x and 8x (snapkv, h2o, streaming_llm: issue 18's 8x target names all three). h2o

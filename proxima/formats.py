@@ -12,6 +12,8 @@ Spelling (what a policy file writes):
     fp8 | int8            quantized, 2x
     int4                  KIVI-style 4-bit, 4x
     int2                  KIVI-style 2-bit, 8x
+    int4h | int2h         lean 4-bit / 2-bit: one fp16 scale per token and head, keys rotated by a
+                          seeded randomised Hadamard transform first (the "h"), 3.76x / 7.11x held
     sparse(R)             keep 1/R of a block's tokens (the most important), Rx
     cluster(R)            STAR-KV: merge a block's tokens into 1/R weighted centroids, Rx
     sparse(R)+int8        a token reduction followed by a quantization: ratios multiply
@@ -26,10 +28,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-Quant = Literal["bf16", "fp8", "int8", "int4", "int2"]
+Quant = Literal["bf16", "fp8", "int8", "int4", "int2", "int4h", "int2h"]
 Reduction = Literal["sparse", "cluster"]
 
-QUANT_BITS: dict[str, int] = {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
+QUANT_BITS: dict[str, int] = {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2, "int4h": 4, "int2h": 2}
 """Bits per stored element; the hot cache is 16-bit, so the quantization pack ratio is 16/bits."""
 
 MAX_REDUCTION_RATIO = 64
@@ -38,7 +40,7 @@ _PATTERN = re.compile(
     r"""^\s*
     (?:(?P<red>sparse|cluster)\s*\(\s*(?P<ratio>\d+)\s*\))?     # optional token reduction
     \s*(?P<plus>\+)?\s*
-    (?P<quant>bf16|fp8|int8|int4|int2)?                          # optional quantization
+    (?P<quant>bf16|fp8|int8|int4h|int2h|int4|int2)?                     # optional quantization
     \s*$""",
     re.VERBOSE,
 )
@@ -77,7 +79,7 @@ class Format:
         m = _PATTERN.match(text)
         if m is None or (m["red"] is None and m["quant"] is None):
             raise FormatError(
-                f"unknown format {text!r}; valid: bf16, fp8, int8, int4, int2, sparse(R), "
+                f"unknown format {text!r}; valid: bf16, fp8, int8, int4, int2, int4h, int2h, sparse(R), "
                 "cluster(R), or a reduction then a quantization such as 'sparse(2)+int8'"
             )
         if m["plus"] and (m["red"] is None or m["quant"] is None):

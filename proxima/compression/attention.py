@@ -20,6 +20,8 @@ import torch
 
 from proxima.compression.blocks import Backend, CompressedBlocks, decompress_blocks, use_triton
 from proxima.compression.segment import KVSegment
+from proxima.compression.spec import LEAN_BITS
+from proxima.formats import Format
 
 
 @dataclass
@@ -73,6 +75,7 @@ def decode_attention(
         return decode_attention_reference(q, segments, sm_scale=scale)
     from proxima.compression import triton_attention as ta
 
+    segments = [dequantized_segment(seg) if seg.store.fmt.quant in LEAN_BITS else seg for seg in segments]
     s, hq, d = q.shape
     splits = [ta.plan_splits(q, seg, num_splits) for seg in segments]
     o_all = torch.empty(sum(splits), s, hq, d, device=q.device, dtype=torch.float32)
@@ -83,6 +86,24 @@ def decode_attention(
         p0 += sp
     out, lse = ta.merge(o_all, lse_all, q.dtype)
     return DecodeOutput(out, lse, ents)
+
+
+def dequantized_segment(seg: KVSegment) -> KVSegment:
+    """A lean segment (int4h / int2h, rotated keys) as a segment of its dequantized rows in the
+    source dtype, read by the split kernel's bf16 path. The kernel does not read lean codes (it
+    would need the query rotated and per-token scales on int4 codes); this is correct for every
+    reader but costs a decompression of the referenced slots per call (S x E slots, no host sync:
+    padding entries read slot 0 and stay masked by their 0 tokens)."""
+    st = seg.store
+    s, e = seg.slot_table.shape
+    idx = torch.where(seg.slot_tokens > 0, seg.slot_table, torch.zeros_like(seg.slot_table)).long().flatten()
+    kh, vh, lc = decompress_blocks(st.select(idx.to(st.k_data.device)))
+    store = CompressedBlocks(
+        Format(st.fmt.reduction, st.fmt.reduction_ratio, "bf16"), kh, vh, head_dim=st.head_dim, dtype=st.dtype,
+        group_size=st.group_size, log_count=lc if st.log_count is not None else None, source_tokens=st.source_tokens,
+    )  # fmt: skip
+    table = torch.arange(s * e, device=seg.slot_table.device, dtype=torch.int32).view(s, e)
+    return KVSegment(store, table, seg.slot_tokens)
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from proxima.compression import reference as ref
-from proxima.compression.spec import DEFAULT_GROUP_SIZE
+from proxima.compression.spec import DEFAULT_GROUP_SIZE, LEAN_BITS
 from proxima.formats import Format
 
 Backend = Literal["auto", "triton", "torch"]
@@ -44,10 +44,13 @@ class CompressedBlocks:
     """dtype that decompression returns (the source KV dtype)."""
     group_size: int = DEFAULT_GROUP_SIZE
     k_scale: torch.Tensor | None = None
-    """fp8: [N, C, H] f32; int8/int4/int2: [N, Gk, H, D] f16 (per channel, token groups)."""
+    """fp8: [N, C, H] f32; int8/int4/int2: [N, Gk, H, D] f16 (per channel, token groups);
+    int4h/int2h: [N, C, H] f16 (per token, of the rotated key)."""
     k_zero: torch.Tensor | None = None
+    """int8/int4/int2: like k_scale; int4h/int2h: [N, 1, H, D] f16, the slot's per-channel key mean."""
     v_scale: torch.Tensor | None = None
-    """fp8/int8: [N, C, H] f32; int4/int2: [N, C, H, D/G] f16 (per token, channel groups)."""
+    """fp8/int8: [N, C, H] f32; int4/int2: [N, C, H, D/G] f16 (per token, channel groups);
+    int4h/int2h: [N, C, H] f16."""
     v_zero: torch.Tensor | None = None
     log_count: torch.Tensor | None = None
     """cluster only: [N, C, H] f32, log(tokens merged into the centroid), -inf for an empty one."""
@@ -150,6 +153,8 @@ def _check_inputs(
         worst = int(protected.sum(1).max()) if n else 0
         if fmt.reduction == "sparse" and worst > keep:
             raise ValueError(f"{fmt}: {worst} protected tokens in a block but only {keep} can be kept")
+    if fmt.quant in LEAN_BITS and (d < 16 or d & (d - 1)):
+        raise ValueError(f"{fmt}: the Hadamard rotation needs a power-of-two head_dim >= 16, got D={d}")
     if fmt.quant in ("int8", "int4", "int2"):
         if group_size <= 0 or group_size & (group_size - 1):
             raise ValueError(f"{fmt}: group_size must be a power of two, got {group_size}")
@@ -269,6 +274,13 @@ def compress_blocks(
     q = fmt.quant
     if q == "bf16":
         out.k_data, out.v_data = kr.contiguous(), vr.contiguous()
+    elif q in LEAN_BITS:  # one scale per (token, head); keys rotated (spec.LEAN_BITS)
+        if tri:
+            out.k_data, out.k_scale, out.k_zero = ops.quantize_lean(kr, q, is_key=True)
+            out.v_data, out.v_scale, _ = ops.quantize_lean(vr, q, is_key=False)
+        else:
+            out.k_data, out.k_scale, out.k_zero = ref.quantize_lean(kr, LEAN_BITS[q], is_key=True)
+            out.v_data, out.v_scale, _ = ref.quantize_lean(vr, LEAN_BITS[q], is_key=False)
     elif tri:
         out.k_data, out.k_scale, out.k_zero = ops.quantize(kr, q, group_size, is_key=True)
         out.v_data, out.v_scale, out.v_zero = ops.quantize(vr, q, group_size, is_key=False)
@@ -319,6 +331,17 @@ def decompress_blocks(
     q = cb.fmt.quant
     if q == "bf16":
         return cb.k_data.to(cb.dtype), cb.v_data.to(cb.dtype), log_count
+    if q in LEAN_BITS:
+        assert cb.k_scale is not None and cb.k_zero is not None and cb.v_scale is not None
+        if use_triton(backend, cb.k_data):
+            from proxima.compression import triton_ops as ops
+
+            kh = ops.dequantize_lean(cb.k_data, cb.k_scale, cb.k_zero, q, cb.head_dim, cb.dtype)
+            vh = ops.dequantize_lean(cb.v_data, cb.v_scale, None, q, cb.head_dim, cb.dtype)
+            return kh, vh, log_count
+        kh = ref.dequantize_lean(cb.k_data, cb.k_scale, cb.k_zero, LEAN_BITS[q])
+        vh = ref.dequantize_lean(cb.v_data, cb.v_scale, None, LEAN_BITS[q])
+        return kh.to(cb.dtype), vh.to(cb.dtype), log_count
     if use_triton(backend, cb.k_data):
         from proxima.compression import triton_ops as ops
 

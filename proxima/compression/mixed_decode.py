@@ -68,8 +68,9 @@ def pool_descriptors(pools: Mapping[int, CompressedBlocks], block_size: int, dev
         if code <= 0:
             raise ValueError(f"pool code {code}: codes start at 1 (0 is vLLM's bf16 pages)")
         q = p.fmt.quant
-        if q not in QUANT_CODE or q == "bf16":
-            raise ValueError(f"{p.fmt}: the mixed decode kernel reads fp8, int8, int4 and int2 slots, not {q}")
+        if q not in ("fp8", "int8", "int4", "int2"):  # lean int4h / int2h: rotated keys, per-token scales
+            raise ValueError(f"{p.fmt}: the mixed decode kernel reads fp8, int8, int4 and int2 slots, not {q} "
+                             "(set PROXIMA_ONE_PASS_DECODE=0: the split path reads lean formats)")
         k8, v8 = p.k_data.view(torch.uint8), p.v_data.view(torch.uint8)
         if k8.stride(-1) != 1 or k8.stride(1) != k8.shape[2] * k8.stride(2):
             raise ValueError(f"{p.fmt}: slot data must be [slots, C, H, P] with dense tokens, strides {k8.stride()}")

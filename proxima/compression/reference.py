@@ -11,6 +11,8 @@ is the one the codes were made with), and k-means distances are `|k|^2 - 2 k.c +
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, VALUES_PER_BYTE
@@ -141,6 +143,109 @@ def dequantize_kivi_values(
 
 def bits_of(quant: str) -> int:
     return 8 // VALUES_PER_BYTE.get(quant, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# lean formats (int4h / int2h, spec.LEAN_BITS): one fp16 scale per (token, head), keys rotated
+
+ROTATION_SEED = 0x50524F58  # "PROX"; changing it changes every stored int4h / int2h key
+LEAN_MIN_SCALE = 2.0**-14
+"""Smallest lean scale (float16's smallest normal): an all-zero or tiny row stays finite and exact
+to 2^-15 instead of dividing by a scale that rounded to 0 in float16."""
+
+
+def _rotation_signs(d: int) -> list[float]:
+    """d signs from splitmix64 seeded with ROTATION_SEED: plain integer arithmetic, so the same on
+    every machine and torch version (the stored keys depend on them; both integrations call this)."""
+    out, x, m = [], ROTATION_SEED, (1 << 64) - 1
+    for _ in range(d):
+        x = (x + 0x9E3779B97F4A7C15) & m
+        z = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        out.append(-1.0 if (z ^ (z >> 31)) & 1 else 1.0)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation_cpu(d: int) -> torch.Tensor:
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"the lean formats' Hadamard rotation needs a power-of-two head_dim >= 16, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:  # Sylvester: H_2n = [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.tensor(_rotation_signs(d), dtype=torch.float64)
+    return (signs[:, None] * h / d**0.5).float().contiguous()
+
+
+def rotation(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[D, D] float32 orthogonal R = diag(s) H / sqrt(D) (s: seeded random signs, H: Sylvester
+    Hadamard). Lean keys are stored as codes of k @ R and read back as k_hat @ R^T, so dot products
+    with unrotated queries are unchanged up to the quantization error."""
+    dev = torch.device(device)
+    return _rotation_cpu(d) if dev.type == "cpu" else _rotation_on(d, str(dev))
+
+
+@functools.lru_cache(maxsize=32)
+def _rotation_on(d: int, device: str) -> torch.Tensor:
+    return _rotation_cpu(d).to(device)  # one copy per device, not one per compression call
+
+
+LEAN_CLIP: dict[int, tuple[int, int]] = {4: (20, 7), 2: (10, 7)}
+"""bits -> (K, n): each row's scale is the best (least squared error) of n candidates
+amax * (K - i) / K / HALF, i = 0 .. n-1 (4-bit: amax x 1.00 .. 0.70, 2-bit: 1.0 .. 0.4). A rotated
+row is close to Gaussian, where clipping its few largest values costs less than the coarser grid
+amax would give everything else (SmolLM2's real KV, bench/results/experiments/lean-formats/)."""
+
+
+def lean_codes(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows y [..., D] float32 -> (codes [..., D] in [0, 2^bits) as float32, scale [...] float16).
+
+    Mid-rise grid: value = (code - HALF) * scale, HALF = (2^bits - 1) / 2, code =
+    floor(y / scale + HALF + 0.5) clamped; scale from `LEAN_CLIP`, rounded to float16 before the codes
+    are made (the stored scale is the one used). Ties between candidates go to the larger scale."""
+    half = ((1 << bits) - 1) / 2
+    k_den, n = LEAN_CLIP[bits]
+    amax = y.abs().amax(-1)
+
+    def candidate(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = _true_div(amax * float(k_den - i), k_den * half).clamp_min(LEAN_MIN_SCALE).to(torch.float16)
+        sf = s.float().unsqueeze(-1)
+        c = torch.floor(y * (1.0 / sf) + (half + 0.5)).clamp(0, 2 * half)
+        return c, s, ((c - half) * sf - y).square().sum(-1)
+
+    best_c, best_s, best_e = candidate(0)
+    for i in range(1, n):
+        c, s, e = candidate(i)
+        better = e < best_e
+        best_c = torch.where(better.unsqueeze(-1), c, best_c)
+        best_s, best_e = torch.where(better, s, best_s), torch.where(better, e, best_e)
+    return best_c, best_s
+
+
+def quantize_lean(x: torch.Tensor, bits: int, is_key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [N, T, H, D] -> (packed [N, T, H, P] uint8, scale [N, T, H] float16, keys: zero [N, 1, H, D]
+    float16, the block's per-channel mean, else None).
+
+    Keys: the per-channel mean of the block's T tokens is taken out first (a key channel's offset is
+    stable over a block: KIVI's observation; rotated, it would widen every row's range), then the
+    rows are rotated. Values are rotated only. Codes from `lean_codes`."""
+    xf = x.float()
+    zero = None
+    if is_key:
+        zero = xf.mean(1, keepdim=True).to(torch.float16)
+        xf = xf - zero.float()
+    codes, scale = lean_codes(xf @ rotation(x.shape[-1], x.device), bits)
+    return pack_codes(codes, bits), scale, zero
+
+
+def dequantize_lean(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
+) -> torch.Tensor:
+    """Inverse of `quantize_lean`, float32 [N, T, H, D]: rotated back, the keys' mean added."""
+    half = ((1 << bits) - 1) / 2
+    x = (unpack_codes(packed, bits).float() - half) * scale.float().unsqueeze(-1)
+    x = x @ rotation(x.shape[-1], x.device).T
+    return x if zero is None else x + zero.float()
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from proxima.formats import DEFAULT_GROUP_SIZE, Format
 
-QUANT_CODE: dict[str, int] = {"bf16": 0, "fp8": 1, "int8": 2, "int4": 3, "int2": 4}
+QUANT_CODE: dict[str, int] = {"bf16": 0, "fp8": 1, "int8": 2, "int4": 3, "int2": 4, "int4h": 5, "int2h": 6}
 """Integer id of each quantization, used as a `constexpr` selector by the Triton kernels."""
 
-VALUES_PER_BYTE: dict[str, int] = {"int4": 2, "int2": 4}
+VALUES_PER_BYTE: dict[str, int] = {"int4": 2, "int2": 4, "int4h": 2, "int2h": 4}
 """Sub-byte formats pack along the head dim: byte j holds elements j*P .. j*P+P-1, element
 j*P+i in bits [i*b, (i+1)*b) (little end first), so a kernel unpacks with one shift and a mask."""
 
@@ -33,6 +33,16 @@ keys with outlier channels a per-token scale is set by the outliers and costs th
 channels their precision (attention error from the keys alone: 1.7% per token vs 0.22% per
 channel on synthetic KV with outlier channels, see docs/compression.md), so int8 keys are per
 channel; int8 values stay per token."""
+
+LEAN_BITS: dict[str, int] = {"int4h": 4, "int2h": 2}
+"""The lean quantizations (issue 40): one float16 scale per (token, head) for keys and values, codes
+on a symmetric mid-rise grid of 2^bits levels (no zero point per row), rows rotated by
+`reference.rotation(head_dim)` (a seeded randomised Hadamard matrix: it spreads outlier channels so
+that one scale serves every channel). Keys first lose their block's per-channel mean, stored as
+`k_zero` [1, D] float16 per slot and head (KIVI's key zero point with one group for the slot).
+Dequantization rotates back and adds the mean, so every reader of dequantized KV is unchanged.
+Metadata per token and head: 4 bytes of scales plus 2 x D / C of key means (C = slot tokens);
+at block 64 and head_dim 64, 6 bytes against KIVI int4's 16 (G 32) or 8 (G 64)."""
 
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
@@ -89,7 +99,10 @@ class SlotSpec:
             )
         if fmt.quant in KIVI_KEYS and not _is_pow2(g):
             raise ValueError(f"{fmt}: group_size must be a power of two, got {g}")
-        if fmt.quant in VALUES_PER_BYTE:
+        if fmt.quant in LEAN_BITS:
+            if not _is_pow2(d):
+                raise ValueError(f"{fmt}: the Hadamard rotation needs a power-of-two head_dim, got {d}")
+        elif fmt.quant in VALUES_PER_BYTE:
             if not _is_pow2(g):
                 raise ValueError(f"{fmt}: group_size must be a power of two, got {g}")
             if d % g:
@@ -114,6 +127,8 @@ class SlotSpec:
             "int8": "int8",
             "int4": "uint8",
             "int2": "uint8",
+            "int4h": "uint8",
+            "int2h": "uint8",
         }[self.fmt.quant]
 
     @property
@@ -138,6 +153,12 @@ class SlotSpec:
                 MetaField("k_scale", kg, "float16"),
                 MetaField("k_zero", kg, "float16"),
                 MetaField("v_scale", (t,), "float32"),
+            ]
+        elif q in LEAN_BITS:
+            fields += [
+                MetaField("k_scale", (t,), "float16"),
+                MetaField("k_zero", (1, self.head_dim), "float16"),
+                MetaField("v_scale", (t,), "float16"),
             ]
         elif q in VALUES_PER_BYTE:
             vg = (t, self.head_dim // self.group_size)
@@ -226,7 +247,8 @@ def check_group_size(
     the model fails at start-up with its field named, not at every compression batch."""
     if not _is_pow2(group_size):
         raise ValueError(f"{where}={group_size}: the quantization group size must be a power of two")
-    bad = sorted({f.name for f in formats if f.quant in VALUES_PER_BYTE and head_dim % group_size})
+    grouped = [f for f in formats if f.quant in VALUES_PER_BYTE and f.quant not in LEAN_BITS]  # lean: no group
+    bad = sorted({f.name for f in grouped if head_dim % group_size})
     if bad:
         raise ValueError(
             f"{where}={group_size} does not divide the model's head_dim {head_dim}: {', '.join(bad)} group values "

@@ -402,6 +402,9 @@ def segment_partial(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     quant = st.fmt.quant
+    if quant not in DECODE_CONFIGS:
+        raise ValueError(f"{st.fmt}: the split decode kernel does not read {quant} codes; "
+                         "attention.decode_attention passes lean segments dequantized (dequantized_segment)")
     cfg = DECODE_CONFIGS[quant]
     ept = _entries_per_it(seg, cfg)
     # whole iterations per split, so an iteration's entries never straddle a split boundary

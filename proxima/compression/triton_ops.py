@@ -20,6 +20,7 @@ from proxima.compression.kernels.cluster import (
 )
 from proxima.compression.kernels.common import INTERPRET, ROW_TILE, _floor_code, _p2, _round_to_e4m3
 from proxima.compression.kernels.dequantize import dequantize
+from proxima.compression.kernels.lean import dequantize_lean, quantize_lean
 from proxima.compression.kernels.quantize import KEY_ROWS, KEY_TILE_W, quantize
 from proxima.compression.kernels.sparsify import sparsify
 
@@ -37,6 +38,8 @@ __all__ = [
     "_round_to_e4m3",
     "cluster",
     "dequantize",
+    "dequantize_lean",
     "quantize",
+    "quantize_lean",
     "sparsify",
 ]

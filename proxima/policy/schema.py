@@ -216,7 +216,9 @@ class LayerOverride(_Model):
 # Predicted relative attention-output error of each format on a block of average importance.
 # Defaults are deliberately conservative orders of magnitude (quantization is cheap, token
 # reduction expensive, per ../shared/FACTS.md); `proxima calibrate` replaces them with measured values.
-DEFAULT_QUANT_DAMAGE = {"bf16": 0.0, "fp8": 0.02, "int8": 0.005, "int4": 0.04, "int2": 0.35}
+DEFAULT_QUANT_DAMAGE = {
+    "bf16": 0.0, "fp8": 0.02, "int8": 0.005, "int4": 0.04, "int2": 0.35, "int4h": 0.04, "int2h": 0.35,
+}  # fmt: skip
 DEFAULT_REDUCTION_DAMAGE = {"sparse": 0.30, "cluster": 0.20}
 
 

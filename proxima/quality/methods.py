@@ -216,8 +216,8 @@ bench/results/experiments/protected-tokens/."""
 POLICIES = ("conservative", "balanced", "aggressive")
 FORMATS_BY_RATIO: dict[int, tuple[str, ...]] = {
     2: ("int8",),
-    4: ("int4", "sparse(4)", "cluster(4)"),
-    8: ("int2", "cluster(2)+int4"),
+    4: ("int4", "int4h", "sparse(4)", "cluster(4)"),
+    8: ("int2", "int2h", "cluster(2)+int4"),
     16: ("cluster(4)+int4",),
 }
 
@@ -253,12 +253,14 @@ def all_methods(experiments: Path | None = None) -> list[Method]:
         out += [Method(f"h2o@{r}x", "reference", r, partial(_h2o, r), needs_accumulated_attention=True)]
     out += [Method("kivi-int4", "reference", 4, partial(_uniform, "int4"))]
     out += [Method(f"kivi-int4:g{g}", "reference", 4, partial(_uniform, "int4", group_size=g)) for g in GROUP_VARIANTS]
+    # the lean 4-bit format (issue 40), compressed the same way as kivi-int4 (every full block)
+    out += [Method("lean-int4h", "reference", 4, partial(_uniform, "int4h"))]
     out += [Method("fp8", "reference", 2, partial(_uniform, "fp8"))]
     for r, fmts in FORMATS_BY_RATIO.items():
         for f in fmts:
             assert Format.parse(f).pack_ratio == r
             out += [Method(f"format:{f}", "format", r, partial(_format, f))]
-            if Format.parse(f).reduction is None and f != "int8":
+            if Format.parse(f).reduction is None and f in ("int4", "int2"):  # KIVI-grouped: a group to vary
                 out += [
                     Method(f"format:{f}:g{g}", "format", r, partial(_format, f, group_size=g)) for g in GROUP_VARIANTS
                 ]

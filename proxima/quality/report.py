@@ -150,7 +150,7 @@ def check_targets(rows: Sequence[Any]) -> list[str]:
     return out
 
 
-UNIFORM_EVERY = "uniform quantization, every token (fp8, kivi-int4)"
+UNIFORM_EVERY = "uniform quantization, every token (fp8, kivi-int4, lean-int4h)"
 UNIFORM_FORMAT = "uniform quantization, first / last block 16-bit (format:int8 ... int2)"
 REDUCING_FORMAT = "token-reducing formats, first / last block 16-bit (format:cluster / sparse)"
 ENVELOPE = "Proxima, best policy at >= each ratio"

@@ -56,7 +56,7 @@ def _written(kv: torch.Tensor, fmt: str, ids: torch.Tensor, cb: CompressedBlocks
     return stack, sp
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "int8", "sparse(4)", "cluster(2)+int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "int8", "sparse(4)", "cluster(2)+int4", "int2", "int4h", "int2h"])
 def test_slots_round_trip_and_stay_inside_their_block(fmt):
     kv = _cpu_cache()
     before = kv.clone()

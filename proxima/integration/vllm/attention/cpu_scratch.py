@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from proxima.compression.spec import KIVI_KEYS
+from proxima.compression.spec import KIVI_KEYS, LEAN_BITS
 from proxima.formats import Format
 from proxima.integration.vllm.worker.page_layout import PageLayout, canonical_layout, numba_kernels
 
@@ -254,6 +254,8 @@ def _fill_groups(plan: ScratchPlan, read: Reader, raw: RawReader | None, s5: tor
                  b: int, h: int, d: int, layout: PageLayout) -> bool:
     """Decompress every format group into the scratch; True if the fused kernels did it."""
     kernels = _fast_kernels(scratch, raw)
+    if any(g.fmt.quant in LEAN_BITS for g in plan.groups):
+        kernels = None  # the numba kernels do not read lean slots (rotated keys): the reference does
     if kernels is not None:
         assert raw is not None
         # numba has no bf16: write the bit patterns, into pages [B', H, 2bD]

@@ -95,6 +95,7 @@ def _reference(st: WorkerStore, kv: torch.Tensor, rid: str, blocks: list[int], s
     [["int4", "int8", None, None]],
     [["cluster(2)+int4", None, "int4", None], [None, "cluster(4)", None]],
     [["sparse(4)+int4", "sparse(2)", None, "int2", None], ["int8", "sparse(4)", "cluster(2)+int4", None, None]],
+    [["int4h", "int4", None, "cluster(2)+int4h", None], [None, "int2h", None]],  # lean formats (issue 40)
 ])
 def test_scratch_attention_equals_the_formats_attention(formats: list[list[str | None]]) -> None:
     st, kv, rows = _scenario(formats)
@@ -134,6 +135,21 @@ def test_fused_fill_equals_the_torch_fill_bit_for_bit() -> None:
     # Bit patterns, so NaN (positions neither path fills) compares equal too.
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert int(torch.isnan(got.float()).sum()) < got.numel() // 4  # the groups were really written
+
+
+def test_a_lean_group_takes_the_torch_fill() -> None:
+    """The numba kernels do not read lean slots (rotated rows): with one in the step, a raw reader
+    still fills the scratch exactly as the torch reader does."""
+    formats: list[list[str | None]] = [["int4h", "int4", "cluster(2)+int2h", None], [None, "fp8", None]]
+    st, kv, rows = _scenario(formats, seed=2)
+    plan = plan_scratch([ScratchRow(blocks, seq_len, st.remap.get(rid, {})) for rid, blocks, seq_len in rows], B)
+    want = torch.full((plan.num_blocks, H, 2 * B, D), float("nan"), dtype=kv.dtype)
+    got = want.clone()
+    read = lambda f, d, s: st.read_with_counts(LAYER, f, d, s)  # noqa: E731
+    fill_scratch(plan, kv, read, want, layout=st.layout)
+    fill_scratch(plan, kv, read, got, raw=store_reader(st, LAYER), layout=st.layout)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert int(torch.isnan(got.float()).sum()) < got.numel() // 4
 
 
 def test_expand_centroids_repeats_by_count() -> None:

@@ -13,7 +13,7 @@ from proxima.integration.vllm.worker.faults import FAULT_ENV, FAULT_FILE_ENV, pa
 from proxima.integration.vllm.worker.store import WorkerStore
 
 NB, H, B, D = 12, 3, 128, 64
-TOL = {"int8": 0.02, "fp8": 0.08, "int4": 0.2, "int2": 0.6}
+TOL = {"int8": 0.02, "fp8": 0.08, "int4": 0.2, "int2": 0.6, "int4h": 0.2, "int2h": 0.6}
 
 
 def _store() -> tuple[WorkerStore, dict[str, torch.Tensor]]:
@@ -24,7 +24,7 @@ def _store() -> tuple[WorkerStore, dict[str, torch.Tensor]]:
     return st, caches
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int2", "int4h", "int2h"])
 def test_roundtrip_into_packed_slots(fmt: str) -> None:
     st, caches = _store()
     f = Format.parse(fmt)
@@ -162,7 +162,8 @@ def test_released_destinations_are_zeroed_before_the_step() -> None:
     assert st.remap["q"][0] == (Format.parse("int8"), 10, 0)
 
 
-SAME_PAYLOAD_FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int8", "cluster(2)+int4"]
+SAME_PAYLOAD_FORMATS = ["fp8", "int8", "int4", "int2", "sparse(4)", "cluster(4)", "sparse(2)+int8", "cluster(2)+int4",
+                        "int4h", "int2h", "cluster(2)+int4h"]
 
 
 @pytest.mark.parametrize("fmt", SAME_PAYLOAD_FORMATS)

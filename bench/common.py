@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as dt
 import json
@@ -53,3 +54,16 @@ def write_results(name: str, payload: dict[str, Any], markdown: str | None = Non
     if markdown is not None:
         (RESULTS / f"{name}.md").write_text(markdown)
     return path
+
+
+def kv_sample_args(description: str | None, out: Path, contexts: int) -> argparse.ArgumentParser:
+    """The arguments of the benches that measure formats on synthetic and real SmolLM2 KV blocks
+    (`bench/groups.py`, `bench/lean.py`): how many blocks and seeds, how much of the model's KV."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=8, help="synthetic blocks per seed")
+    ap.add_argument("--seeds", type=int, default=4, help="synthetic seeds")
+    ap.add_argument("--contexts", type=int, default=contexts, help="SmolLM2 Wikipedia contexts")
+    ap.add_argument("--context-len", type=int, default=1024, help="tokens per context")
+    ap.add_argument("--no-model", action="store_true", help="skip SmolLM2 (synthetic and bytes only)")
+    ap.add_argument("--out", type=Path, default=out)
+    return ap

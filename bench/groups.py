@@ -21,7 +21,6 @@ reported as invalid, with SlotSpec's error. Writes bench/results/experiments/gro
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -34,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine_info  # noqa: E402
+from bench.common import kv_sample_args, machine_info  # noqa: E402
 from proxima.compression import attention_errors, compress_blocks, slot_spec  # noqa: E402
 from proxima.formats import Format  # noqa: E402
 from tests.compression.synthetic import queries_for, realistic_kv  # noqa: E402
@@ -295,14 +294,7 @@ def markdown(meta: dict, by: list[dict], syn: list[dict], real: list[dict], meta
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=8, help="synthetic blocks per seed")
-    ap.add_argument("--seeds", type=int, default=4, help="synthetic seeds")
-    ap.add_argument("--contexts", type=int, default=1, help="SmolLM2 Wikipedia contexts")
-    ap.add_argument("--context-len", type=int, default=1024, help="tokens per context")
-    ap.add_argument("--no-model", action="store_true", help="skip SmolLM2 (synthetic and bytes only)")
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args(argv)
+    args = kv_sample_args(__doc__, OUT, contexts=1).parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()
     by, syn = byte_rows(), synthetic_rows(args.blocks, args.seeds)

@@ -219,10 +219,13 @@ class ProximaConnector(KVConnectorBase_V1):
         from proxima.integration.vllm.worker.block_table import step_placements
 
         table, store = self.block_table, self._worker_store()
+        # A probed action is installed when its verdict is read, often after its own plan: its
+        # placement enters the table with the plan after that (until then it reads the source).
+        settled, store.settled = store.settled, []
         if table is None:
             return
         try:
-            table.update(step_placements([*plan.revoked, *plan.actions], store.remap), plan.dropped,
+            table.update(step_placements([*plan.revoked, *plan.actions, *settled], store.remap), plan.dropped,
                          plan.key_blocks)
         except Exception:
             logger.exception("proxima: the device block table could not follow this step; attention plans "

@@ -128,6 +128,9 @@ class WorkerStore:
         """Each request's newest queries in the observed layer (the compression-time probe's)."""
         self.probing: list[ProbeBatch] = []
         """Blocks written and measured whose verdict is not read yet (`settle_probes`)."""
+        self.settled: list[CompressAction] = []
+        """Actions installed by a verdict read after their step (`settle_probes`): the device block
+        table follows them at the next plan, as it follows a plan's own actions (`connector.py`)."""
         self.layer_numbers: dict[str, int] = {}
         self.layout: PageLayout | None = None
         """The attention kernel's order of keys and values inside a block's page (see cpu_layout)."""
@@ -344,6 +347,7 @@ class WorkerStore:
             out = batch.outcome()
             record(self.report, batch.fmt, out)
             self._commit(batch.fmt, batch.from_fmt, out.accepted)
+            self.settled.extend(out.accepted)
         self.probing = waiting
 
     def revoke(self, actions: list[CompressAction]) -> None:

@@ -338,6 +338,31 @@ def test_the_observed_layer_on_the_one_pass_path_still_reports_importance(
 
 
 
+def test_a_block_installed_by_a_late_probe_verdict_enters_the_device_table_at_the_next_plan(
+    worker_connector: ProximaConnector,
+) -> None:
+    """With the compression-time probe on, a measured block is installed when its verdict is read
+    (at the report, after its own plan updated the table): the next plan's table update carries it,
+    so the one-pass decode reads the slot, not the source block the scheduler then frees."""
+    store, _, _ = _world(worker_connector)
+    policy = store.policy
+    assert policy is not None
+    on = policy.probes.compression.model_copy(update={"enabled": True, "max_error": {"int8": 10.0}})
+    store.adopt(policy.model_copy(update={"probes": policy.probes.model_copy(update={"compression": on})}),
+                store.policy_version)
+    store.recent_queries.add("b", torch.randn(8, HQ, D).bfloat16().to(DEV), D**-0.5)
+    t = worker_connector.block_table
+    assert t is not None
+    act = CompressAction(99, "b", 0, src=5, dst=25, slot=0, fmt=Format.parse("int8"))
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=[act], key_blocks={6: "b"}))
+    assert "b" not in store.remap and store.probing  # written and measured, not installed yet
+    assert "b" not in t.rows or int(t.entries[t.rows["b"], 0, 0]) == 0  # the table still reads the page
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and rep.ok == [99] and store.remap["b"][0][1:] == (25, 0)
+    worker_connector.bind_connector_metadata(ProximaPlan(key_blocks={6: "b"}))
+    code, sid = t.entries[t.rows["b"], 0].tolist()
+    assert t.formats[code - 1] == Format.parse("int8") and sid == 25 * 2 + 0 and not store.settled
+
 @pytest.mark.usefixtures("parent_kernel_stub")
 def test_an_observed_layer_the_one_pass_kernel_cannot_read_is_observed_on_the_host(
     worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch

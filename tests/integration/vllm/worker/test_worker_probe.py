@@ -158,6 +158,7 @@ def test_a_measured_block_is_installed_only_when_its_verdict_is_read() -> None:
     assert "s" not in st.remap and len(st.probing) == 1
     rep = st.take_report()
     assert rep is not None and rep.ok == [1] and st.remap["s"][0][1:] == (11, 0) and not st.probing
+    assert [a.action_id for a in st.settled] == [1]  # for the device block table at the next plan
     # A request dropped before its verdict is read: neither installed nor reported.
     _queries(st, "t")
     st.apply(ProximaPlan(actions=[CompressAction(2, "t", 0, src=3, dst=12, slot=0, fmt=INT8)]))

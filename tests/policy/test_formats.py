@@ -53,9 +53,8 @@ def test_rejects_invalid(text: str) -> None:
 def test_name_round_trip(red: str | None, ratio: int, quant: str) -> None:
     fmt = Format(reduction=red, reduction_ratio=ratio if red else 1, quant=quant)  # type: ignore[arg-type]
     assert Format.parse(fmt.name) == fmt
-    assert (
-        fmt.pack_ratio == (ratio if red else 1) * 16 // {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}[quant]
-    )
+    bits = {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2, "int4h": 4, "int2h": 2}  # every quant, by hand
+    assert fmt.pack_ratio == (ratio if red else 1) * 16 // bits[quant]
 
 
 def test_kept_tokens_and_hot() -> None:

@@ -29,6 +29,7 @@ dim, BS vLLM's block size, NB logical blocks per request in the table.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
@@ -360,6 +361,12 @@ MIN_BLOCKS_PER_SPLIT = 8
 that, the partials' write and merge cost more than the parallelism buys."""
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    """SMs of GPU `index`, asked once (auto_splits runs in every layer of every decode step)."""
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def auto_splits(rows: int, kv_heads: int, table_blocks: int, device: torch.device) -> int:
     """How many programs share one row's context: enough (rows x KV heads x splits) to fill the
     GPU twice over, never more than the table's width allows. Decided from shapes only (the batch
@@ -367,7 +374,7 @@ def auto_splits(rows: int, kv_heads: int, table_blocks: int, device: torch.devic
     graph captured at a batch size replays the same split. 1 on a CPU (the interpreter: no SMs)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = -(-2 * sms // max(1, rows * kv_heads))
     return max(1, min(MAX_SPLITS, want, table_blocks // MIN_BLOCKS_PER_SPLIT))
 

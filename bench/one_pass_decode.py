@@ -83,19 +83,25 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--format", default="int4")
-    ap.add_argument("--fraction", type=float, default=0.5)
+    ap.add_argument("--formats", nargs="+", default=["int4"], help="formats of the compressed blocks")
+    ap.add_argument("--fractions", nargs="+", type=float, default=[0.5, 1.0],
+                    help="share of each row's blocks compressed (1.0: all but the last)")
+    ap.add_argument("--splits", nargs="*", type=int, default=[],
+                    help="extra variants: these splits (0: auto) x --tiles x --warps")
+    ap.add_argument("--tiles", nargs="*", type=int, default=[], help="extra variants: --splits x these tile_blocks")
+    ap.add_argument("--warps", nargs="*", type=int, default=[4], help="extra variants: num_warps")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--iters", type=int, default=50)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/one_pass_decode.py needs a CUDA GPU")
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-    from proxima.compression.blocks import compress_blocks
+    from proxima.compression.blocks import CompressedBlocks, compress_blocks
     from proxima.compression.layer_stack import LayerStack
     from proxima.compression.layout import KVLayout, hot_store
     from proxima.compression.mixed_decode import auto_splits, mixed_decode, pool_descriptors, update_block_importance
-    from proxima.compression.paged import PagedRow, paged_attention, plan_rows
+    from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
     from proxima.compression.spec import SlotSpec
     from proxima.formats import Format
     from proxima.integration.vllm.worker.block_table import DeviceBlockTable
@@ -103,10 +109,7 @@ def main() -> None:
     dev = torch.device("cuda")
     bsz, ctx, hq, h, d, bs = a.batch, a.context, a.heads, a.kv_heads, a.head_dim, a.block
     nblk = -(-ctx // bs)
-    fmt = Format.parse(a.format)
-    ncomp = int(nblk * a.fraction)
-    ndst = -(-bsz * ncomp // fmt.pack_ratio)
-    n_phys = bsz * nblk + ndst + 1
+    n_phys = 2 * bsz * nblk + 1  # vLLM's pages, then room for every row's blocks in any format
     torch.manual_seed(0)
     kv = torch.randn(n_phys, h, bs, 2 * d, device=dev, dtype=torch.bfloat16)
     tables = (1 + torch.arange(bsz * nblk, device=dev, dtype=torch.int32)).view(bsz, nblk)
@@ -132,62 +135,81 @@ def main() -> None:
                           softmax_segm_output=seg_out, softmax_segm_max=seg_m, softmax_segm_expsum=seg_s)
 
     table = DeviceBlockTable(bsz, nblk, n_phys, dev, kv_heads=h, max_batch=bsz)
-    table.update([], [], {int(b): f"r{i}" for i, b in enumerate(tables[:, -1].tolist())})
+    key_blocks = {int(b): f"r{i}" for i, b in enumerate(tables[:, -1].tolist())}
+    table.update([], [], key_blocks)
     empty_desc = pool_descriptors({}, bs, dev)
 
-    def one_pass(desc: torch.Tensor, splits: int | None = None) -> None:
+    def one_pass(desc: torch.Tensor, splits: int | None = None, tb: int | None = None, nw: int | None = None) -> None:
         mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale,
-                     splits=splits)
+                     splits=splits, tile_blocks=tb, num_warps=nw)
 
-    def one_pass_rows(desc: torch.Tensor, case: str) -> list[dict]:
-        return [{"row": name, "case": case, "ms": _graph_ms(lambda sp=sp: one_pass(desc, sp), a.iters),
-                 "launches": _launches(lambda sp=sp: one_pass(desc, sp))}
-                for name, sp in (("one_pass", None), ("one_pass, unsplit", 1))]
+    def timed(name: str, case: str, fn, graph: bool = True) -> dict:  # type: ignore[no-untyped-def]
+        row = {"row": name, "case": case, "ms": (_graph_ms if graph else _eager_ms)(fn, a.iters),
+               "launches": _launches(fn)}
+        print(f"{name:40s} {case:32s} {row['ms']:8.3f} ms  {row['launches']} launches", flush=True)
+        return row
 
-    rows = [{"row": "vllm", "case": "nothing compressed", "ms": _graph_ms(vllm, a.iters), "launches": _launches(vllm)},
-            *one_pass_rows(empty_desc, "nothing compressed")]
-    # the mixed batch: every row's oldest `ncomp` blocks in `fmt`, written by the product's kernels
-    spec = SlotSpec(fmt, bs, d, h)
-    stack = LayerStack({"layer": kv})  # the worker's slot pool (one layer): the bytes it writes
-    slot_pool = stack.pool(fmt, spec)
-    placed, remaps = [], []
-    sid0 = (bsz * nblk + 1) * fmt.pack_ratio
-    for r in range(bsz):
-        src = tables[r, :ncomp].long()
-        k, v = hot.k_data[src], hot.v_data[src]
-        imp = torch.ones(ncomp, bs, h, device=dev) if fmt.reduction is not None else None
-        cb = compress_blocks(fmt, k, v, token_importance=imp)
-        ids = sid0 + r * ncomp + torch.arange(ncomp, device=dev)
-        stack.write(slot_pool, (0,), ids, cb)
-        rm = {}
-        for j in range(ncomp):
-            sid = int(sid0 + r * ncomp + j)
-            place = (fmt, sid // fmt.pack_ratio, sid % fmt.pack_ratio)
-            placed.append((f"r{r}", j, place))
-            rm[j] = place
-        remaps.append(rm)
-    table.update(placed, [], {int(b): f"r{i}" for i, b in enumerate(tables[:, -1].tolist())})
-    pool = slot_pool.at(0).blocks(cb.k_data.dtype, cb.v_data.dtype, kv.dtype)
-    desc = pool_descriptors({1: pool}, bs, dev)
-    plan = plan_rows([PagedRow(tables[r].tolist(), ctx, 1, remaps[r]) for r in range(bsz)], bs).to(dev)
+    variants = [("one_pass", None, None, None), ("one_pass, unsplit", 1, None, None)]
+    variants += [(f"one_pass, splits={sp or 'auto'} tile_blocks={tb} warps={nw}", sp or None, tb, nw)
+                 for sp in a.splits for tb in a.tiles for nw in a.warps]
+    rows = [timed("vllm", "nothing compressed", vllm)]
+    rows += [timed(name, "nothing compressed", lambda sp=sp, tb=tb, nw=nw: one_pass(empty_desc, sp, tb, nw))
+             for name, sp, tb, nw in variants]
+
+    def mixed_case(fmt: Format, fraction: float) -> tuple[torch.Tensor, CompressedBlocks, dict]:
+        """Every row's oldest blocks (never its last, which takes this step's token) in `fmt`,
+        written by the product's kernels into the worker's slot pool over the same cache."""
+        ncomp = min(int(nblk * fraction), nblk - 1)
+        spec = SlotSpec(fmt, bs, d, h)
+        stack = LayerStack({"layer": kv})
+        slot_pool = stack.pool(fmt, spec)
+        placed, remaps = [], []
+        sid0 = (bsz * nblk + 1) * fmt.pack_ratio
+        for r in range(bsz):
+            src = tables[r, :ncomp].long()
+            k, v = hot.k_data[src], hot.v_data[src]
+            imp = torch.ones(ncomp, bs, h, device=dev) if fmt.reduction is not None else None
+            cb = compress_blocks(fmt, k, v, token_importance=imp)
+            stack.write(slot_pool, (0,), sid0 + r * ncomp + torch.arange(ncomp, device=dev), cb)
+            rm = {}
+            for j in range(ncomp):
+                sid = int(sid0 + r * ncomp + j)
+                rm[j] = (fmt, sid // fmt.pack_ratio, sid % fmt.pack_ratio)
+                placed.append((f"r{r}", j, rm[j]))
+            remaps.append(rm)
+        table.update(placed, [], key_blocks)
+        pool = slot_pool.at(0).blocks(cb.k_data.dtype, cb.v_data.dtype, kv.dtype)
+        return pool_descriptors({table.code_of(fmt): pool}, bs, dev), pool, {"remaps": remaps, "ncomp": ncomp}
 
     ent, lse = table.observe_scratch(hq)
+    first = True
+    for fmt_name in a.formats:
+        fmt = Format.parse(fmt_name)
+        for fraction in a.fractions:
+            desc, pool, info = mixed_case(fmt, fraction)
+            case = f"{info['ncomp']}/{nblk} blocks {fmt}"
+            rows += [timed(name, case, lambda sp=sp, tb=tb, nw=nw, desc=desc: one_pass(desc, sp, tb, nw))
+                     for name, sp, tb, nw in variants]
+            if first:  # the observed layer and the old split path, once
+                first = False
 
-    def observed() -> None:  # the observed layer: the kernel with block log-sum-exp, then the average
-        mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale,
-                     entry_lse=ent[:bsz], lse=lse[:bsz])
-        update_block_importance(ent[:bsz], lse[:bsz], seq_lens, qsl, slots, table.owner, table.entries,
-                                table.imp_owner, table.importance, decay=0.9, aggregate="max", block_size=bs)
+                def observed(desc: torch.Tensor = desc) -> None:
+                    mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc,
+                                 sm_scale=scale, entry_lse=ent[:bsz], lse=lse[:bsz])
+                    update_block_importance(ent[:bsz], lse[:bsz], seq_lens, qsl, slots, table.owner,
+                                            table.entries, table.imp_owner, table.importance, decay=0.9,
+                                            aggregate="max", block_size=bs)
 
-    def split() -> None:
-        vllm()
-        paged_attention(q, plan, hot, {fmt: pool}, sm_scale=scale)
+                plan = plan_rows([PagedRow(tables[r].tolist(), ctx, 1, info["remaps"][r]) for r in range(bsz)],
+                                 bs).to(dev)
 
-    case = f"{a.fraction:.0%} of blocks {fmt}"
-    rows += [*one_pass_rows(desc, case),
-             {"row": "one_pass, observed layer", "case": case, "ms": _graph_ms(observed, a.iters),
-              "launches": _launches(observed)},
-             {"row": "split (eager)", "case": case, "ms": _eager_ms(split, a.iters), "launches": _launches(split)}]
+                def split(plan: PagedPlan = plan, pool: CompressedBlocks = pool, fmt: Format = fmt) -> None:
+                    vllm()
+                    paged_attention(q, plan, hot, {fmt: pool}, sm_scale=scale)
+
+                rows += [timed("one_pass, observed layer", case, observed),
+                         timed("split (eager)", case, split, graph=False)]
+            table.update([(f"r{r}", j, None) for r in range(bsz) for j in range(info["ncomp"])], [], key_blocks)
     gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     import triton
@@ -203,8 +225,8 @@ def main() -> None:
     print("\n".join(lines))
     res = ROOT / "bench" / "results"
     res.mkdir(parents=True, exist_ok=True)
-    (res / f"one-pass-decode-{gpu}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    (res / f"one-pass-decode-{gpu}.md").write_text(f"{json.dumps(meta, indent=1)}\n\n" + "\n".join(lines) + "\n")
+    (res / f"one-pass-decode-{gpu}{a.tag}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (res / f"one-pass-decode-{gpu}{a.tag}.md").write_text(f"{json.dumps(meta, indent=1)}\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

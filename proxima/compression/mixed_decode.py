@@ -10,8 +10,9 @@ partial results and no merge, and the output is written in place into vLLM's out
 Optionally (`entry_lse`) it also writes each logical block's log-sum-exp, from which the
 observed layer's per-block attention mass follows (`block_mass`) without a second pass.
 
-Speed (issue 38, item 5), where it stands: a run of vLLM's pages is read TILE_TOKENS (64) at a
-time, a tile holding any compressed block one block at a time in its format; both
+Speed (issue 38, item 5), where it stands: a run of blocks in one format (vLLM's pages or
+one compressed format) is read TILE_TOKENS (128) at a time as one tile, a tile mixing formats
+block by block; both
 products run on tensor cores (`tl.dot`, the KV head's G query heads as M padded to 16, operands
 in the query's 16-bit dtype, fp32 accumulation) once the block and head dim reach 16; the
 dequantization stays in registers per format. Long contexts split over programs (`splits`,
@@ -102,21 +103,26 @@ def _desc(desc_ptr, code, field: tl.constexpr):
 
 
 @triton.jit
-def _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h, trow, NB, j, seq_len,
-                ot, od, m2, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
-    """Logical block `j` of the row in its own format: keys and values [BS, BLOCK_D] in float32,
-    the logit bias [BS] (log count of centroids) and which of its rows hold tokens."""
-    code = tl.load(ent_ptr + (trow * NB + j) * 2)
-    seen = tl.minimum(seq_len - j * BS, BS)
-    if code == 0:  # vLLM's bf16 page
-        blk = tl.load(bt_ptr + r * sbt + j).to(tl.int64)
+def _load_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h, trow, NB, code, j0, seq_len,
+               od, m2, D: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr):  # fmt: skip
+    """TB consecutive logical blocks from `j0`, all in format `code` (the caller checked), as one
+    tile of TB * BS rows: keys and values [TB * BS, BLOCK_D] in float32, the logit bias [TB * BS]
+    (log count of centroids) and which rows hold tokens. Code 0 reads vLLM's pages through its
+    block table; any other code reads that format's slots, the descriptor fields loaded once per
+    tile (a tile of one block is the mixed-tile fallback). Rows past the context are invalid."""
+    ott = tl.arange(0, TB * BS)
+    blk_of = ott // BS  # each row's block within the tile
+    ot = ott % BS  # and its token within the block
+    seen = tl.minimum(seq_len - (j0 + blk_of) * BS, BS)  # <= 0 past the context
+    if code == 0:  # vLLM's bf16 pages
         valid = ot < seen
-        base = kv_ptr + blk * skv_b + h * skv_h + ot[:, None] * skv_t + od[None, :]
+        blk = tl.load(bt_ptr + r * sbt + j0 + blk_of, mask=valid, other=0).to(tl.int64)
+        base = kv_ptr + blk[:, None] * skv_b + h * skv_h + ot[:, None] * skv_t + od[None, :]
         k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
         v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-        bias = tl.zeros((BS,), tl.float32)
+        bias = tl.zeros((TB * BS,), tl.float32)
     else:
-        sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
+        sid = tl.load(ent_ptr + (trow * NB + j0 + blk_of) * 2 + 1, mask=seen > 0, other=0).to(tl.int64)
         quant = _desc(desc_ptr, code, 0)
         tokens = _desc(desc_ptr, code, 1)
         # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
@@ -124,7 +130,7 @@ def _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, 
         valid = ot < ntok
         vm = valid[:, None] & m2
         group = _desc(desc_ptr, code, 3)
-        row_off = sid * _desc(desc_ptr, code, 4) + ot[:, None] * _desc(desc_ptr, code, 5) \
+        row_off = sid[:, None] * _desc(desc_ptr, code, 4) + ot[:, None] * _desc(desc_ptr, code, 5) \
             + h * _desc(desc_ptr, code, 6)
         kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
         vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
@@ -135,8 +141,7 @@ def _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, 
         if quant == 1:  # fp8: per-token scales on keys and values
             f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
             f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-            f8_ksc = tl.load(f8_ks + sid * _desc(desc_ptr, code, 13) + ot * _desc(desc_ptr, code, 14)
-                             + h * _desc(desc_ptr, code, 15), mask=valid, other=0.0)
+            f8_ksc = tl.load(f8_ks + ks_row + ot * _desc(desc_ptr, code, 14), mask=valid, other=0.0)
             f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
             f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -147,7 +152,7 @@ def _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, 
             bits = 8 // per
             ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
             kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
-            g_off = ks_row + ((ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
+            g_off = (ks_row + (ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
             ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
             kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
             shift = ((od % per) * bits).to(tl.uint8)
@@ -166,7 +171,7 @@ def _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, 
                 iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
                 iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
                 v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
-        bias = tl.zeros((BS,), tl.float32)
+        bias = tl.zeros((TB * BS,), tl.float32)
         lc_addr = _desc(desc_ptr, code, 12)
         if lc_addr != 0:  # centroids: log(count) on each logit
             lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
@@ -175,20 +180,6 @@ def _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, 
         k = tl.where(vm, k, 0.0)
         v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
     return k, v, bias, valid
-
-
-@triton.jit
-def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j0, seq_len, ott, od, m2,
-                   D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
-    """TILE_BLOCKS consecutive logical blocks from `j0` that are all vLLM's bf16 pages, as one
-    tile [TILE_BLOCKS * BS, BLOCK_D] (each token through vLLM's block table), and its token mask."""
-    tok = j0 * BS + ott
-    valid = tok < seq_len
-    blk = tl.load(bt_ptr + r * sbt + tok // BS, mask=valid, other=0).to(tl.int64)
-    base = kv_ptr + blk[:, None] * skv_b + h * skv_h + (tok % BS)[:, None] * skv_t + od[None, :]
-    k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-    v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-    return k, v, valid
 
 
 @triton.jit
@@ -225,6 +216,19 @@ def _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
 
 
 @triton.jit
+def _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j0, j_end, p, m_use, G_PAD: tl.constexpr, TB: tl.constexpr,
+                     BS: tl.constexpr):  # fmt: skip
+    """The observed layer: each of the tile's TB blocks' log-sum-exp (natural log) per query head,
+    from the tile's probabilities `p` [G_PAD, TB * BS] relative to `m_use` (log2 units)."""
+    jj = j0 + tl.arange(0, TB)
+    bsum = tl.sum(tl.reshape(p, (G_PAD, TB, BS)), axis=2)
+    ent = tl.where(bsum > 0, (tl.math.log2(tl.maximum(bsum, 1e-30)) + m_use[:, None]) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(ent_out_ptr + (r * NB_OUT + jj[None, :]) * Hq + qh[:, None], ent,
+             mask=mg[:, None] & ((jj < j_end) & (jj < NB_OUT))[None, :])
+
+
+@triton.jit
 def _mixed_decode_kernel(
     q_ptr, sq_s, sq_h,  # [S, Hq, D] queries
     o_ptr, so_s, so_h,  # [S, Hq, D] output (written in place)
@@ -247,7 +251,6 @@ def _mixed_decode_kernel(
     sp = tl.program_id(2)
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
-    ot = tl.arange(0, BS)
     mg = og < G
     md = od < D
     qh = h * G + og
@@ -271,32 +274,27 @@ def _mixed_decode_kernel(
     # kernel reads 32-64 tokens a step; one 16-token page a step left the unsplit kernel at 3x its
     # time on the H100), a tile holding any compressed block goes block by block in its formats.
     otb = tl.arange(0, TILE_BLOCKS)
-    ott = tl.arange(0, TILE_BLOCKS * BS)
     for jt in range(j_start, j_end, TILE_BLOCKS):
         jj = jt + otb
-        codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
-        if tl.max(codes, axis=0) == 0:  # names differ per branch: their types do (see `_load_block`)
-            hk, hv, hvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, jt, seq_len, ott, od,
-                                            m2, D, BS)
-            m_i, l_i, acc, hp, hm = _softmax_step(q, hk, hv, tl.zeros((TILE_BLOCKS * BS,), tl.float32), hvalid,
-                                                  m_i, l_i, acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
+        inb = jj < j_end
+        codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=inb, other=0)
+        cmax = tl.max(codes, axis=0)
+        if tl.min(tl.where(inb, codes, cmax), axis=0) == cmax:  # one format: one wide tile
+            k, v, bias, valid = _load_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h, trow,
+                                           NB, cmax, jt, seq_len, od, m2, D, BS, TILE_BLOCKS)
+            m_i, l_i, acc, p, m_use = _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
+                                                    DOT, DOT_16BIT)
             if OBSERVE:
-                hsum = tl.sum(tl.reshape(hp, (G_PAD, TILE_BLOCKS, BS)), axis=2)
-                hent = tl.where(hsum > 0, (tl.math.log2(tl.maximum(hsum, 1e-30)) + hm[:, None]) * 0.6931471805599453,
-                                float("-inf"))
-                tl.store(ent_out_ptr + (r * NB_OUT + jj[None, :]) * Hq + qh[:, None], hent,
-                         mask=mg[:, None] & ((jj < j_end) & (jj < NB_OUT))[None, :])
-        else:
+                _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, p, m_use, G_PAD, TILE_BLOCKS, BS)
+        else:  # formats mixed within the tile: block by block, each in its own
             for j in range(jt, tl.minimum(jt + TILE_BLOCKS, j_end)):
-                k, v, bias, valid = _load_block(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h,
-                                                trow, NB, j, seq_len, ot, od, m2, D, BS)
-                m_i, l_i, acc, p, m_use = _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
-                                                        DOT, DOT_16BIT)
+                code = tl.load(ent_ptr + (trow * NB + j) * 2)
+                k1, v1, bias1, valid1 = _load_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r,
+                                                   h, trow, NB, code, j, seq_len, od, m2, D, BS, 1)
+                m_i, l_i, acc, p1, m_use1 = _softmax_step(q, k1, v1, bias1, valid1, m_i, l_i, acc, sm_scale_log2,
+                                                          q_ptr, DOT, DOT_16BIT)
                 if OBSERVE:
-                    p_sum = tl.sum(p, axis=1)
-                    ent = tl.where(p_sum > 0, (tl.math.log2(tl.maximum(p_sum, 1e-30)) + m_use) * 0.6931471805599453,
-                                   float("-inf"))
-                    tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, ent, mask=mg & ((og * 0 + j) < NB_OUT))
+                    _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, p1, m_use1, G_PAD, 1, BS)
     if OBSERVE:  # the blocks past this row's end received nothing (the last split says so)
         for j in range(tl.where(sp == SPLITS - 1, nblk, NB_OUT), NB_OUT):
             tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)
@@ -352,9 +350,11 @@ def _combine_splits_kernel(
         tl.store(lse_ptr + r * Hq + qh, lse, mask=mg)
 
 
-TILE_TOKENS = 64
+TILE_TOKENS = 128
 """Tokens of vLLM's pages one step of the kernel reads where a run of blocks is all bf16 (vLLM's
 own decode kernel reads 32-64)."""
+NUM_WARPS = 4
+"""Warps of one program (`num_warps=` overrides, for the benchmark's sweep)."""
 MAX_SPLITS = 16
 MIN_BLOCKS_PER_SPLIT = 8
 """A split walks at least this many blocks of the longest row the block table can hold: below
@@ -384,6 +384,7 @@ def mixed_decode(
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -397,7 +398,7 @@ def mixed_decode(
     the row's blocks. With more than one, each writes its partial softmax state and a second
     launch (`_combine_splits_kernel`) merges them into `out` (and `lse`): two launches, and the
     per-block log-sum-exp is the same either way (absolute, not relative to a split's maximum).
-    `tile_blocks` (default: 64 tokens' worth, at least 1; a power of two): blocks read as one tile
+    `tile_blocks` (default: TILE_TOKENS' worth, at least 1; a power of two): blocks read as one tile
     where they are all vLLM's pages."""
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
@@ -438,7 +439,7 @@ def mixed_decode(
         lse if lse is not None else dummy, part_ml, part_acc,
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
-        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb,
+        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb, num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     if partial:
         _combine_splits_kernel[(s, h)](

@@ -33,6 +33,10 @@ REQUESTS = {
     "b": ([5, 6], 20, {}),
     "c": ([7, 8, 9, 10], 55, {0: ("int2", 23, 3), 1: ("cluster(2)+int4", 24, 0), 2: ("int8", 20, 1)}),
     "d": ([11], 9, {}),
+    # runs of one format: with tiles of 2 blocks, [0, 1] is one int4 tile and [2, 3] one
+    # cluster(2)+int4 tile (the wide compressed path), [4] the page with the query token
+    "e": ([12, 13, 14, 15, 16], 70, {0: ("int4", 25, 0), 1: ("int4", 25, 1), 2: ("cluster(2)+int4", 26, 0),
+                                     3: ("cluster(2)+int4", 26, 1)}),
 }
 
 
@@ -59,7 +63,7 @@ def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, dict
     connector.bind_connector_metadata(ProximaPlan(actions=acts))
     rep = connector.build_connector_worker_meta()
     assert rep is not None and sorted(rep.ok) == list(range(len(acts))), rep
-    tables = torch.zeros(len(REQUESTS), 5, dtype=torch.int32)
+    tables = torch.zeros(len(REQUESTS), 5, dtype=torch.int32)  # 5: the longest request's blocks
     slots, key_blocks = [], {}
     for r, (rid, (blocks, n, comp)) in enumerate(REQUESTS.items()):
         for j, phys in enumerate(blocks):
@@ -119,7 +123,8 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     """Whatever the split of the context over programs (3 over rows of 1-4 blocks: uneven runs,
     and splits with no block at all) and the tile (1 block: rows a and c read their last page as a
     tile of its own after their compressed blocks; 2 and the default 4: tiles mixing formats and
-    pages, block by block, and all-pages tiles, partial ones in rows b and d), the merged result
+    pages, block by block, and all-pages tiles, partial ones in rows b and d; row e's runs of one
+    compressed format read as one tile each with 2), the merged result
     and the per-block mass are the same."""
     store, kv, meta = _world(worker_connector)
     t = worker_connector.block_table

@@ -103,82 +103,91 @@ def _desc(desc_ptr, code, field: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h, trow, NB, code, j0, seq_len,
-               od, m2, D: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr):  # fmt: skip
-    """TB consecutive logical blocks from `j0`, all in format `code` (the caller checked), as one
-    tile of TB * BS rows: keys and values [TB * BS, BLOCK_D] in float32, the logit bias [TB * BS]
-    (log count of centroids) and which rows hold tokens. Code 0 reads vLLM's pages through its
-    block table; any other code reads that format's slots, the descriptor fields loaded once per
-    tile (a tile of one block is the mixed-tile fallback). Rows past the context are invalid."""
-    ott = tl.arange(0, TB * BS)
-    blk_of = ott // BS  # each row's block within the tile
-    ot = ott % BS  # and its token within the block
-    seen = tl.minimum(seq_len - (j0 + blk_of) * BS, BS)  # <= 0 past the context
-    if code == 0:  # vLLM's bf16 pages
-        valid = ot < seen
-        blk = tl.load(bt_ptr + r * sbt + j0 + blk_of, mask=valid, other=0).to(tl.int64)
-        base = kv_ptr + blk[:, None] * skv_b + h * skv_h + ot[:, None] * skv_t + od[None, :]
-        k = tl.load(base, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-        v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0).to(tl.float32)
-        bias = tl.zeros((TB * BS,), tl.float32)
-    else:
-        sid = tl.load(ent_ptr + (trow * NB + j0 + blk_of) * 2 + 1, mask=seen > 0, other=0).to(tl.int64)
-        quant = _desc(desc_ptr, code, 0)
-        tokens = _desc(desc_ptr, code, 1)
-        # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
-        ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
-        valid = ot < ntok
-        vm = valid[:, None] & m2
-        group = _desc(desc_ptr, code, 3)
-        row_off = sid[:, None] * _desc(desc_ptr, code, 4) + ot[:, None] * _desc(desc_ptr, code, 5) \
-            + h * _desc(desc_ptr, code, 6)
-        kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-        vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-        ks_row = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
-        vs_row = sid * _desc(desc_ptr, code, 16) + ot * _desc(desc_ptr, code, 17) + h * _desc(desc_ptr, code, 18)
-        # Names are distinct per branch where their types differ: a compiled `if` may only
-        # carry out names of one type from both sides (the interpreter would not notice).
-        if quant == 1:  # fp8: per-token scales on keys and values
-            f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
-            f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-            f8_ksc = tl.load(f8_ks + ks_row + ot * _desc(desc_ptr, code, 14), mask=valid, other=0.0)
-            f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
-            f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            k = f8_k * f8_ksc[:, None]
-            v = f8_v * f8_vsc[:, None]
-        else:  # KIVI keys: per channel, a scale / zero row per group of tokens
-            per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
-            bits = 8 // per
-            ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
-            kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
-            g_off = (ks_row + (ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
-            ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
-            kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
-            shift = ((od % per) * bits).to(tl.uint8)
-            cmask = ((1 << bits) - 1).to(tl.uint8)
-            kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
-            k = ((kraw >> shift[None, :]) & cmask).to(tl.float32) * ksc + kzp
-            vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
-            if quant == 2:  # int8 values: signed codes, a scale per token
-                i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-                i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
-                v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
-            else:  # int4 / int2 values: scale and zero per token and group of channels
-                iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
-                iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
-                vg = vs_row[:, None] + (od // group)[None, :]
-                iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
-                iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
-                v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
-        bias = tl.zeros((TB * BS,), tl.float32)
-        lc_addr = _desc(desc_ptr, code, 12)
-        if lc_addr != 0:  # centroids: log(count) on each logit
-            lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-            bias = tl.load(lc_p + sid * _desc(desc_ptr, code, 19) + ot * _desc(desc_ptr, code, 20)
-                           + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
-        k = tl.where(vm, k, 0.0)
-        v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
+def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j0, seq_len, od, m2,
+                   D: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr):  # fmt: skip
+    """TB consecutive logical blocks from `j0` read from vLLM's pages (through its block table) as
+    one tile of TB * BS rows: keys and values [TB * BS, BLOCK_D] in the cache's 16-bit dtype (no
+    float32 copy: a 128-token tile in float32 would double the registers of every program) and
+    which rows hold tokens (rows past the context do not)."""
+    tok = j0 * BS + tl.arange(0, TB * BS)
+    valid = tok < seq_len
+    blk = tl.load(bt_ptr + r * sbt + tok // BS, mask=valid, other=0).to(tl.int64)
+    base = kv_ptr + blk[:, None] * skv_b + h * skv_h + (tok % BS)[:, None] * skv_t + od[None, :]
+    k = tl.load(base, mask=valid[:, None] & m2, other=0.0)
+    v = tl.load(base + D, mask=valid[:, None] & m2, other=0.0)
+    return k, v, valid
+
+
+@triton.jit
+def _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md, BS: tl.constexpr):
+    """Logical block `j` of the row, compressed in format `code` > 0: keys and values [BS, BLOCK_D]
+    dequantized to float32, the logit bias [BS] (log count of centroids) and which rows hold
+    tokens. The slot id is one scalar load, so every address is a scalar base plus a row offset;
+    KIVI key scales with one token group per slot (group >= BS, the shipped storage) are one row
+    per slot, loaded once and broadcast over the tokens."""
+    seen = tl.minimum(seq_len - j * BS, BS)
+    sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
+    quant = _desc(desc_ptr, code, 0)
+    tokens = _desc(desc_ptr, code, 1)
+    # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
+    ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
+    valid = ot < ntok
+    vm = valid[:, None] & md[None, :]
+    group = _desc(desc_ptr, code, 3)
+    row_off = (sid * _desc(desc_ptr, code, 4) + h * _desc(desc_ptr, code, 6)) + ot[:, None] * _desc(desc_ptr, code, 5)
+    kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
+    vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
+    ks_base = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
+    vs_row = (sid * _desc(desc_ptr, code, 16) + h * _desc(desc_ptr, code, 18)) + ot * _desc(desc_ptr, code, 17)
+    # Names are distinct per branch where their types differ: a compiled `if` may only
+    # carry out names of one type from both sides (the interpreter would not notice).
+    if quant == 1:  # fp8: per-token scales on keys and values
+        f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
+        f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+        f8_ksc = tl.load(f8_ks + ks_base + ot * _desc(desc_ptr, code, 14), mask=valid, other=0.0)
+        f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
+        f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k = f8_k * f8_ksc[:, None]
+        v = f8_v * f8_vsc[:, None]
+    else:  # KIVI keys: per channel, a scale / zero row per group of tokens
+        per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
+        bits = 8 // per
+        ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
+        kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
+        shift = ((od % per) * bits).to(tl.uint8)
+        cmask = ((1 << bits) - 1).to(tl.uint8)
+        kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
+        kcode = ((kraw >> shift[None, :]) & cmask).to(tl.float32)
+        if group >= BS:  # one token group: the slot's scale and zero rows, broadcast
+            ksc1 = tl.load(ks_p + ks_base + od, mask=md, other=0.0).to(tl.float32)
+            kzp1 = tl.load(kz_p + ks_base + od, mask=md, other=0.0).to(tl.float32)
+            k = kcode * ksc1[None, :] + kzp1[None, :]
+        else:
+            g_off = (ks_base + (ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
+            kscg = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
+            kzpg = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
+            k = kcode * kscg + kzpg
+        vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
+        if quant == 2:  # int8 values: signed codes, a scale per token
+            i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
+            i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
+            v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
+        else:  # int4 / int2 values: scale and zero per token and group of channels
+            iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
+            iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
+            vg = vs_row[:, None] + (od // group)[None, :]
+            iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
+            iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
+            v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
+    bias = tl.zeros((BS,), tl.float32)
+    lc_addr = _desc(desc_ptr, code, 12)
+    if lc_addr != 0:  # centroids: log(count) on each logit
+        lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
+        bias = tl.load(lc_p + sid * _desc(desc_ptr, code, 19) + ot * _desc(desc_ptr, code, 20)
+                       + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
+    k = tl.where(vm, k, 0.0)
+    v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
     return k, v, bias, valid
 
 
@@ -191,10 +200,10 @@ def _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
         # query's 16-bit dtype (the model's), fp32 sums
         if DOT_16BIT:
             qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
-        else:
-            qk = tl.dot(q, tl.trans(k))
+        else:  # the interpreter: float32 operands (hot tiles come in the cache's 16-bit dtype)
+            qk = tl.dot(q, tl.trans(k.to(tl.float32)))
     else:
-        qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
     s = qk * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -205,12 +214,12 @@ def _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
     l_i = l_i * alpha + p_sum
     m_i = m_new
     if DOT:
-        if DOT_16BIT:  # noqa: SIM108 (constexpr: one branch is compiled)
+        if DOT_16BIT:  # a constexpr: one branch is compiled
             pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
         else:
-            pv = tl.dot(p, v)
+            pv = tl.dot(p, v.to(tl.float32))
     else:
-        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
     acc = acc * alpha[:, None] + pv
     return m_i, l_i, acc, p, m_use
 
@@ -251,6 +260,7 @@ def _mixed_decode_kernel(
     sp = tl.program_id(2)
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
+    ot = tl.arange(0, BS)
     mg = og < G
     md = od < D
     qh = h * G + og
@@ -276,25 +286,32 @@ def _mixed_decode_kernel(
     otb = tl.arange(0, TILE_BLOCKS)
     for jt in range(j_start, j_end, TILE_BLOCKS):
         jj = jt + otb
-        inb = jj < j_end
-        codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=inb, other=0)
-        cmax = tl.max(codes, axis=0)
-        if tl.min(tl.where(inb, codes, cmax), axis=0) == cmax:  # one format: one wide tile
-            k, v, bias, valid = _load_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r, h, trow,
-                                           NB, cmax, jt, seq_len, od, m2, D, BS, TILE_BLOCKS)
-            m_i, l_i, acc, p, m_use = _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
-                                                    DOT, DOT_16BIT)
+        codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
+        if tl.max(codes, axis=0) == 0:  # all vLLM's pages: one wide tile
+            hk, hv, hvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, jt, seq_len, od, m2,
+                                            D, BS, TILE_BLOCKS)
+            m_i, l_i, acc, hp, hm = _softmax_step(q, hk, hv, tl.zeros((TILE_BLOCKS * BS,), tl.float32), hvalid,
+                                                  m_i, l_i, acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
             if OBSERVE:
-                _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, p, m_use, G_PAD, TILE_BLOCKS, BS)
-        else:  # formats mixed within the tile: block by block, each in its own
+                _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, hp, hm, G_PAD, TILE_BLOCKS, BS)
+        else:  # compressed blocks in the tile: block by block, each in its own format
+            # (the names differ per branch: their types do, see `_load_slot_block`)
             for j in range(jt, tl.minimum(jt + TILE_BLOCKS, j_end)):
                 code = tl.load(ent_ptr + (trow * NB + j) * 2)
-                k1, v1, bias1, valid1 = _load_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, desc_ptr, r,
-                                                   h, trow, NB, code, j, seq_len, od, m2, D, BS, 1)
-                m_i, l_i, acc, p1, m_use1 = _softmax_step(q, k1, v1, bias1, valid1, m_i, l_i, acc, sm_scale_log2,
+                if code == 0:
+                    bk, bv, bvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j, seq_len, od,
+                                                    m2, D, BS, 1)
+                    m_i, l_i, acc, bp, bm = _softmax_step(q, bk, bv, tl.zeros((BS,), tl.float32), bvalid, m_i, l_i,
+                                                          acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
+                    if OBSERVE:
+                        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, bp, bm, G_PAD, 1, BS)
+                else:
+                    ck, cv, cbias, cvalid = _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot,
+                                                             od, md, BS)
+                    m_i, l_i, acc, cp, cm = _softmax_step(q, ck, cv, cbias, cvalid, m_i, l_i, acc, sm_scale_log2,
                                                           q_ptr, DOT, DOT_16BIT)
-                if OBSERVE:
-                    _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, p1, m_use1, G_PAD, 1, BS)
+                    if OBSERVE:
+                        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, G_PAD, 1, BS)
     if OBSERVE:  # the blocks past this row's end received nothing (the last split says so)
         for j in range(tl.where(sp == SPLITS - 1, nblk, NB_OUT), NB_OUT):
             tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)
@@ -357,6 +374,9 @@ NUM_WARPS = 4
 """Warps of one program (`num_warps=` overrides, for the benchmark's sweep)."""
 MAX_SPLITS = 16
 MIN_BLOCKS_PER_SPLIT = 8
+WAVES = 8
+"""Programs per SM `auto_splits` aims for: on the H100 (2026-12-06, bench/one_pass_decode.py) 64 rows x
+4k with one split (512 programs, ~4 per SM) took 0.47 ms a layer, with 4 (2,048) 0.40."""
 """A split walks at least this many blocks of the longest row the block table can hold: below
 that, the partials' write and merge cost more than the parallelism buys."""
 
@@ -368,14 +388,14 @@ def _sm_count(index: int) -> int:
 
 
 def auto_splits(rows: int, kv_heads: int, table_blocks: int, device: torch.device) -> int:
-    """How many programs share one row's context: enough (rows x KV heads x splits) to fill the
-    GPU twice over, never more than the table's width allows. Decided from shapes only (the batch
+    """How many programs share one row's context: enough (rows x KV heads x splits) for
+    WAVES programs per SM, never more than the table's width allows. Decided from shapes only (the batch
     size, the block table's width, the device), never from this step's context lengths, so a CUDA
     graph captured at a batch size replays the same split. 1 on a CPU (the interpreter: no SMs)."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    want = -(-2 * sms // max(1, rows * kv_heads))
+    want = -(-WAVES * sms // max(1, rows * kv_heads))
     return max(1, min(MAX_SPLITS, want, table_blocks // MIN_BLOCKS_PER_SPLIT))
 
 

@@ -47,7 +47,10 @@ def _one_pass_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
 
 
-def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, dict[str, torch.Tensor]]:
+def _world(connector: ProximaConnector, group: int | None = None
+           ) -> tuple[WorkerStore, torch.Tensor, dict[str, torch.Tensor]]:
+    """The connector's worker with REQUESTS' blocks compressed (with `group`: the storage's KIVI
+    group instead of the policy's, e.g. 8 < the block size: several key groups per slot)."""
     torch.manual_seed(0)
     kv = torch.randn(NB, H, B, 2 * D).bfloat16().to(DEV)
     impl = cb.ProximaTritonAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=H,
@@ -57,6 +60,10 @@ def _world(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor, dict
     store = connector.store
     assert store is not None
     compression_probe_off(store)
+    if group is not None:
+        from proxima.policy.schema import Storage
+
+        store.storage = Storage(group_size=group)
     todo = [(rid, j, blocks[j], *p) for rid, (blocks, _, comp) in REQUESTS.items() for j, p in comp.items()]
     acts = [CompressAction(i, rid, j, src=src, dst=dst, slot=slot, fmt=Format.parse(fmt))
             for i, (rid, j, src, fmt, dst, slot) in enumerate(todo)]
@@ -117,16 +124,21 @@ def _pools(connector: ProximaConnector, store: WorkerStore) -> torch.Tensor:
     return pool_descriptors(pools, B, DEV)
 
 
-@pytest.mark.parametrize(("splits", "tiles"), [(1, None), (1, 1), (2, 1), (3, 1), (2, 2), (1, 2)])
+@pytest.mark.parametrize(("splits", "tiles", "group"),
+                         [(1, None, None), (1, 1, None), (2, 1, None), (3, 1, None), (2, 2, None), (1, 2, None),
+                          (2, None, 8)])
 def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector, splits: int,
-                                                             tiles: int | None) -> None:
+                                                             tiles: int | None, group: int | None) -> None:
     """Whatever the split of the context over programs (3 over rows of 1-4 blocks: uneven runs,
     and splits with no block at all) and the tile (1 block: rows a and c read their last page as a
-    tile of its own after their compressed blocks; 2 and the default 4: tiles mixing formats and
-    pages, block by block, and all-pages tiles, partial ones in rows b and d; row e's runs of one
-    compressed format read as one tile each with 2), the merged result
+    tile of its own after their compressed blocks; 2 and the default 8: tiles mixing formats and
+    pages, block by block, and all-pages tiles, partial ones in rows b and d; row e: runs of one
+    compressed format) and the storage's group (8: two KIVI key groups per 16-token slot, read per
+    token; the policy's 32: one scale row per slot), the merged result
     and the per-block mass are the same."""
-    store, kv, meta = _world(worker_connector)
+    store, kv, meta = _world(worker_connector, group)
+    if group is not None:  # the slots were written with it
+        assert cb.slot_pool_of(store, LAYER, Format.parse("int4"), DEV).group_size == group
     t = worker_connector.block_table
     assert t is not None and len(t.formats) == 5  # int8, int4, fp8, int2, cluster(2)+int4
     q = torch.randn(len(REQUESTS), HQ, D).bfloat16().to(DEV)
@@ -288,7 +300,7 @@ def test_a_decode_batch_is_one_launch_per_layer_and_building_reads_nothing_back(
     store.observe_layer = None  # the non-observed layers (the observed one: test below)
     counter = _Counter(monkeypatch)
     impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl
-    q = torch.randn(len(REQUESTS), HQ, D).bfloat16()
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16().to(DEV)
     cm, builder = _common(meta), _builder()
     with counter:
         m = builder.build(0, cm)
@@ -332,7 +344,7 @@ def test_the_observed_layer_on_the_one_pass_path_still_reports_importance(
     store, kv, meta = _world(worker_connector)
     assert store.observe_layer == LAYER
     impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl
-    q = torch.randn(len(REQUESTS), HQ, D).bfloat16()
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16().to(DEV)
     out = torch.empty_like(q)
     impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, _builder().build(0, _common(meta)), out)
     rep = worker_connector.build_connector_worker_meta()
@@ -381,7 +393,7 @@ def test_an_observed_layer_the_one_pass_kernel_cannot_read_is_observed_on_the_ho
     _, kv, meta = _world(worker_connector)
     impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl
     monkeypatch.setattr(impl, "logits_soft_cap", 30.0)
-    q = torch.randn(len(REQUESTS), HQ, D).bfloat16()
+    q = torch.randn(len(REQUESTS), HQ, D).bfloat16().to(DEV)
     m = _builder().build(0, _common(meta))
     assert m.px_table is not None and m.px_table.observed is not None
     with pytest.raises(NotImplementedError, match="soft-capping"):  # compressed rows, refused by the split path

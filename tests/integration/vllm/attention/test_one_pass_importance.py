@@ -156,7 +156,7 @@ def test_a_host_observation_seeds_the_device_average(worker_connector: ProximaCo
 
     monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
     store, kv, cm = tcb._world(worker_connector)
-    q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16()
+    q = torch.randn(cm.num_actual_tokens, HQ, D).bfloat16().to(kv.device)
     tcb._forward(tcb._impl("torch"), tcb._builder().build(0, cm), kv, q)
     rep = worker_connector.build_connector_worker_meta()
     t = worker_connector.block_table

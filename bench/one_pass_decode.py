@@ -103,7 +103,7 @@ def main() -> None:
     from proxima.compression.mixed_decode import auto_splits, mixed_decode, pool_descriptors, update_block_importance
     from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
     from proxima.compression.spec import SlotSpec
-    from proxima.formats import Format
+    from proxima.formats import DEFAULT_GROUP_SIZE, Format
     from proxima.integration.vllm.worker.block_table import DeviceBlockTable
 
     dev = torch.device("cuda")
@@ -141,7 +141,7 @@ def main() -> None:
 
     def one_pass(desc: torch.Tensor, splits: int | None = None, tb: int | None = None, nw: int | None = None) -> None:
         mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale,
-                     splits=splits, tile_blocks=tb, num_warps=nw)
+                     splits=splits, tile_blocks=tb, num_warps=nw, key_group=DEFAULT_GROUP_SIZE)
 
     def timed(name: str, case: str, fn, graph: bool = True) -> dict:  # type: ignore[no-untyped-def]
         row = {"row": name, "case": case, "ms": (_graph_ms if graph else _eager_ms)(fn, a.iters),

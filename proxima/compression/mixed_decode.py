@@ -119,12 +119,37 @@ def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j0, seq_len, 
 
 
 @triton.jit
-def _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md, BS: tl.constexpr):
+def _kivi_keys_one_row(kcode, ks_p, kz_p, ks_base, od, md):
+    """KIVI key codes [BS, BLOCK_D] of a slot with one token group: its scale and zero rows,
+    loaded once and broadcast over the tokens."""
+    ksc = tl.load(ks_p + ks_base + od, mask=md, other=0.0).to(tl.float32)
+    kzp = tl.load(kz_p + ks_base + od, mask=md, other=0.0).to(tl.float32)
+    return kcode * ksc[None, :] + kzp[None, :]
+
+
+@triton.jit
+def _kivi_keys(kcode, ks_p, kz_p, ks_base, ks_t, group, ot, od, md, vm, BS: tl.constexpr):
+    """The same for a slot of any group: token t reads scale row t // group."""
+    if group >= BS:
+        k = _kivi_keys_one_row(kcode, ks_p, kz_p, ks_base, od, md)
+    else:
+        g_off = (ks_base + (ot // group) * ks_t)[:, None] + od[None, :]
+        ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
+        kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
+        k = kcode * ksc + kzp
+    return k
+
+
+@triton.jit
+def _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md, BS: tl.constexpr,
+                     KEY_ROWS: tl.constexpr):  # fmt: skip
     """Logical block `j` of the row, compressed in format `code` > 0: keys and values [BS, BLOCK_D]
     dequantized to float32, the logit bias [BS] (log count of centroids) and which rows hold
     tokens. The slot id is one scalar load, so every address is a scalar base plus a row offset;
     KIVI key scales with one token group per slot (group >= BS, the shipped storage) are one row
-    per slot, loaded once and broadcast over the tokens."""
+    per slot, loaded once and broadcast over the tokens; with KEY_ROWS (a storage group below the
+    block size) a slot of a smaller group reads them per token, a [BS, D] gather that took the
+    kernel from 143 to 248 registers (ptxas, sm_90) and so is compiled only where it can occur."""
     seen = tl.minimum(seq_len - j * BS, BS)
     sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
     quant = _desc(desc_ptr, code, 0)
@@ -159,15 +184,10 @@ def _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, m
         cmask = ((1 << bits) - 1).to(tl.uint8)
         kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
         kcode = ((kraw >> shift[None, :]) & cmask).to(tl.float32)
-        if group >= BS:  # one token group: the slot's scale and zero rows, broadcast
-            ksc1 = tl.load(ks_p + ks_base + od, mask=md, other=0.0).to(tl.float32)
-            kzp1 = tl.load(kz_p + ks_base + od, mask=md, other=0.0).to(tl.float32)
-            k = kcode * ksc1[None, :] + kzp1[None, :]
+        if KEY_ROWS:  # (a constexpr: the per-token gather is compiled only where it can occur)
+            k = _kivi_keys(kcode, ks_p, kz_p, ks_base, _desc(desc_ptr, code, 14), group, ot, od, md, vm, BS)
         else:
-            g_off = (ks_base + (ot // group) * _desc(desc_ptr, code, 14))[:, None] + od[None, :]
-            kscg = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
-            kzpg = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
-            k = kcode * kscg + kzpg
+            k = _kivi_keys_one_row(kcode, ks_p, kz_p, ks_base, od, md)
         vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
         if quant == 2:  # int8 values: signed codes, a scale per token
             i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
@@ -253,7 +273,7 @@ def _mixed_decode_kernel(
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
-    TILE_BLOCKS: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -307,7 +327,7 @@ def _mixed_decode_kernel(
                         _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, bp, bm, G_PAD, 1, BS)
                 else:
                     ck, cv, cbias, cvalid = _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot,
-                                                             od, md, BS)
+                                                             od, md, BS, KEY_ROWS)
                     m_i, l_i, acc, cp, cm = _softmax_step(q, ck, cv, cbias, cvalid, m_i, l_i, acc, sm_scale_log2,
                                                           q_ptr, DOT, DOT_16BIT)
                     if OBSERVE:
@@ -404,7 +424,7 @@ def mixed_decode(
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int | None = None, key_group: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -418,6 +438,9 @@ def mixed_decode(
     the row's blocks. With more than one, each writes its partial softmax state and a second
     launch (`_combine_splits_kernel`) merges them into `out` (and `lse`): two launches, and the
     per-block log-sum-exp is the same either way (absolute, not relative to a split's maximum).
+    `key_group`: the smallest KIVI group of any pool in `descriptors` (the storage's, fixed while
+    serving); at or above the block size every slot has one key scale row and the per-token
+    variant is not compiled. None (unknown): both are, and the slot's group picks at run time.
     `tile_blocks` (default: TILE_TOKENS' worth, at least 1; a power of two): blocks read as one tile
     where they are all vLLM's pages."""
     s, hq, d = q.shape
@@ -459,7 +482,8 @@ def mixed_decode(
         lse if lse is not None else dummy, part_ml, part_acc,
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
-        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb, num_warps=num_warps or NUM_WARPS,
+        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb,
+        KEY_ROWS=key_group is None or key_group < bs, num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     if partial:
         _combine_splits_kernel[(s, h)](

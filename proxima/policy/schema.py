@@ -181,6 +181,12 @@ class Storage(_Model):
             raise ValueError(f"group sizes must be powers of two (16, 32, 64, ...), got {bad}")
         return v
 
+    @property
+    def smallest_group(self) -> int:
+        """The smallest KIVI group any format of this storage uses (the one-pass decode compiles
+        its per-token key scale rows only where a group is below the block size)."""
+        return min([self.group_size, *self.group_sizes.values()])
+
     def group_for(self, fmt: Format) -> int:
         """The group every slot of `fmt` is quantized with (formats that are not KIVI-grouped ignore it)."""
         return self.group_sizes.get(fmt.quant, self.group_size)  # type: ignore[arg-type]

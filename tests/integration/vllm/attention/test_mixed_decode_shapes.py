@@ -5,7 +5,8 @@ product's kernels into the product's slot pools over one cache (`LayerStack`), t
 
 Why beside test_mixed_decode.py: those tests run the connector at block 16 and head dim 32; an
 engine run at block 32 (bench/capacity.py's throughput workload, 2026-12-06) ended in a CUDA error
-with the one-pass decode on, so every addressing path is also checked here at block 32."""
+with the one-pass decode on (bench/results/experiments/one-pass-e2e), so every addressing path is
+also checked here at block 32. (This kernel is correct here; the engine's error is not explained.)"""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def _case(bs: int) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor, torch.T
     inputs = {"kv": kv, "tables": tables.to(DEV), "seq_lens": torch.tensor([n for n, _ in ROWS], dtype=torch.int32,
               device=DEV), "qsl": torch.arange(len(ROWS) + 1, dtype=torch.int32, device=DEV),
               "slots": torch.tensor(slots, dtype=torch.long, device=DEV), "table": table,
-              "desc": pool_descriptors(descs, bs, DEV)}
+              "desc": pool_descriptors(descs, bs, DEV),
+              "stack": stack}  # the descriptors hold raw pointers into the stack's side tables: keep it alive
     return inputs, dense
 
 

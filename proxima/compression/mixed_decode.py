@@ -10,19 +10,21 @@ partial results and no merge, and the output is written in place into vLLM's out
 Optionally (`entry_lse`) it also writes each logical block's log-sum-exp, from which the
 observed layer's per-block attention mass follows (`block_mass`) without a second pass.
 
-Speed (issue 38, item 5), where it stands: a run of blocks in one format (vLLM's pages or
-one compressed format) is read TILE_TOKENS (128) at a time as one tile, a tile mixing formats
-block by block; both
-products run on tensor cores (`tl.dot`, the KV head's G query heads as M padded to 16, operands
-in the query's 16-bit dtype, fp32 accumulation) once the block and head dim reach 16; the
-dequantization stays in registers per format. Long contexts split over programs (`splits`,
-`auto_splits`: from the batch shape and the GPU's SM count, so a graph captured at a batch size
-replays the same split): each program walks a contiguous run of the row's blocks and a second
-small launch merges the partial softmax states (first built 2026-12-06 after the H100 measured
-the unsplit kernel at 3.7 ms per layer against vLLM's 0.45 at 8 rows x 32k; its speed on the GPU
-is not measured yet). The launch grid is (rows, KV heads, splits) and nothing is read back to
-the host: capturable in a CUDA graph. In the observed layer a second small launch
-(`update_block_importance`) folds the per-block log-sum-exp into the device importance.
+Speed (issue 38, item 5), where it stands (H100, 2026-12-06, bench/one_pass_decode.py, per layer
+at the 8B shape): a run of vLLM's pages is read TILE_TOKENS (128) at a time as one bf16 tile, as fast
+as vLLM's own kernel (0.37 ms vs 0.46 at 8 rows x 32k, 0.37 vs 0.35 at 64 x 4k); a tile holding any
+compressed block goes block by block in its formats (`_load_slot_block`), 3-9x slower than bf16
+(int4 3.4 ms at 8 x 32k): registers (ptxas sm_90: 143 at one-block tiles, 255 with spills beside
+the 128-token hot tile), per-element value-scale gathers and integer-to-float conversions bound
+it; the split path's per-format kernel (`triton_attention.py`) avoids those. Both products run on
+tensor cores (`tl.dot`, the KV head's G query heads as M padded to 16, operands in the query's
+16-bit dtype, fp32 accumulation) once the block and head dim reach 16. Long contexts split over
+programs (`splits`, `auto_splits`: from the batch shape and the GPU's SM count, so a graph captured
+at a batch size replays the same split): each program walks a contiguous run of the row's blocks
+and a second small launch merges the partial softmax states. The launch grid is (rows, KV heads,
+splits) and nothing is read back to the host: capturable in a CUDA graph. In the observed layer a
+second small launch (`update_block_importance`) folds the per-block log-sum-exp into the device
+importance.
 
 Named dims: S batch rows (one query token each), Hq query heads, H KV heads, G = Hq / H, D head
 dim, BS vLLM's block size, NB logical blocks per request in the table.

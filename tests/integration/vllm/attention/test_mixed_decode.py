@@ -33,8 +33,8 @@ REQUESTS = {
     "b": ([5, 6], 20, {}),
     "c": ([7, 8, 9, 10], 55, {0: ("int2", 23, 3), 1: ("cluster(2)+int4", 24, 0), 2: ("int8", 20, 1)}),
     "d": ([11], 9, {}),
-    # runs of one format: with tiles of 2 blocks, [0, 1] is one int4 tile and [2, 3] one
-    # cluster(2)+int4 tile (the wide compressed path), [4] the page with the query token
+    # runs of one format: with tiles of 2 blocks, [0, 1] is a tile of int4 slots and [2, 3] one of
+    # cluster(2)+int4 slots (read block by block), [4] the page with the query token
     "e": ([12, 13, 14, 15, 16], 70, {0: ("int4", 25, 0), 1: ("int4", 25, 1), 2: ("cluster(2)+int4", 26, 0),
                                      3: ("cluster(2)+int4", 26, 1)}),
 }

@@ -66,7 +66,10 @@ from proxima.compression.triton_decode_configs import (  # noqa: F401 - re-expor
 from proxima.compression.triton_ops import INTERPRET, _p2
 
 
-@triton.jit
+# Sizes that change every step (rows, entries, entries per split) are not specialized on: Triton
+# would compile a new variant whenever one of them became 1 or a multiple of 16, a stall of 1-3 s
+# in the middle of serving (seen on the H100 in the capacity run's mixed steps).
+@triton.jit(do_not_specialize=["S", "E", "E_PER_SPLIT"])
 def _decode_kernel(
     q_ptr,
     sq_s,
@@ -453,7 +456,7 @@ def segment_partial(
     return ent
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "ROWS"])  # per-step sizes (see `_decode_kernel`)
 def _merge_kernel(
     o_ptr,  # [P, S*Hq, D] float32 partial outputs (each normalised over its part)
     lse_ptr,  # [P, S*Hq] float32 partial log-sum-exp (-inf: the part saw nothing)

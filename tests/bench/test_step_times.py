@@ -30,6 +30,24 @@ def test_step_times_off_records_nothing() -> None:
     assert t.take() == {}
 
 
+def test_step_times_skip_parts_inside_a_cuda_graph_capture(monkeypatch) -> None:
+    """An event recorded while a graph is captured becomes a node of it and cannot be queried
+    (`cudaErrorInvalidValue` killed the engine on the H100 with the one-pass decode): a part
+    that begins during a capture records nothing, on CUDA only."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    made: list[object] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: made.append(kw))
+    t = StepTimes(enabled=True)
+    with t.span("attention_proxima_s", torch.device("cuda", 0)):
+        pass
+    assert made == [] and t.take() == {}
+    with t.span("compress_s", torch.device("cpu")):  # host timers are not graph nodes
+        pass
+    assert set(t.take()) == {"compress_s"}
+
+
 def test_reports_aggregate_timings_by_the_slowest_worker() -> None:
     a = ProximaReport(timings={"forward_s": 0.02, "compress_s": 0.001})
     b = ProximaReport(timings={"forward_s": 0.03})

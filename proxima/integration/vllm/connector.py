@@ -72,6 +72,9 @@ class ProximaConnector(KVConnectorBase_V1):
         with `store.remap` after each plan; None without the one-pass decode (`PROXIMA_ONE_PASS_DECODE`,
         read when the caches are registered: nothing else reads the table), before the caches are
         registered, or after an update failed (the attention then plans from the host maps)."""
+        self._retired_tables: list[DeviceBlockTable] = []
+        """Tables that stopped following the steps, kept alive: a CUDA graph captured with the
+        one-pass decode holds their tensors' addresses and replays whatever Python decides."""
         self.ranks = int(vllm_config.parallel_config.tensor_parallel_size)
         """Worker ranks of this engine, each with its shard's KV heads (`ranks.py`)."""
         self._importance_readback: Any = None
@@ -230,7 +233,7 @@ class ProximaConnector(KVConnectorBase_V1):
         except Exception:
             logger.exception("proxima: the device block table could not follow this step; attention plans "
                              "from the host maps from now on")
-            self.block_table = None
+            self._retire_block_table()
         self._refresh_descriptors()
 
     def _refresh_descriptors(self) -> None:
@@ -244,10 +247,18 @@ class ProximaConnector(KVConnectorBase_V1):
             refresh_descriptors(self.store, self.block_table)
         except TooManyFormats as e:  # a known limit, not a fault: the split path serves every format
             logger.warning("proxima: %s; attention plans from the host maps from now on", e)
-            self.block_table = None
+            self._retire_block_table()
         except Exception:
             logger.exception("proxima: the one-pass decode's pool descriptors could not be built; attention "
                              "plans from the host maps from now on")
+            self._retire_block_table()
+
+    def _retire_block_table(self) -> None:
+        """Stop using the device table, without freeing it (`_retired_tables`): a decode graph
+        captured with the one-pass kernel replays it whatever the host decides; freed, its memory
+        would be reused and the replay would read pointers out of other data."""
+        if self.block_table is not None:
+            self._retired_tables.append(self.block_table)
             self.block_table = None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -25,6 +25,18 @@ from typing import Any
 TIME_SPLIT_ENV = "PROXIMA_TIME_SPLIT"
 
 
+def _capturing(device: Any) -> bool:
+    """A CUDA graph is being captured on the current stream: an event recorded now would become
+    a node of the graph, and querying it later fails (`cudaErrorInvalidValue`, which killed the
+    engine on the H100 with the one-pass decode). Parts inside a graph are not timed: its replay
+    runs no Python, so the enclosing `forward_s` holds them."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
 class StepTimes:
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = os.environ.get(TIME_SPLIT_ENV) == "1" if enabled is None else enabled
@@ -42,7 +54,7 @@ class StepTimes:
         return None
 
     def begin(self, name: str, device: Any = None) -> None:
-        if self.enabled:
+        if self.enabled and not _capturing(device):
             self._open[name] = (self._mark(device), time.perf_counter())
 
     def end(self, name: str, device: Any = None) -> None:

@@ -370,3 +370,24 @@ def test_the_device_block_table_follows_the_workers_map_and_finds_rows_on_the_de
     assert rows.tolist() == [t.rows["a"], 0, t.rows["c"]]
     worker_connector.bind_connector_metadata(ProximaPlan(dropped=["a", "c"], key_blocks=store.key_blocks))
     assert not t.rows and t.owner.eq(0).all() and t.entries.eq(0).all()
+
+
+def test_a_table_that_cannot_follow_is_retired_not_freed(
+    worker_connector: ProximaConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the device table fails to follow a step, attention goes back to the host maps, but the
+    table's tensors stay alive: a decode graph captured with the one-pass kernel still replays with
+    their addresses, and freed memory would be reused under it."""
+    from proxima.integration.vllm.worker.block_table import BlockTableFull, DeviceBlockTable
+
+    monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
+    store, _, _ = _world(worker_connector)
+    t = worker_connector.block_table
+    assert t is not None
+
+    def full(self, *a, **k):  # type: ignore[no-untyped-def]
+        raise BlockTableFull("no row left")
+
+    monkeypatch.setattr(DeviceBlockTable, "update", full)
+    worker_connector.bind_connector_metadata(ProximaPlan(key_blocks=store.key_blocks))
+    assert worker_connector.block_table is None and worker_connector._retired_tables == [t]

@@ -54,6 +54,9 @@ F_KS, F_KZ, F_VS, F_VZ, F_LC = 8, 9, 10, 11, 12
 F_KS_SLOT, F_KS_T, F_KS_H, F_VS_SLOT, F_VS_T, F_VS_H, F_LC_SLOT, F_LC_T, F_LC_H = range(13, 22)
 F_K_DATA = 22
 NUM_FIELDS = 23
+READS_QUANTS = frozenset({"fp8", "int8", "int4", "int2"})
+"""Quantizations of the slots this kernel reads (lean int4h / int2h, with rotated keys and
+per-token scales, are read by the split path only)."""
 MAX_CODES = 16
 """Rows of a layer's persistent descriptor table (format codes 1..15; 0 is vLLM's pages)."""
 
@@ -72,7 +75,7 @@ def pool_descriptors(pools: Mapping[int, CompressedBlocks], block_size: int, dev
         if code <= 0:
             raise ValueError(f"pool code {code}: codes start at 1 (0 is vLLM's bf16 pages)")
         q = p.fmt.quant
-        if q not in ("fp8", "int8", "int4", "int2"):  # lean int4h / int2h: rotated keys, per-token scales
+        if q not in READS_QUANTS:
             raise ValueError(f"{p.fmt}: the mixed decode kernel reads fp8, int8, int4 and int2 slots, not {q} "
                              "(set PROXIMA_ONE_PASS_DECODE=0: the split path reads lean formats)")
         k8, v8 = p.k_data.view(torch.uint8), p.v_data.view(torch.uint8)
@@ -563,5 +566,6 @@ def block_mass(entry_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(entry_lse - lse.unsqueeze(1)).nan_to_num(0.0)
 
 
-__all__ = ["MAX_CODES", "auto_splits", "block_mass", "mixed_decode", "pool_descriptors", "update_block_importance"]
+__all__ = ["MAX_CODES", "READS_QUANTS", "auto_splits", "block_mass", "mixed_decode", "pool_descriptors",
+           "update_block_importance"]
 

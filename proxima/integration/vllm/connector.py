@@ -183,8 +183,12 @@ class ProximaConnector(KVConnectorBase_V1):
         store.register(kv_caches)
         from proxima.integration.vllm.worker.block_table import one_pass_decode
 
-        if one_pass_decode():  # only the one-pass decode reads it: without it, no table to keep current
+        device = next(iter(kv_caches.values())).device if kv_caches else None
+        if one_pass_decode(device):  # only the one-pass decode reads it: without it, no table to keep current
+            from proxima.compression.mixed_decode import READS_QUANTS
+
             self._make_block_table(kv_caches)
+            store.readable_quants = READS_QUANTS
         store.require_reader = True  # a real worker: compress only if a Proxima backend reads it
         # The model (and with it every layer's attention implementation) is built before vLLM
         # creates this connector, so the readers are found on the layers, not announced by them.
@@ -282,7 +286,6 @@ class ProximaConnector(KVConnectorBase_V1):
     def _report_device_importance(self, store: WorkerStore) -> None:
         """The previous step's device-observed importance into this step's report; this step's
         (if its observed layer ran on the device, `DeviceBlockTable.observed`) queued for the next."""
-        from proxima.integration.vllm.worker.block_table import one_pass_decode
         from proxima.integration.vllm.worker.device_importance import seed_from_host
 
         readback, table = self._importance_readback, self.block_table
@@ -291,7 +294,7 @@ class ProximaConnector(KVConnectorBase_V1):
         try:
             # Observed on the host this step: the device average goes on from there (only read on the
             # one-pass path, so nothing to seed without it).
-            if table is not None and one_pass_decode():
+            if table is not None:  # (a table is kept only with the one-pass decode on)
                 b = next(iter(store.kv_caches.values())).shape[2] if store.kv_caches else 1
                 for rid in store.report.importance:
                     if (imp := store.token_importance.get(rid)) is not None:

@@ -124,7 +124,7 @@ class ProximaTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         # plan saying which rows have compressed blocks): the split waits for the first layer.
         px = ProximaTritonMetadata(**{f.name: getattr(meta, f.name) for f in fields(TritonAttentionMetadata)})
         px.px_builder, px.px_common, px.px_store = self, common_attn_metadata, store
-        if one_pass_decode() and common_attn_metadata.max_query_len == 1:
+        if one_pass_decode(self.device) and common_attn_metadata.max_query_len == 1:
             # host ints and device tensors only: nothing read back (the rows are found on the device)
             table = px.px_table = worker_block_table()
             if table is not None and store.observe_layer is not None:

@@ -46,15 +46,31 @@ from proxima.formats import Format
 from proxima.integration.vllm.plan import CompressAction
 
 ONE_PASS_ENV = "PROXIMA_ONE_PASS_DECODE"
-"""`1`: uniform single-token decode batches run `mixed_decode` (one launch per layer, every row, from
-this table; two in the observed layer) instead of vLLM's kernel plus the per-format split, and the
-attention builder declares CUDA-graph support for them. Off by default (slower than the split path
-on the H100, docs/vllm-integration.md): the split path, graphs NEVER. Here, not in `attention/`,
-because the connector reads it too (imports flow attention -> connector -> worker)."""
+"""On (the default on CUDA, or `1`): uniform single-token decode batches run `mixed_decode` (one
+launch per layer, every row, from this table; two in the observed layer) instead of vLLM's kernel
+plus the per-format split, and the attention builder declares CUDA-graph support for them, so
+decode steps replay from vLLM's full graphs. `0`: the split path for every batch, graphs NEVER
+(attention eager). Why on by default: on the H100 (8B shape, block 32, capacity quick run,
+2026-12-06) it served 205.8 / 305.2 tokens/s for balanced / aggressive, the split path 51.9 /
+63.5, although its kernel reads compressed blocks slower than the split path's (the split path's
+host planning and eager attention cost more). Off by default on a CPU (the CPU backend does not
+read the table). Here, not in `attention/`, because the connector reads it too (imports flow
+attention -> connector -> worker)."""
 
 
-def one_pass_decode() -> bool:
-    return os.environ.get(ONE_PASS_ENV) == "1"
+def one_pass_decode(device: torch.device | None = None) -> bool:
+    """Whether the one-pass decode is on for a KV cache on `device` (None: this process's default
+    device, CUDA if it has one). `PROXIMA_ONE_PASS_DECODE` set to 1 or 0 decides; unset, it is on
+    on CUDA."""
+    value = os.environ.get(ONE_PASS_ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ValueError(f"{ONE_PASS_ENV}={value!r}: use 1 (one-pass decode with CUDA graphs, the default on "
+                         "CUDA) or 0 (the split path, attention eager)")
+    if device is not None:
+        return torch.device(device).type == "cuda"
+    return torch.cuda.is_available()
 
 
 Placement = tuple[Format, int, int]

@@ -145,6 +145,10 @@ class WorkerStore:
         read the freed sources."""
         self.require_reader = False
         """Set by the KV connector (a real vLLM worker): refuse to compress without a reader."""
+        self.readable_quants: frozenset[str] | None = None
+        """Quantizations every reader of this worker can read (None: any). Set by the connector
+        with the one-pass decode, whose kernel reads fewer than the split path and replays from
+        CUDA graphs that cannot fall back: a block is never written in a format it cannot read."""
         self.split_errors = SplitErrors()
         """read-sources diagnostics (`debug.py`), CUDA backend."""
         self.times = StepTimes()
@@ -295,7 +299,7 @@ class WorkerStore:
             self.report.errors.append(NO_READER)
             return
         by_fmt: dict[tuple[Format, Format], list[CompressAction]] = {}
-        for a in plan.actions:
+        for a in self._readable(plan.actions):
             by_fmt.setdefault((a.fmt, self._current_format(a)), []).append(a)
         tables = self._step_tables(by_fmt)
         for (fmt, from_fmt), acts in by_fmt.items():
@@ -323,6 +327,18 @@ class WorkerStore:
                 self.probing.append(pending)  # installed and reported with its verdict
             else:
                 self._commit(fmt, from_fmt, acts)
+
+    def _readable(self, actions: list[CompressAction]) -> list[CompressAction]:
+        """The actions whose format the readers can read; the others fail (their blocks stay hot)."""
+        ok = self.readable_quants
+        if ok is None:
+            return actions
+        bad = sorted({str(a.fmt) for a in actions if a.fmt.quant not in ok})
+        if bad:
+            self.report.failed.extend(a.action_id for a in actions if a.fmt.quant not in ok)
+            self.report.errors.append(f"{', '.join(bad)}: the one-pass decode reads {', '.join(sorted(ok))} codes; "
+                                      "set PROXIMA_ONE_PASS_DECODE=0 to store other formats")
+        return [a for a in actions if a.fmt.quant in ok]
 
     def _commit(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
         """Point the block map at the actions' written slots and report them written."""

@@ -326,7 +326,7 @@ def test_without_the_switch_or_with_a_prefill_row_the_split_path_runs(worker_con
     _, _, meta = _world(worker_connector)
     monkeypatch.setenv(cb.ONE_PASS_ENV, "0")
     assert _builder().build(0, _common(meta)).px_table is None  # switch off: the existing path
-    monkeypatch.delenv(cb.ONE_PASS_ENV)  # the default: off
+    monkeypatch.delenv(cb.ONE_PASS_ENV)  # the default on a CPU cache: off (on CUDA it is on)
     assert _builder().build(0, _common(meta)).px_table is None
     monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
     cm = _common(meta)

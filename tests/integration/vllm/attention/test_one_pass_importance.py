@@ -42,8 +42,9 @@ G = HQ // H
 
 def test_graph_support_is_declared_only_with_the_one_pass_path(monkeypatch: pytest.MonkeyPatch) -> None:
     builder = cb.ProximaTritonAttentionBackend.get_builder_cls()
-    monkeypatch.delenv(cb.ONE_PASS_ENV, raising=False)  # the default: off (slower than the split path on the H100)
-    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    monkeypatch.delenv(cb.ONE_PASS_ENV, raising=False)  # the default: on where CUDA is, off here
+    want = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if torch.cuda.is_available() else AttentionCGSupport.NEVER
+    assert builder.get_cudagraph_support(None, None) == want
     monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
     assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     full = SimpleNamespace(sliding_window=None, dtype=torch.float16)

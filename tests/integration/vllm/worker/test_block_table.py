@@ -144,3 +144,18 @@ def test_table_for_sizes_from_the_engine() -> None:
     t2 = table_for({"l0": kv}, max_requests=8, max_model_len=None)
     assert t2 is not None and t2.max_blocks == 40
     assert table_for({}, 8, 100) is None
+
+
+def test_the_one_pass_switch_defaults_to_the_caches_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxima.integration.vllm.worker.block_table import ONE_PASS_ENV, one_pass_decode
+
+    monkeypatch.delenv(ONE_PASS_ENV, raising=False)
+    assert one_pass_decode(torch.device("cuda", 0)) and not one_pass_decode(torch.device("cpu"))
+    assert one_pass_decode() == torch.cuda.is_available()
+    monkeypatch.setenv(ONE_PASS_ENV, "0")
+    assert not one_pass_decode(torch.device("cuda", 0))
+    monkeypatch.setenv(ONE_PASS_ENV, "1")
+    assert one_pass_decode(torch.device("cpu"))
+    monkeypatch.setenv(ONE_PASS_ENV, "yes")
+    with pytest.raises(ValueError, match=r"PROXIMA_ONE_PASS_DECODE='yes': use 1 .* or 0"):
+        one_pass_decode(torch.device("cpu"))

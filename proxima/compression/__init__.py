@@ -2,9 +2,9 @@
 
 Public API (shapes use named dims: N blocks, T tokens, H KV heads, Hq query heads, D head dim):
 
-- `compress_block(fmt, k [T, H, D], v, *, token_importance [T, H], protected bool [T])` and
-  `decompress_block(cb) -> (k_hat [T', H, D], v_hat, log_count [T', H])`; batched
-  `compress_blocks` / `decompress_blocks` over [N, T, H, D].
+- `compress_block(fmt, k [T, H, D], v, *, token_importance [T, H], protected bool [T])`; batched
+  `compress_blocks` / `decompress_blocks(cb) -> (k_hat [N, T', H, D], v_hat, log_count [N, T', H])`
+  over [N, T, H, D].
 - `decode_attention(q [S, Hq, D], segments)`: attention over hot and compressed blocks of
   several formats, with output, log-sum-exp and per-block attention mass.
 - `attention_error(q_obs [W, Hq, D], k, v, cb)`: the compression-time probe; `attention_errors`
@@ -32,7 +32,6 @@ from proxima.compression.blocks import (
     CompressedBlocks,
     compress_block,
     compress_blocks,
-    decompress_block,
     decompress_blocks,
     kept_count,
 )
@@ -58,7 +57,6 @@ __all__ = [
     "compress_blocks",
     "decode_attention",
     "decode_attention_reference",
-    "decompress_block",
     "decompress_blocks",
     "hot_store",
     "kept_count",

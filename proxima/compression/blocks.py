@@ -390,12 +390,3 @@ def compress_block(
         cluster_iters=cluster_iters,
     )
 
-
-def decompress_block(
-    cb: CompressedBlock, *, backend: Backend = "auto"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block: returns (k_hat [T', H_kv, D], v_hat [T', H_kv, D], log_count [T', H_kv] f32)."""
-    if cb.num_slots != 1:
-        raise ValueError(f"decompress_block takes a single block, got {cb.num_slots}; use decompress_blocks")
-    kh, vh, lc = decompress_blocks(cb, backend=backend)
-    return kh[0], vh[0], lc[0]

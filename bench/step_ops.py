@@ -115,6 +115,10 @@ class Workload:
         self.caches = stacked_caches(shape, device)
         self.store.register(self.caches, policy)
         self.store.adopt(policy, 1)
+        # The engine's warm-up (`attention/triton.py` `warm_up` -> `slot_pool_of`) allocates every
+        # stored format's pool before the first step: a step's count does not include it.
+        for stored in self.store.stored_formats():
+            self.store.slot_pool(stored)
         self.groups = transitions(policy)
         n_src = len(self.groups) * per_group
         self.slots = _Slots(first_free=n_src, limit=shape.blocks)

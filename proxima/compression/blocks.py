@@ -224,8 +224,12 @@ def compress_blocks(
     counts = _row_counts(fmt, log_count if rows_merged is not False else None, (n, t, h), check_values, rows_merged)
     imp = token_importance
     if imp is None:
-        # uniform; quantize-only formats never read it (an empty placeholder: no device launch)
-        imp = torch.ones(n, t, h, device=k.device) if fmt.reduction is not None else torch.empty(0)
+        # Uniform. Quantize-only formats never read it (an empty placeholder: no device launch),
+        # nor do re-merges (their counts weigh the rows; `counts` stands in: not even an op).
+        if counts is not None:
+            imp = counts
+        else:
+            imp = torch.ones(n, t, h, device=k.device) if fmt.reduction is not None else torch.empty(0)
     out = CompressedBlocks(fmt, k, v, head_dim=d, dtype=k.dtype, group_size=group_size, source_tokens=src_t)
 
     kr, vr = k, v
@@ -236,8 +240,11 @@ def compress_blocks(
     elif fmt.reduction == "cluster" and counts is not None:
         # Re-merging rows that stand for several tokens (or none): weights carry the counts, empty
         # rows (count 0) rank last, and the new counts are sums of the old (same rule both backends).
-        w = imp.float().clamp_min(1e-6) * counts
-        rank_imp = torch.where(counts > 0, imp.float(), torch.full_like(w, -1.0))
+        if token_importance is None:  # uniform importance (a recompression): the counts are the weights
+            w, rank_imp = counts, torch.where(counts > 0, 1.0, -1.0)
+        else:
+            w = imp.float().clamp_min(1e-6) * counts
+            rank_imp = torch.where(counts > 0, imp.float(), -1.0)
         if tri:
             kr, vr, out.log_count = ops.cluster(
                 k, v, w, protected, keep, cluster_iters, importance=rank_imp, out_dtype=k.dtype, counts=counts,
@@ -307,7 +314,9 @@ def _row_counts(fmt: Format, log_count: torch.Tensor | None, shape: tuple[int, i
         raise ValueError(f"log_count must be [N, T, H_kv] = {shape}, got {tuple(log_count.shape)}")
     if check_values and bool(torch.isnan(log_count).any()):
         raise ValueError("log_count contains NaN")
-    counts = torch.where(torch.isfinite(log_count), log_count.float().exp(), torch.zeros_like(log_count.float()))
+    # exp(-inf) is exactly 0 (an empty centroid); a log-count is never +inf, and NaN is checked
+    # above when values are checked (one op, not a where over isfinite: a step runs this per group).
+    counts = log_count.float().exp()
     if rows_merged is None and bool((counts.round() == 1).all()):
         return None
     if fmt.reduction != "cluster":

@@ -196,7 +196,8 @@ class LayerStack:
         """Store compressed blocks into slots `idx` (long [A], device) of those layers: `cb` holds
         A full blocks per layer, layer-major (`compress_blocks` over the layers' rows); data as
         raw bytes (any element types), metadata cast to the side tables' types."""
-        shape = (cb.k_data.shape[0], *p.layer(0)[0].shape[1:])
+        slot = p.k_all.shape[2:] if p.k_all is not None else p.k_layers[0].shape[1:]  # [C, H, P], no dispatch
+        shape = (cb.k_data.shape[0], *slot)
         meta = {name: getattr(cb, name) for name in p.meta}
         self.scatter(p, layers, idx, cb.k_data.contiguous().view(torch.uint8).reshape(shape),
                      cb.v_data.contiguous().view(torch.uint8).reshape(shape), meta)

@@ -164,8 +164,16 @@ def _kivi(quant: str, is_key: bool) -> bool:
 
 
 def _slot_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """x itself when each slot x[i] is contiguous (a pool gather is), else a contiguous copy."""
-    return x if x[0].is_contiguous() else x.contiguous()
+    """x itself when each slot x[i] is contiguous (a pool gather is), else a contiguous copy.
+
+    Read from the strides, not from `x[0].is_contiguous()`: indexing a slot is a dispatched op,
+    and a step calls this for every field of every group (`bench/step_ops.py` counts them)."""
+    expected = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return x.contiguous()
+        expected *= size
+    return x
 
 
 @triton.jit

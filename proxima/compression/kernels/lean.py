@@ -23,6 +23,7 @@ from proxima.compression.kernels.common import (
     _floor_code,
     _p2,
     _pack,
+    _slot_contiguous,
     _to_out,
     _unpack,
 )
@@ -172,9 +173,8 @@ def dequantize_lean(
     if n == 0 or t == 0:
         return out
     bits = LEAN_BITS[quant]
-    data, scale = (a if a[0].is_contiguous() else a.contiguous() for a in (data, scale))
-    if zero is not None and not zero[0].is_contiguous():
-        zero = zero.contiguous()
+    data, scale = _slot_contiguous(data), _slot_contiguous(scale)
+    zero = _slot_contiguous(zero) if zero is not None else None
     rows = max(16, min(_p2(t * h), ROW_TILE // head_dim))
     _lean_dequant_kernel[(n, triton.cdiv(t * h, rows))](
         data, scale, zero if zero is not None else scale, rotation(head_dim, data.device), out, t * h, h,

@@ -475,13 +475,11 @@ class WorkerStore:
         call of the executor and the probe."""
         b = self.stack.layers[0].shape[2]
         imp = None
-        if dst_l.reduction is not None:
-            # A reduced block's rows are no longer token positions: uniform importance (the
-            # counts still weight the merge), as its per-token history cannot be mapped to them.
-            if counts is not None:
-                imp = torch.ones(counts.shape, device=k.device)
-            else:  # the same per-token importance in every layer
-                imp = _upload(self.importance_of(acts, b, k.shape[2]), k.device).repeat(k.shape[0] // len(acts), 1, 1)
+        # A reduced block's rows are no longer token positions: uniform importance (None: the
+        # counts alone weight the merge), as its per-token history cannot be mapped to them. Else
+        # the same per-token importance in every layer.
+        if dst_l.reduction is not None and counts is None:
+            imp = _upload(self.importance_of(acts, b, k.shape[2]), k.device).repeat(k.shape[0] // len(acts), 1, 1)
         # Only centroids stand for several tokens (sparse rows are one token each): said here, so
         # compress_blocks need not read the counts back to find out (a sync on a GPU).
         merged = src_l.reduction == "cluster"

@@ -129,3 +129,17 @@ def test_stacked_and_per_layer_caches_write_the_same_bytes() -> None:
             assert pa.meta and set(pa.meta) == set(pb.meta)
             for field in pa.meta:  # the side tables' written rows (the rest is never-written memory)
                 assert torch.equal(pa.meta[field][rows], pb.meta[field][rows]), (name, fmt, field)
+
+
+@pytest.mark.parametrize("policy", ["conservative", "balanced", "aggressive"])
+def test_a_group_dispatches_at_most_64_ops_and_launches(policy: str) -> None:
+    """Issue 37's per-group budget, with the kernels a GPU runs (Triton; interpreted here) and the
+    pools allocated as the engine's warm-up does: torch ops plus launches of one apply <= 64 for
+    every (source, target) group of the shipped policies. (The compression-time probe is counted
+    apart: it adds a reference attention over the observed layer.)"""
+    work = Workload(without_probe(load_policy(policy)), Shape(layers=4, **SHAPE), "cpu", per_group=2,
+                    kernels="triton")
+    for g, (src, dst) in enumerate(work.groups):
+        c = work.apply_counted(g)
+        assert c.total_launches >= 1, (src, dst)  # the Triton kernels ran, not the torch reference
+        assert c.total_ops + c.total_launches <= 64, (src, dst, c.total_ops, c.total_launches, c.ops.most_common(6))

@@ -194,6 +194,7 @@ def attention_errors(
     sm_scale: float | None = None,
     ref_log_count: torch.Tensor | None = None,
     on_host: bool = True,
+    backend: Backend = "torch",
 ) -> torch.Tensor:
     """The compression-time probe for N blocks at once (every integration calls this one).
 
@@ -206,7 +207,10 @@ def attention_errors(
     `ref_log_count` [N, T, H]: the reference rows are themselves centroids (recompressing a
     merged block: the error is measured against what the block held before this step).
     `on_host=False` leaves the errors on k's device (the vLLM worker reads them a step later:
-    a copy to the host here would wait for the device).
+    a copy to the host here would wait for the device). `backend` decompresses `cb`: the torch
+    reference by default; the vLLM worker passes its own kernels' (on a GPU, two Triton launches
+    instead of a few dozen torch ops; `test_triton_dequantizes_a_payload_as_the_reference` holds
+    them equal up to a rare bf16 step).
     """
     if k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"need k, v [N, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -222,7 +226,7 @@ def attention_errors(
         raise ValueError(f"Hq={hq} must be a multiple of H={h}")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     g = hq // h
-    kh, vh, lc = decompress_blocks(cb, backend="torch")  # [N, C, H, D], [N, C, H]
+    kh, vh, lc = decompress_blocks(cb, backend=backend)  # [N, C, H, D], [N, C, H]
     qf = q_obs.float()
 
     def attend(kk: torch.Tensor, vv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -52,6 +52,8 @@ class ProbedStore(Protocol):
     recent_queries: RecentQueries
     formats: LayerFormats
     policy: Policy | None
+    cpu_kernels: Literal["torch", "triton"]
+    """On CPU, the torch reference or the (interpreted) Triton kernels; a GPU runs Triton."""
 
     def read_current(self, layer: str, from_fmt: Format, acts: list[CompressAction],
                      table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
@@ -193,7 +195,7 @@ def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Seque
         f_l = store.layer_format(layer, store.formats.current(f))
         cb = store.compress_read(src_l, f_l, k, v, counts, measurable)  # what the executor writes
         errs.append(attention_errors(q_obs, k, v, cb, q_valid=valid, sm_scale=queries.scale, ref_log_count=counts,
-                                     on_host=False))
+                                     on_host=False, backend="auto" if k.is_cuda else store.cpu_kernels))
     dev = torch.stack(errs).float()
     event = None
     if dev.is_cuda:

@@ -207,10 +207,10 @@ def attention_errors(
     `ref_log_count` [N, T, H]: the reference rows are themselves centroids (recompressing a
     merged block: the error is measured against what the block held before this step).
     `on_host=False` leaves the errors on k's device (the vLLM worker reads them a step later:
-    a copy to the host here would wait for the device). `backend` decompresses `cb`: the torch
-    reference by default; the vLLM worker passes its own kernels' (on a GPU, two Triton launches
-    instead of a few dozen torch ops; `test_triton_dequantizes_a_payload_as_the_reference` holds
-    them equal up to a rare bf16 step).
+    a copy to the host here would wait for the device). `backend`: the torch reference by
+    default; the vLLM worker passes its own kernels' (on a GPU, Triton: the decompression and
+    then both attentions and the norms in one launch, `kernels/probe_error.py`, instead of about
+    45 torch ops per call; the tests hold the two equal).
     """
     if k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"need k, v [N, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -227,6 +227,11 @@ def attention_errors(
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     g = hq // h
     kh, vh, lc = decompress_blocks(cb, backend=backend)  # [N, C, H, D], [N, C, H]
+    if use_triton(backend, k):  # the same numbers in one launch (`kernels/probe_error.py`)
+        from proxima.compression.kernels.probe_error import probe_errors
+
+        out = probe_errors(q_obs, k, v, kh, vh, lc, scale=scale, q_valid=q_valid, ref_log_count=ref_log_count)
+        return out.cpu() if on_host else out
     qf = q_obs.float()
 
     def attend(kk: torch.Tensor, vv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The compression-time probe's error in one launch: attention over each block before and after.
+
+`reference`: `compression.attention.attention_errors` (torch), whose semantics this kernel keeps:
+per block n, every observation query w of every query head attends to the block alone, once to
+its rows as they were (k, v, with their log-counts as a bias when they are centroids) and once to
+the compressed rows (kh, vh, bias log-count, -inf for an empty centroid); the error is
+||O_hat - O||_F / ||O||_F over the block's valid queries and heads (0 where O is zero).
+
+Why a kernel: the torch form dispatches about 45 ops per candidate format (repeat_interleave,
+einsum, softmax, norms), and the worker probes every candidate of every compressing group in
+every step; here it is one launch and one output tensor. The work is tiny (a block of 16-32 rows
+against a window of queries), so one program per block loops over heads; products in float32
+(`input_precision="ieee"`: the verdict compares against bounds like 0.05).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from proxima.compression.kernels.common import _p2
+
+
+@triton.jit
+def _attend(q, k, v, bias, scale):
+    """softmax(q k^T * scale + bias) v for one head: q [W, D], k, v [R, D], bias [R] (-inf: no row)."""
+    logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale + bias[None, :]
+    m = tl.max(logits, axis=1)
+    p = tl.exp(logits - m[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    return tl.dot(p, v, input_precision="ieee")
+
+
+@triton.jit
+def _probe_error_kernel(
+    q_ptr,  # [N, W, Hq, D] float32 observation queries
+    valid_ptr,  # [N, W] bool (read only with HAS_VALID)
+    k_ptr, v_ptr,  # [N, T, H, D] the block as it was
+    rlc_ptr,  # [N, T, H] float32 its rows' log-counts (read only with HAS_REF)
+    kh_ptr, vh_ptr,  # [N, C, H, D] the block compressed, decompressed
+    lc_ptr,  # [N, C, H] float32 their log-counts
+    out_ptr,  # [N] float32 relative errors
+    W, T, C, H, G, scale,
+    D: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_REF: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    ow = tl.arange(0, BLOCK_W)
+    ot = tl.arange(0, BLOCK_T)
+    oc = tl.arange(0, BLOCK_C)
+    od = tl.arange(0, BLOCK_D)
+    mw, mt, mc, md = ow < W, ot < T, oc < C, od < D
+    keep = mw
+    if HAS_VALID:
+        keep = keep & (tl.load(valid_ptr + n * W + ow, mask=mw, other=0) != 0)
+    hq_all = H * G
+    num = tl.zeros((BLOCK_D,), tl.float32)
+    den = tl.zeros((BLOCK_D,), tl.float32)
+    for h in range(H):
+        src = ((n * T + ot[:, None]) * H + h) * D + od[None, :]
+        m_src = mt[:, None] & md[None, :]
+        k = tl.load(k_ptr + src, mask=m_src, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + src, mask=m_src, other=0.0).to(tl.float32)
+        if HAS_REF:
+            b_ref = tl.load(rlc_ptr + (n * T + ot) * H + h, mask=mt, other=float("-inf"))
+        else:
+            b_ref = tl.where(mt, 0.0, float("-inf"))
+        cmp = ((n * C + oc[:, None]) * H + h) * D + od[None, :]
+        m_cmp = mc[:, None] & md[None, :]
+        kh = tl.load(kh_ptr + cmp, mask=m_cmp, other=0.0).to(tl.float32)
+        vh = tl.load(vh_ptr + cmp, mask=m_cmp, other=0.0).to(tl.float32)
+        b_hat = tl.load(lc_ptr + (n * C + oc) * H + h, mask=mc, other=float("-inf"))
+        for j in range(G):  # query head h * G + j reads KV head h
+            qo = ((n * W + ow[:, None]) * hq_all + h * G + j) * D + od[None, :]
+            q = tl.load(q_ptr + qo, mask=mw[:, None] & md[None, :], other=0.0)
+            o = _attend(q, k, v, b_ref, scale)
+            diff = tl.where(keep[:, None], _attend(q, kh, vh, b_hat, scale) - o, 0.0)
+            o = tl.where(keep[:, None], o, 0.0)
+            num += tl.sum(diff * diff, axis=0)
+            den += tl.sum(o * o, axis=0)
+    num_s = tl.sqrt(tl.sum(num, axis=0))
+    den_s = tl.sqrt(tl.sum(den, axis=0))
+    tl.store(out_ptr + n, tl.where(den_s > 0, num_s / tl.maximum(den_s, 1e-30), 0.0))
+
+
+def probe_errors(
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    log_count: torch.Tensor,
+    *,
+    scale: float,
+    q_valid: torch.Tensor | None = None,
+    ref_log_count: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 [N] on k's device: `attention_errors`' numbers (see the module docstring).
+
+    q_obs [N, W, Hq, D]; k, v [N, T, H, D]; kh, vh [N, C, H, D] and log_count [N, C, H] as
+    `decompress_blocks` returns them; q_valid bool [N, W]; ref_log_count [N, T, H]."""
+    n, t, h, d = k.shape
+    w, hq = q_obs.shape[1], q_obs.shape[2]
+    c = kh.shape[1]
+    q, k, v, kh, vh = (x.contiguous() for x in (q_obs.float(), k, v, kh, vh))
+    lc = log_count.float().contiguous()
+    rlc = ref_log_count.float().contiguous() if ref_log_count is not None else lc
+    valid = q_valid.contiguous() if q_valid is not None else lc
+    out = torch.empty(n, device=k.device, dtype=torch.float32)
+    if n:
+        _probe_error_kernel[(n,)](
+            q, valid, k, v, rlc, kh, vh, lc, out, w, t, c, h, hq // h, float(scale), D=d,
+            BLOCK_W=_p2(w, 16), BLOCK_T=_p2(t, 16), BLOCK_C=_p2(c, 16), BLOCK_D=_p2(d, 16),
+            HAS_VALID=q_valid is not None, HAS_REF=ref_log_count is not None, num_warps=4,
+        )  # fmt: skip
+    return out

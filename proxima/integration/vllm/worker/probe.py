@@ -177,14 +177,18 @@ def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Seque
     kv = store.kv_caches[layer]
     rows = table if table is not None and len(measurable) == len(acts) else None
     k, v, counts = store.read_current(layer, from_fmt, measurable, rows)  # [N, T, H, D], log-counts or None
-    qs = [queries.get(a.req_id) for a in measurable]
-    w = max(len(q) for q in qs if q is not None)
-    q_obs = torch.zeros(len(qs), w, *qs[0].shape[1:], dtype=torch.float32, device=kv.device)  # type: ignore[union-attr]
-    valid = torch.zeros(len(qs), w, dtype=torch.bool, device=kv.device)  # filled in place: no host copy
-    for i, q in enumerate(qs):
-        assert q is not None
-        q_obs[i, : len(q)] = q.to(q_obs.device, torch.float32)
-        valid[i, : len(q)].fill_(True)  # a fill, not a host scalar tensor copied in
+    qs = [q for a in measurable if (q := queries.get(a.req_id)) is not None]
+    w = max(len(q) for q in qs)
+    valid: torch.Tensor | None = None
+    if all(len(q) == w for q in qs) and all(q.device == kv.device for q in qs):
+        # Every window full (the steady state): one stack, no padding to mask.
+        q_obs = torch.stack(qs).float()
+    else:
+        q_obs = torch.zeros(len(qs), w, *qs[0].shape[1:], dtype=torch.float32, device=kv.device)
+        valid = torch.zeros(len(qs), w, dtype=torch.bool, device=kv.device)  # filled in place: no host copy
+        for i, q in enumerate(qs):
+            q_obs[i, : len(q)] = q.to(q_obs.device, torch.float32)
+            valid[i, : len(q)].fill_(True)  # a fill, not a host scalar tensor copied in
     src_l = store.layer_format(layer, from_fmt)
     milder = milder_formats(store.policy, fmt, from_fmt)
     if not from_fmt.is_hot:  # a recompression: only formats this block can still move into

@@ -166,3 +166,25 @@ def test_a_measured_block_is_installed_only_when_its_verdict_is_read() -> None:
     rep = st.take_report()
     assert "t" not in st.remap and not st.probing
     assert rep is None or (2 not in rep.ok and 2 not in rep.rejected and not rep.probe_measured_ids)
+
+
+def test_windows_of_different_lengths_measure_as_each_alone() -> None:
+    """A request with fewer recent queries than another (padding, masked out of both norms)
+    measures the same as when its batch holds full windows only (one stack, no padding)."""
+    def errors(windows: dict[str, int]) -> dict[str, float]:
+        st, _ = _store(_policy())
+        for rid, n in windows.items():
+            q = torch.randn(n, HQ, D, generator=torch.Generator().manual_seed(len(rid)))
+            st.recent_queries.add(rid, q, D ** -0.5)
+        src = {"r": 1, "ss": 2}  # each request's block, whatever the batch
+        acts = [CompressAction(i, rid, 0, src=src[rid], dst=10, slot=i, fmt=INT8) for i, rid in enumerate(windows)]
+        st.apply(ProximaPlan(actions=acts))
+        rep = st.take_report()
+        assert rep is not None and rep.probe_measured == len(acts)
+        return {rid: e for rid, (_f, e) in zip(windows, rep.probe_errors, strict=True)}
+
+    mixed = errors({"r": 32, "ss": 5})
+    alone = errors({"r": 32}) | errors({"ss": 5})
+    assert mixed.keys() == alone.keys()
+    for rid in mixed:
+        assert abs(mixed[rid] - alone[rid]) <= 1e-5 * max(1.0, alone[rid]), (rid, mixed, alone)

@@ -32,7 +32,7 @@ def _attend(q, k, v, bias, scale):
     return tl.dot(p, v, input_precision="ieee")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W", "has_valid", "has_ref"])
 def _probe_error_kernel(
     q_ptr,  # [N, W, Hq, D] float32 observation queries
     valid_ptr,  # [N, W] bool (read only with HAS_VALID)
@@ -42,9 +42,9 @@ def _probe_error_kernel(
     lc_ptr,  # [N, C, H] float32 their log-counts
     out_ptr,  # [N] float32 relative errors
     W, T, C, H, G, scale,
+    has_valid, has_ref,  # runtime flags, not constexpr: one compiled variant per format (see probe_errors)
     D: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_VALID: tl.constexpr, HAS_REF: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     ow = tl.arange(0, BLOCK_W)
@@ -53,7 +53,7 @@ def _probe_error_kernel(
     od = tl.arange(0, BLOCK_D)
     mw, mt, mc, md = ow < W, ot < T, oc < C, od < D
     keep = mw
-    if HAS_VALID:
+    if has_valid:
         keep = keep & (tl.load(valid_ptr + n * W + ow, mask=mw, other=0) != 0)
     hq_all = H * G
     num = tl.zeros((BLOCK_D,), tl.float32)
@@ -63,7 +63,7 @@ def _probe_error_kernel(
         m_src = mt[:, None] & md[None, :]
         k = tl.load(k_ptr + src, mask=m_src, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + src, mask=m_src, other=0.0).to(tl.float32)
-        if HAS_REF:
+        if has_ref:
             b_ref = tl.load(rlc_ptr + (n * T + ot) * H + h, mask=mt, other=float("-inf"))
         else:
             b_ref = tl.where(mt, 0.0, float("-inf"))
@@ -99,6 +99,11 @@ def probe_errors(
 ) -> torch.Tensor:
     """float32 [N] on k's device: `attention_errors`' numbers (see the module docstring).
 
+    One compiled variant per (format, model shape), so the engine's warm-up compiles all of them
+    (`attention/triton.py` `warm_up`) and serving never stalls on a compile: the window W, which
+    changes with requests' ages, is not specialized on and pads to at least 32 rows; the padding
+    mask and the reference counts are runtime flags.
+
     q_obs [N, W, Hq, D]; k, v [N, T, H, D]; kh, vh [N, C, H, D] and log_count [N, C, H] as
     `decompress_blocks` returns them; q_valid bool [N, W]; ref_log_count [N, T, H]."""
     n, t, h, d = k.shape
@@ -111,8 +116,8 @@ def probe_errors(
     out = torch.empty(n, device=k.device, dtype=torch.float32)
     if n:
         _probe_error_kernel[(n,)](
-            q, valid, k, v, rlc, kh, vh, lc, out, w, t, c, h, hq // h, float(scale), D=d,
-            BLOCK_W=_p2(w, 16), BLOCK_T=_p2(t, 16), BLOCK_C=_p2(c, 16), BLOCK_D=_p2(d, 16),
-            HAS_VALID=q_valid is not None, HAS_REF=ref_log_count is not None, num_warps=4,
+            q, valid, k, v, rlc, kh, vh, lc, out, w, t, c, h, hq // h, float(scale),
+            int(q_valid is not None), int(ref_log_count is not None), D=d,
+            BLOCK_W=_p2(w, 32), BLOCK_T=_p2(t, 16), BLOCK_C=_p2(c, 16), BLOCK_D=_p2(d, 16), num_warps=4,
         )  # fmt: skip
     return out

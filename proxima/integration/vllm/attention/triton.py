@@ -188,7 +188,7 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             return
         import time
 
-        from proxima.compression import compress_blocks, decompress_blocks
+        from proxima.compression import attention_errors, compress_blocks, decompress_blocks
 
         t0 = time.perf_counter()
         for stored, (chosen, layer) in formats.items():
@@ -202,6 +202,9 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
                                  backend=self.kernel_backend, pinned_tokens=prot.merged_tokens if prot else 0,
                                  pin_by=prot.merged_by if prot else "mixed")
             decompress_blocks(cb, backend=self.kernel_backend)
+            if store.probes_compressions:  # the probe's error kernel: one variant per format
+                q = torch.zeros(1, 1, self.num_heads, d, device=kv.device)
+                attention_errors(q, k, k, cb, sm_scale=self.scale, on_host=False, backend=self.kernel_backend)
             store.dtypes.setdefault(stored, (cb.k_data.dtype, cb.v_data.dtype))
             hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=h, head_dim=d)
             # Keyed by the scheduler's format, as a step's plan is (the pool maps it to `stored`).

@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -159,10 +160,22 @@ def test_the_worker_compresses_cuda_pages_in_the_order_vllms_kernel_reads_them(
     assert torch.equal(keys.float(), k.transpose(0, 1).bfloat16().float())
 
 
-def test_warm_up_runs_every_stored_format_and_changes_nothing_vllm_reads() -> None:
+def test_warm_up_runs_every_stored_format_and_changes_nothing_vllm_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels a serving step launches for each format the policy can store (compress,
-    decompress, decode over the real slot pools of a layer storing it) run once at registration;
-    on a GPU that is when Triton compiles them. Nothing vLLM reads changes, nothing is reported."""
+    decompress, the probe's error, decode over the real slot pools of a layer storing it) run once
+    at registration; on a GPU that is when Triton compiles them. Nothing vLLM reads changes,
+    nothing is reported."""
+    import proxima.compression as pc
+
+    probed: list[str] = []
+    real = pc.attention_errors
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        probed.append(str(args[3].fmt))
+        assert kwargs["backend"] == "triton"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pc, "attention_errors", counting)
     from proxima.integration.vllm.worker.page_layout import token_interleaved_layout
     from proxima.policy.loader import load_policy
 
@@ -178,6 +191,7 @@ def test_warm_up_runs_every_stored_format_and_changes_nothing_vllm_reads() -> No
         "int2": ("int2", "5")}
     _impl("triton").warm_up(store)
     assert set(store.dtypes) == set(formats)  # every format went through compress -> pool -> decode
+    assert sorted(probed) == sorted(str(f) for f in formats)  # balanced probes its compressions
     assert all(torch.equal(layers[n], before[n]) for n in layers)
     assert not store.remap and store.take_report() is None
 

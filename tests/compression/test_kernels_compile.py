@@ -55,7 +55,7 @@ from proxima.compression.kernels import probe_error as pe
 
 fn = pe._probe_error_kernel
 ptrs = {"q_ptr": "*fp32", "valid_ptr": "*i1", "k_ptr": "*bf16", "v_ptr": "*bf16", "rlc_ptr": "*fp32",
-        "kh_ptr": "*bf16", "vh_ptr": "*bf16", "lc_ptr": "*fp32", "out_ptr": "*fp32"}
+        "kh_ptr": "*bf16", "vh_ptr": "*bf16", "lc_ptr": "*fp32", "part_ptr": "*fp32"}
 consts = {"D": 128, "BLOCK_W": 32, "BLOCK_T": 32, "BLOCK_C": int(sys.argv[1]), "BLOCK_D": 128}
 names = list(fn.arg_names)
 sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in names}

@@ -56,6 +56,7 @@ from proxima.compression.blocks import Backend
 from proxima.compression.layout import KVLayout, hot_store
 from proxima.compression.mixed_decode import mixed_decode, update_block_importance
 from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
+from proxima.formats import Format, recompressible
 from proxima.integration.vllm.connector import worker_block_table, worker_store
 from proxima.integration.vllm.worker.block_table import ONE_PASS_ENV, DeviceBlockTable, one_pass_decode
 from proxima.integration.vllm.worker.debug import reads_sources
@@ -191,6 +192,7 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
         from proxima.compression import attention_errors, compress_blocks, decompress_blocks
 
         t0 = time.perf_counter()
+        decoded: dict[Format, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for stored, (chosen, layer) in formats.items():
             kv = store.kv_caches[layer]
             _n, h, b, d = store.geometry(layer)
@@ -201,10 +203,10 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             cb = compress_blocks(stored, k, k, token_importance=imp, group_size=store.group_for(stored),
                                  backend=self.kernel_backend, pinned_tokens=prot.merged_tokens if prot else 0,
                                  pin_by=prot.merged_by if prot else "mixed")
-            decompress_blocks(cb, backend=self.kernel_backend)
+            decoded[stored] = decompress_blocks(cb, backend=self.kernel_backend)
+            q_obs = torch.zeros(1, 1, self.num_heads, d, device=kv.device)
             if store.probes_compressions:  # the probe's error kernel: one variant per format
-                q = torch.zeros(1, 1, self.num_heads, d, device=kv.device)
-                attention_errors(q, k, k, cb, sm_scale=self.scale, on_host=False, backend=self.kernel_backend)
+                attention_errors(q_obs, k, k, cb, sm_scale=self.scale, on_host=False, backend=self.kernel_backend)
             store.dtypes.setdefault(stored, (cb.k_data.dtype, cb.v_data.dtype))
             hot = hot_store(kv, KVLayout.FLASH_ATTN, num_kv_heads=h, head_dim=d)
             # Keyed by the scheduler's format, as a step's plan is (the pool maps it to `stored`).
@@ -216,6 +218,20 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             paged_attention(q, plan, hot, pools, sm_scale=self.scale, backend=self.kernel_backend)
             if kv.is_cuda:
                 torch.cuda.synchronize(kv.device)
+        # A recompression (a reduced block reduced further) compiles its own variants: the k-means
+        # with counts over the source's rows, and the probe over those rows with their counts. Run
+        # through the worker's own compress call (an H100 run compiled them mid-serving, 0.6 s and
+        # 1.5 s a step, before this).
+        for src, (k_src, _v, lc) in decoded.items():
+            for dst in formats:
+                if src.reduction is None or dst == src or not recompressible(src, dst):
+                    continue
+                cb = store.compress_read(src, dst, k_src, k_src, lc, [])
+                if store.probes_compressions:
+                    attention_errors(q_obs, k_src, k_src, cb, sm_scale=self.scale, ref_log_count=lc, on_host=False,
+                                     backend=self.kernel_backend)
+        if formats and next(iter(store.kv_caches.values())).is_cuda:
+            torch.cuda.synchronize()
         logger.info("proxima: kernels compiled for %s in %.1f s", ", ".join(map(str, formats)),
                     time.perf_counter() - t0)
 

@@ -192,6 +192,15 @@ def test_warm_up_runs_every_stored_format_and_changes_nothing_vllm_reads(monkeyp
     _impl("triton").warm_up(store)
     assert set(store.dtypes) == set(formats)  # every format went through compress -> pool -> decode
     assert sorted(probed) == sorted(str(f) for f in formats)  # balanced probes its compressions
+    # aggressive merges merged blocks further: each recompression is compiled too (counts, probe)
+    store = WorkerStore()
+    store.register(layers, policy=load_policy(Path(__file__).parents[4] / "proxima" / "policies" / "aggressive.yaml"))
+    store.layout = token_interleaved_layout(B, D)
+    probed.clear()
+    _impl("triton").warm_up(store)
+    merges = ["cluster(2)+int4", "cluster(4)+int4", "cluster(8)+int4"]
+    assert sorted(probed) == sorted(["int4", *merges, *merges[1:], merges[2]]), probed
+    assert all(torch.equal(layers[n], before[n]) for n in layers)
     assert all(torch.equal(layers[n], before[n]) for n in layers)
     assert not store.remap and store.take_report() is None
 

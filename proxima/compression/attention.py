@@ -209,8 +209,8 @@ def attention_errors(
     `on_host=False` leaves the errors on k's device (the vLLM worker reads them a step later:
     a copy to the host here would wait for the device). `backend`: the torch reference by
     default; the vLLM worker passes its own kernels' (on a GPU, Triton: the decompression and
-    then both attentions and the norms in one launch, `kernels/probe_error.py`, instead of about
-    45 torch ops per call; the tests hold the two equal).
+    then both attentions and the norms in two launches, `kernels/probe_error.py`, instead of
+    about 45 torch ops per call; the tests hold the two equal).
     """
     if k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"need k, v [N, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -227,7 +227,7 @@ def attention_errors(
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     g = hq // h
     kh, vh, lc = decompress_blocks(cb, backend=backend)  # [N, C, H, D], [N, C, H]
-    if use_triton(backend, k):  # the same numbers in one launch (`kernels/probe_error.py`)
+    if use_triton(backend, k):  # the same numbers in two launches (`kernels/probe_error.py`)
         from proxima.compression.kernels.probe_error import probe_errors
 
         out = probe_errors(q_obs, k, v, kh, vh, lc, scale=scale, q_valid=q_valid, ref_log_count=ref_log_count)

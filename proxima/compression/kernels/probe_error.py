@@ -1,4 +1,4 @@
-"""The compression-time probe's error in one launch: attention over each block before and after.
+"""The compression-time probe's error in two launches: attention over each block before and after.
 
 `reference`: `compression.attention.attention_errors` (torch), whose semantics this kernel keeps:
 per block n, every observation query w of every query head attends to the block alone, once to

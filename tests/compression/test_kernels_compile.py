@@ -38,12 +38,16 @@ print(".entry _cluster_kernel" in ptx)
 """
 
 
+def _compiles(script: str, *args: str) -> None:
+    """Run a compile script in a process without TRITON_INTERPRET; it prints True when the PTX has the kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("True"), res.stderr[-2000:]
+
+
 @pytest.mark.parametrize(("counts", "pin_by"), [(False, -1), (True, -1), (False, 0), (True, 0), (False, 2)])
 def test_the_cluster_kernel_compiles_for_the_h200_without_a_gpu(counts: bool, pin_by: int) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE, "1" if counts else "0", str(pin_by)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("True"), res.stderr[-2000:]
+    _compiles(COMPILE, "1" if counts else "0", str(pin_by))
 
 
 PROBE_COMPILE = """
@@ -67,7 +71,4 @@ print(".entry _probe_error_kernel" in ptx)
 
 @pytest.mark.parametrize("block_c", [16, 32])
 def test_the_probe_error_kernel_compiles_for_the_h200_without_a_gpu(block_c: int) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", PROBE_COMPILE, str(block_c)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("True"), res.stderr[-2000:]
+    _compiles(PROBE_COMPILE, str(block_c))

@@ -216,8 +216,6 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
                               PagedRow([0, 0], b + 2, 1, {0: (chosen, 0, 0)})], b).to(kv.device)
             q = torch.zeros(2, self.num_heads, self.head_size, dtype=kv.dtype, device=kv.device)
             paged_attention(q, plan, hot, pools, sm_scale=self.scale, backend=self.kernel_backend)
-            if kv.is_cuda:
-                torch.cuda.synchronize(kv.device)
         # A recompression (a reduced block reduced further) compiles its own variants: the k-means
         # with counts over the source's rows, and the probe over those rows with their counts. Run
         # through the worker's own compress call (an H100 run compiled them mid-serving, 0.6 s and
@@ -230,7 +228,7 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
                 if store.probes_compressions:
                     attention_errors(q_obs, k_src, k_src, cb, sm_scale=self.scale, ref_log_count=lc, on_host=False,
                                      backend=self.kernel_backend)
-        if formats and next(iter(store.kv_caches.values())).is_cuda:
+        if next(iter(store.kv_caches.values())).is_cuda:  # every launch above done before serving
             torch.cuda.synchronize()
         logger.info("proxima: kernels compiled for %s in %.1f s", ", ".join(map(str, formats)),
                     time.perf_counter() - t0)

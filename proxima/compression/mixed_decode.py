@@ -34,78 +34,17 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
-from proxima.compression.blocks import CompressedBlocks, kept_count
-from proxima.compression.spec import QUANT_CODE
+from proxima.compression.mixed_decode_lean import lean_step, merge_rotated, rotate_query
+from proxima.compression.mixed_decode_pools import MAX_CODES, READS_QUANTS, _desc, pool_descriptors
 from proxima.compression.triton_ops import _p2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-# descriptor fields (one int64 row per format code; row 0, the hot code, is unused)
-F_QUANT, F_TOKENS, F_REDUCED, F_GROUP = 0, 1, 2, 3
-F_DATA_SLOT, F_DATA_T, F_DATA_H, F_V_DATA = 4, 5, 6, 7
-F_KS, F_KZ, F_VS, F_VZ, F_LC = 8, 9, 10, 11, 12
-F_KS_SLOT, F_KS_T, F_KS_H, F_VS_SLOT, F_VS_T, F_VS_H, F_LC_SLOT, F_LC_T, F_LC_H = range(13, 22)
-F_K_DATA = 22
-NUM_FIELDS = 23
-READS_QUANTS = frozenset({"fp8", "int8", "int4", "int2"})
-"""Quantizations of the slots this kernel reads (lean int4h / int2h, with rotated keys and
-per-token scales, are read by the split path only)."""
-MAX_CODES = 16
-"""Rows of a layer's persistent descriptor table (format codes 1..15; 0 is vLLM's pages)."""
-
-
-def pool_descriptors(pools: Mapping[int, CompressedBlocks], block_size: int, device: torch.device) -> torch.Tensor:
-    """int64 [max code + 1, NUM_FIELDS]: how the kernel reads the slots of each format code.
-
-    `pools[code]` is that code's slot pool in this layer (`layer.slot_pool`-like views: k_data
-    and v_data alias the KV cache bytes, metadata in side tables). Addresses are raw pointers:
-    the table is valid while the pools' tensors live (the worker's pools live as long as the
-    caches). Build it once per layer and keep it: its contents change only when a new format
-    appears."""
-    rows = max(pools, default=0) + 1
-    d = torch.zeros(rows, NUM_FIELDS, dtype=torch.int64)
-    for code, p in pools.items():
-        if code <= 0:
-            raise ValueError(f"pool code {code}: codes start at 1 (0 is vLLM's bf16 pages)")
-        q = p.fmt.quant
-        if q not in READS_QUANTS:
-            raise ValueError(f"{p.fmt}: the mixed decode kernel reads fp8, int8, int4 and int2 slots, not {q} "
-                             "(set PROXIMA_ONE_PASS_DECODE=0: the split path reads lean formats)")
-        k8, v8 = p.k_data.view(torch.uint8), p.v_data.view(torch.uint8)
-        if k8.stride(-1) != 1 or k8.stride(1) != k8.shape[2] * k8.stride(2):
-            raise ValueError(f"{p.fmt}: slot data must be [slots, C, H, P] with dense tokens, strides {k8.stride()}")
-        if v8.stride()[:3] != k8.stride()[:3]:
-            raise ValueError(f"{p.fmt}: keys and values must share strides, got {k8.stride()} and {v8.stride()}")
-        d[code, F_QUANT] = QUANT_CODE[q]
-        d[code, F_TOKENS] = kept_count(p.fmt, block_size)
-        d[code, F_REDUCED] = int(p.fmt.reduction is not None)
-        d[code, F_GROUP] = p.group_size
-        d[code, F_DATA_SLOT], d[code, F_DATA_T], d[code, F_DATA_H] = k8.stride()[:3]
-        d[code, F_K_DATA], d[code, F_V_DATA] = k8.data_ptr(), v8.data_ptr()
-        for f_ptr, f_str, t in ((F_KS, F_KS_SLOT, p.k_scale), (F_VS, F_VS_SLOT, p.v_scale),
-                                (F_LC, F_LC_SLOT, p.log_count)):
-            if t is not None:
-                d[code, f_ptr] = t.data_ptr()
-                d[code, f_str : f_str + 3] = torch.tensor(t.stride()[:3])
-        for f_ptr, t, like in ((F_KZ, p.k_zero, p.k_scale), (F_VZ, p.v_zero, p.v_scale)):
-            if t is not None:
-                if like is None or t.stride() != like.stride():
-                    raise ValueError(f"{p.fmt}: zero points must share their scales' strides")
-                d[code, f_ptr] = t.data_ptr()
-    return d.to(device)
-
-
-@triton.jit
-def _desc(desc_ptr, code, field: tl.constexpr):
-    return tl.load(desc_ptr + code * 23 + field)
-
 
 @triton.jit
 def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j0, seq_len, od, m2,
@@ -180,7 +119,8 @@ def _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, m
         f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         k = f8_k * f8_ksc[:, None]
         v = f8_v * f8_vsc[:, None]
-    else:  # KIVI keys: per channel, a scale / zero row per group of tokens
+    else:  # KIVI keys (int8 / int4 / int2; lean slots never come here, see `lean_step`): per
+        # channel, a scale / zero row per group of tokens
         per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
         bits = 8 // per
         ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
@@ -271,7 +211,7 @@ def _mixed_decode_kernel(
     seq_ptr,  # [R] int32 context lengths (this step's token included)
     qsl_ptr, slot_ptr,  # query_start_loc [R + 1], slot_mapping [tokens]
     owner_ptr, ent_ptr, NB,  # device block table: owner [N] int32, entries [rows, NB, 2] int32
-    desc_ptr,  # pool descriptors [codes, NUM_FIELDS = 23] int64
+    desc_ptr,  # pool descriptors [codes, NUM_FIELDS = 26] int64 (`mixed_decode_pools.py`)
     ent_out_ptr, NB_OUT,  # [S, NB_OUT, Hq] float32 per-block log-sum-exp (OBSERVE only)
     lse_ptr,  # [S, Hq] float32 (OBSERVE only)
     part_ml_ptr, part_acc_ptr,  # [S, Hq, SPLITS, 2] / [S, Hq, SPLITS, BLOCK_D] float32 (PARTIAL only)
@@ -298,6 +238,14 @@ def _mixed_decode_kernel(
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    # lean blocks (int4h / int2h): a softmax state of their own in the rotated basis, merged at the
+    # end (`mixed_decode_lean.py`); `rot` is the rotation column's address once one was met (row 0 of
+    # the descriptors, vLLM's pages, is all zeros: 0 = none yet), `qr` the query rotated then
+    m_r = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_r = tl.zeros((G_PAD,), tl.float32)
+    acc_r = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    qr = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    rot = _desc(desc_ptr, 0, 25)
     m2 = md[None, :]
     # this program's share of the row's blocks: a contiguous run, as even as the split allows
     # (SPLITS is fixed per launch shape, so a CUDA graph replays it whatever the context length)
@@ -330,6 +278,15 @@ def _mixed_decode_kernel(
                                                           acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
                     if OBSERVE:
                         _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, bp, bm, G_PAD, 1, BS)
+                elif _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
+                    if rot == 0:  # the first lean block of this program: rotate the query, once
+                        rot = _desc(desc_ptr, code, 25)
+                        qr = rotate_query(q, rot, od, md, BLOCK_D, DOT)
+                    m_r, l_r, acc_r, lp, lm = lean_step(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md,
+                                                        q, qr, m_r, l_r, acc_r, sm_scale_log2, q_ptr, BS, DOT,
+                                                        DOT_16BIT)
+                    if OBSERVE:
+                        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm, G_PAD, 1, BS)
                 else:
                     ck, cv, cbias, cvalid = _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot,
                                                              od, md, BS, KEY_ROWS)
@@ -337,6 +294,8 @@ def _mixed_decode_kernel(
                                                           q_ptr, DOT, DOT_16BIT)
                     if OBSERVE:
                         _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, G_PAD, 1, BS)
+    if rot != 0:  # un-rotate the lean blocks' output and merge their state in (before a split's partial)
+        m_i, l_i, acc = merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot, od, md, BLOCK_D, DOT)
     if OBSERVE:  # the blocks past this row's end received nothing (the last split says so)
         for j in range(tl.where(sp == SPLITS - 1, nblk, NB_OUT), NB_OUT):
             tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)

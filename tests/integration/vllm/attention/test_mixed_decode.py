@@ -37,6 +37,10 @@ REQUESTS = {
     # cluster(2)+int4 slots (read block by block), [4] the page with the query token
     "e": ([12, 13, 14, 15, 16], 70, {0: ("int4", 25, 0), 1: ("int4", 25, 1), 2: ("cluster(2)+int4", 26, 0),
                                      3: ("cluster(2)+int4", 26, 1)}),
+    # the lean formats (rotated codes, issue 40) beside a KIVI block: with tiles of 2, [0, 1] is a
+    # tile of int4h and int2h, [2, 3] one of cluster(2)+int4h and int4
+    "f": ([27, 28, 29, 30, 31], 75, {0: ("int4h", 32, 0), 1: ("int2h", 33, 0), 2: ("cluster(2)+int4h", 34, 0),
+                                     3: ("int4", 25, 2)}),
 }
 
 
@@ -140,7 +144,7 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     if group is not None:  # the slots were written with it
         assert cb.slot_pool_of(store, LAYER, Format.parse("int4"), DEV).group_size == group
     t = worker_connector.block_table
-    assert t is not None and len(t.formats) == 5  # int8, int4, fp8, int2, cluster(2)+int4
+    assert t is not None and len(t.formats) == 8  # int8, int4, fp8, int2, cluster(2)+int4, int4h, int2h, c(2)+int4h
     q = torch.randn(len(REQUESTS), HQ, D).bfloat16().to(DEV)
     out = torch.full_like(q, float("nan"))
     ent = torch.empty(len(REQUESTS), 5, HQ, device=DEV)
@@ -289,8 +293,8 @@ def no_parent_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_decode_batch_is_one_launch_per_layer_and_building_reads_nothing_back(
     worker_connector: ProximaConnector, no_parent_kernel: None, monkeypatch: pytest.MonkeyPatch, layers: int
 ) -> None:
-    """Item 6 of issue 38: one forward of the backend over a batch mixing bf16 pages and five
-    compressed formats launches at most 2 kernels per layer (here 1: the observed layer's
+    """Item 6 of issue 38: one forward of the backend over a batch mixing bf16 pages and eight
+    compressed formats (the lean ones among them) launches at most 2 kernels per layer (here 1: the observed layer's
     importance is still planned on the host, see `importance.py`), and building the step's
     metadata reads nothing back to the host. Counted on the product's own launches."""
     from tests.integration.vllm.attention.test_cuda_backend import _builder

@@ -245,6 +245,8 @@ def _mixed_decode_kernel(
     l_r = tl.zeros((G_PAD,), tl.float32)
     acc_r = tl.zeros((G_PAD, BLOCK_D), tl.float32)
     qr = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    if DOT_16BIT:  # carried in the dot's 16-bit dtype: half the registers across the loop
+        qr = qr.to(q_ptr.dtype.element_ty)
     rot = _desc(desc_ptr, 0, 25)
     m2 = md[None, :]
     # this program's share of the row's blocks: a contiguous run, as even as the split allows
@@ -281,7 +283,7 @@ def _mixed_decode_kernel(
                 elif _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
                     if rot == 0:  # the first lean block of this program: rotate the query, once
                         rot = _desc(desc_ptr, code, 25)
-                        qr = rotate_query(q, rot, od, md, BLOCK_D, DOT)
+                        qr = rotate_query(q, rot, od, md, BLOCK_D, DOT).to(qr.dtype)
                     m_r, l_r, acc_r, lp, lm = lean_step(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md,
                                                         q, qr, m_r, l_r, acc_r, sm_scale_log2, q_ptr, BS, DOT,
                                                         DOT_16BIT)

@@ -428,7 +428,10 @@ for fn, consts in kernels:
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    print(f".entry {fn.__name__}" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(f".entry {fn.__name__}" in ptx)
+    if fn is md._mixed_decode_kernel:  # the lean reader is in: its rotations are the only fp32 (tf32) dots
+        print("tf32" in ptx)
 """
 
 
@@ -437,11 +440,12 @@ def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool, partial: 
     """The interpreter runs Python, so it accepts what the compiler refuses (e.g. a runtime `if`
     whose branches leave one name with two types). Compile the kernels (with a split context:
     also the merge) for sm_90 to PTX, in a process without TRITON_INTERPRET (this one's
-    decorators built interpreter wrappers)."""
+    decorators built interpreter wrappers). Every variant holds the lean formats' reader (a run-time
+    branch, `mixed_decode_lean.py`): its query rotation and final un-rotation are in the PTX."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", COMPILE, str(int(observe)), str(int(partial))], env=env,
                          capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.split() == ["True"] * (1 + partial), res.stderr[-2000:]
+    assert res.returncode == 0 and res.stdout.split() == ["True"] * (2 + partial), res.stderr[-2000:]

@@ -203,6 +203,20 @@ def _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j0, j_end, p, m_use, G_
 
 
 @triton.jit
+def _slot_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, ot, od, md, q, m_i, l_i, acc, sm_scale_log2,
+               q_ptr, ent_out_ptr, NB_OUT, Hq, r, qh, mg, BS: tl.constexpr, G_PAD: tl.constexpr,
+               KEY_ROWS: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, OBSERVE: tl.constexpr):  # fmt: skip
+    """Logical block `j`, a slot of a non-lean format `code` > 0, into the (plain) online softmax."""
+    ck, cv, cbias, cvalid = _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md, BS,
+                                             KEY_ROWS)
+    m_i, l_i, acc, cp, cm = _softmax_step(q, ck, cv, cbias, cvalid, m_i, l_i, acc, sm_scale_log2, q_ptr, DOT,
+                                          DOT_16BIT)
+    if OBSERVE:
+        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, G_PAD, 1, BS)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _mixed_decode_kernel(
     q_ptr, sq_s, sq_h,  # [S, Hq, D] queries
     o_ptr, so_s, so_h,  # [S, Hq, D] output (written in place)
@@ -218,7 +232,7 @@ def _mixed_decode_kernel(
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
-    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, LEAN: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -238,16 +252,17 @@ def _mixed_decode_kernel(
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-    # lean blocks (int4h / int2h): a softmax state of their own in the rotated basis, merged at the
-    # end (`mixed_decode_lean.py`); `rot` is the rotation column's address once one was met (row 0 of
-    # the descriptors, vLLM's pages, is all zeros: 0 = none yet), `qr` the query rotated then
-    m_r = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l_r = tl.zeros((G_PAD,), tl.float32)
-    acc_r = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-    qr = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-    if DOT_16BIT:  # carried in the dot's 16-bit dtype: half the registers across the loop
-        qr = qr.to(q_ptr.dtype.element_ty)
-    rot = _desc(desc_ptr, 0, 25)
+    if LEAN:  # lean blocks (int4h / int2h): a softmax state of their own in the rotated basis, merged
+        # at the end (`mixed_decode_lean.py`); `rot` is the rotation column's address once one was
+        # met (row 0 of the descriptors, vLLM's pages, is all zeros: 0 = none yet), `qr` the query
+        # rotated then
+        m_r = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_r = tl.zeros((G_PAD,), tl.float32)
+        acc_r = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+        qr = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+        if DOT_16BIT:  # carried in the dot's 16-bit dtype: half the registers across the loop
+            qr = qr.to(q_ptr.dtype.element_ty)
+        rot = _desc(desc_ptr, 0, 25)
     m2 = md[None, :]
     # this program's share of the row's blocks: a contiguous run, as even as the split allows
     # (SPLITS is fixed per launch shape, so a CUDA graph replays it whatever the context length)
@@ -280,24 +295,27 @@ def _mixed_decode_kernel(
                                                           acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
                     if OBSERVE:
                         _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, bp, bm, G_PAD, 1, BS)
-                elif _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
-                    if rot == 0:  # the first lean block of this program: rotate the query, once
-                        rot = _desc(desc_ptr, code, 25)
-                        qr = rotate_query(q, rot, od, md, BLOCK_D, DOT).to(qr.dtype)
-                    m_r, l_r, acc_r, lp, lm = lean_step(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md,
-                                                        q, qr, m_r, l_r, acc_r, sm_scale_log2, q_ptr, BS, DOT,
-                                                        DOT_16BIT)
-                    if OBSERVE:
-                        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm, G_PAD, 1, BS)
+                elif LEAN:  # (a constexpr: without it the lean reader is not compiled, see `mixed_decode`)
+                    if _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
+                        if rot == 0:  # the first lean block of this program: rotate the query, once
+                            rot = _desc(desc_ptr, code, 25)
+                            qr = rotate_query(q, rot, od, md, BLOCK_D, DOT).to(qr.dtype)
+                        m_r, l_r, acc_r, lp, lm = lean_step(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od,
+                                                            md, q, qr, m_r, l_r, acc_r, sm_scale_log2, q_ptr, BS, DOT,
+                                                            DOT_16BIT)
+                        if OBSERVE:
+                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm, G_PAD, 1, BS)
+                    else:
+                        m_i, l_i, acc = _slot_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, ot, od, md,
+                                                   q, m_i, l_i, acc, sm_scale_log2, q_ptr, ent_out_ptr, NB_OUT, Hq, r,
+                                                   qh, mg, BS, G_PAD, KEY_ROWS, DOT, DOT_16BIT, OBSERVE)
                 else:
-                    ck, cv, cbias, cvalid = _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot,
-                                                             od, md, BS, KEY_ROWS)
-                    m_i, l_i, acc, cp, cm = _softmax_step(q, ck, cv, cbias, cvalid, m_i, l_i, acc, sm_scale_log2,
-                                                          q_ptr, DOT, DOT_16BIT)
-                    if OBSERVE:
-                        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, G_PAD, 1, BS)
-    if rot != 0:  # un-rotate the lean blocks' output and merge their state in (before a split's partial)
-        m_i, l_i, acc = merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot, od, md, BLOCK_D, DOT)
+                    m_i, l_i, acc = _slot_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, ot, od, md, q,
+                                               m_i, l_i, acc, sm_scale_log2, q_ptr, ent_out_ptr, NB_OUT, Hq, r, qh, mg,
+                                               BS, G_PAD, KEY_ROWS, DOT, DOT_16BIT, OBSERVE)
+    if LEAN:  # noqa: SIM102 (a constexpr, then a run-time test: `and` would reference `rot` without LEAN)
+        if rot != 0:  # un-rotate the lean blocks' output and merge their state in (before a split's partial)
+            m_i, l_i, acc = merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot, od, md, BLOCK_D, DOT)
     if OBSERVE:  # the blocks past this row's end received nothing (the last split says so)
         for j in range(tl.where(sp == SPLITS - 1, nblk, NB_OUT), NB_OUT):
             tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)
@@ -390,7 +408,7 @@ def mixed_decode(
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
-    num_warps: int | None = None, key_group: int | None = None,
+    num_warps: int | None = None, key_group: int | None = None, lean: bool = True,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -408,7 +426,10 @@ def mixed_decode(
     serving); at or above the block size every slot has one key scale row and the per-token
     variant is not compiled. None (unknown): both are, and the slot's group picks at run time.
     `tile_blocks` (default: TILE_TOKENS' worth, at least 1; a power of two): blocks read as one tile
-    where they are all vLLM's pages."""
+    where they are all vLLM's pages. `lean=False` compiles the kernel without the lean formats'
+    reader (`mixed_decode_lean.py`), for measuring what carrying it costs the other formats
+    (`bench/one_pass_decode.py`); the descriptors must then hold no lean code (it would be read as
+    KIVI codes). The backend always reads them (True)."""
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
     if d2 != 2 * d or hq % h or out.shape != q.shape:
@@ -449,7 +470,7 @@ def mixed_decode(
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
         DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb,
-        KEY_ROWS=key_group is None or key_group < bs, num_warps=num_warps or NUM_WARPS,
+        KEY_ROWS=key_group is None or key_group < bs, LEAN=lean, num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     if partial:
         _combine_splits_kernel[(s, h)](

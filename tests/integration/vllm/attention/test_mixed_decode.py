@@ -413,14 +413,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from proxima.compression import mixed_decode as md
 
-observe, partial = sys.argv[1] == "1", sys.argv[2] == "1"
+observe, partial, lean = sys.argv[1] == "1", sys.argv[2] == "1", sys.argv[3] == "1"
 ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_ptr": "*i32",
         "qsl_ptr": "*i32", "slot_ptr": "*i64", "owner_ptr": "*i32", "ent_ptr": "*i32", "desc_ptr": "*i64",
         "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32",
         "sm_scale_log2": "fp32"}
 kernels = [(md._mixed_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": observe,
                                       "DOT": True, "DOT_16BIT": True, "PARTIAL": partial,
-                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe})]
+                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe, "LEAN": lean})]
 if partial:
     kernels.append((md._combine_splits_kernel, {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "SPLITS_PAD": 16,
                                                 "OBSERVE": observe}))
@@ -430,22 +430,24 @@ for fn, consts in kernels:
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     print(f".entry {fn.__name__}" in ptx)
-    if fn is md._mixed_decode_kernel:  # the lean reader is in: its rotations are the only fp32 (tf32) dots
+    if fn is md._mixed_decode_kernel:  # whether the lean reader is in: its rotations are the only fp32 (tf32) dots
         print("tf32" in ptx)
 """
 
 
-@pytest.mark.parametrize(("observe", "partial"), [(False, False), (True, False), (True, True)])
-def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool, partial: bool) -> None:
+@pytest.mark.parametrize(("observe", "partial", "lean"),
+                         [(False, False, True), (True, False, True), (True, True, True), (False, False, False)])
+def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool, partial: bool, lean: bool) -> None:
     """The interpreter runs Python, so it accepts what the compiler refuses (e.g. a runtime `if`
     whose branches leave one name with two types). Compile the kernels (with a split context:
     also the merge) for sm_90 to PTX, in a process without TRITON_INTERPRET (this one's
-    decorators built interpreter wrappers). Every variant holds the lean formats' reader (a run-time
-    branch, `mixed_decode_lean.py`): its query rotation and final un-rotation are in the PTX."""
+    decorators built interpreter wrappers). The backend's variants hold the lean formats' reader
+    (`mixed_decode_lean.py`): its query rotation and final un-rotation are in the PTX; `lean=False`
+    (the benchmark's variant without it) leaves them out."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE, str(int(observe)), str(int(partial))], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.split() == ["True"] * (2 + partial), res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-c", COMPILE, str(int(observe)), str(int(partial)), str(int(lean))],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.split() == ["True", str(lean)] + ["True"] * partial, res.stderr[-2000:]

@@ -26,6 +26,10 @@ splits) and nothing is read back to the host: capturable in a CUDA graph. In the
 second small launch (`update_block_importance`) folds the per-block log-sum-exp into the device
 importance.
 
+Lean slots (int4h / int2h, cluster(R)+int4h) are read in their rotated basis by
+`mixed_decode_lean.py` (the query rotated once per program, a second softmax state merged at the
+end), compiled in by the `LEAN` constexpr; the descriptor rows are `mixed_decode_pools.py`'s.
+
 Named dims: S batch rows (one query token each), Hq query heads, H KV heads, G = Hq / H, D head
 dim, BS vLLM's block size, NB logical blocks per request in the table.
 """

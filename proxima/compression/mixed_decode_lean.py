@@ -9,14 +9,15 @@ vector from a constant seed, so the same R in every layer). Hence
     q . k_t = s_t ((q R) . (c_t - HALF)) + q . z
     sum_t p_t v_t = (sum_t (p_t s_t) (c_t - HALF)) R^T.
 So the kernel rotates the query once per program (the first time it meets a lean block), dots it
-with the raw centred codes (small integers and halves: exact in 16 bits) and multiplies the
-[heads, tokens] logits by s_t; the probabilities times s_t go into a second accumulator kept in
-the rotated basis, turned back once at the end. Per block: the same two dot products as any other
-format, no D x D work, and no per-element scale multiply on either side.
+with the centred codes (k + 1/2 for small integers k: exact in float16) and multiplies the
+[heads, tokens] scores by s_t; the probabilities times s_t go into a second accumulator kept in
+the rotated basis, turned back once at the end. Per block: the same two float16 dot products as
+any other format (`mixed_slots.py`'s style: codes by the e4m3 convert, scales on score and
+probability columns), no D x D work.
 
-The lean blocks keep a softmax state of their own (max, sum, rotated output) and it is merged into
-the plain state at the end, as two splits are: the plain steps (vLLM's pages above all) then stay
-exactly what they were, instead of rescaling a second accumulator at every step.
+The lean blocks keep a softmax state of their own (max, sum, rotated output), live only in the
+kernel's pass over compressed blocks and merged into the plain state at its end, as two splits
+are: the plain steps stay exactly what they were instead of rescaling a second accumulator.
 
 H is made in registers from the bit parity of (i & j) and R's first column (sign / sqrt(D)) is
 the only thing of the rotation read from memory (`mixed_decode_pools.lean_rotation_column`, its
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from proxima.compression.mixed_decode_pools import _desc
+from proxima.compression.mixed_slots import _dot_qk, _small_codes
 
 
 @triton.jit
@@ -56,10 +58,15 @@ def _times_hadamard(x, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def rotate_query(q, rot_addr, od, md, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
-    """q R for q [G_PAD, BLOCK_D] float32; `rot_addr`: R's first column (a descriptor field)."""
+def rotate_query(qf, rot_addr, sm_scale_log2, od, md, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+    """q R for the query rows qf [G_PAD, BLOCK_D] float32 (`rot_addr`: R's first column, a descriptor
+    field), as the compressed slots take the query (`mixed_decode`'s q16): scaled by a power of two
+    into [-1, 1] and rounded to float16, with the factor that undoes it times the softmax scale."""
     col = tl.load(rot_addr.to(tl.pointer_type(tl.float32), bitcast=True) + od, mask=md, other=0.0)
-    return _times_hadamard(q * col[None, :], BLOCK_D, DOT)
+    qr = _times_hadamard(qf * col[None, :], BLOCK_D, DOT)
+    qmax = tl.max(tl.max(tl.abs(qr), axis=1), axis=0)
+    qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
+    return (qr * (1.0 / qn)).to(tl.float16), sm_scale_log2 * qn
 
 
 @triton.jit
@@ -76,42 +83,43 @@ def merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot_addr, od, md, BLOCK_D: tl.
 
 
 @triton.jit
-def lean_step(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md, q, qr, m_r, l_r, acc_r, sm_scale_log2,
-              q_ptr, BS: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr):  # fmt: skip
-    """Logical block `j` of the row, a lean slot of format `code`, into the lean softmax state.
-    q [G_PAD, BLOCK_D] the query (for the key mean's term), qr = q R. Returns the new state and the
-    block's probabilities relative to `m_use` (log2 units), for the observed layer's block sums."""
+def lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, qf, qr16, lean_scale, sm_scale_log2, ot, od, md,
+               BS: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr):  # fmt: skip
+    """Logical block `j` of the row, a lean slot of format `code`, as `mixed_slots._slot_block`
+    returns a slot: its scores [G_PAD, BS] (log2 units, the key mean's term and the centroids' log
+    count added, -inf where no token is), its centred value codes [BS, BLOCK_D] float16 (rotated
+    basis; 0 where no token is) and the value scale of each probability column. qf: the query
+    (float32, for the key mean's term); qr16 / lean_scale: `rotate_query`'s."""
     seen = tl.minimum(seq_len - j * BS, BS)
     sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
     tokens = _desc(desc_ptr, code, 1)
-    # as `_load_slot_block`: a quantized slot keeps token order (clipped like a page), a reduced one
+    # as `_slot_block`: a quantized slot keeps token order (clipped like a page), a reduced one
     # (cluster(R)+int4h) is all or nothing
     ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
     valid = ot < ntok
     vm = valid[:, None] & md[None, :]
-    per = tl.where(_desc(desc_ptr, code, 0) == 5, 2, 4)  # int4h (QUANT_CODE 5): 2 codes a byte, int2h 4
-    bits = 8 // per
-    half = ((1 << bits) - 1) * 0.5
-    shift = ((od % per) * bits).to(tl.uint8)
-    cmask = ((1 << bits) - 1).to(tl.uint8)
-    row_off = (sid * _desc(desc_ptr, code, 4) + h * _desc(desc_ptr, code, 6)) + ot[:, None] * _desc(desc_ptr, code, 5)
+    row_off = sid * _desc(desc_ptr, code, 4) + h * _desc(desc_ptr, code, 6) + ot * _desc(desc_ptr, code, 5)
     kb = _desc(desc_ptr, code, 22).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
     vb = _desc(desc_ptr, code, 7).to(tl.pointer_type(tl.uint8), bitcast=True) + row_off
-    # padding rows may hold any bytes: their codes are masked to 0 (finite) and their scales to 0
-    kc = ((tl.load(kb + (od // per)[None, :], mask=vm, other=0) >> shift[None, :]) & cmask).to(tl.float32) - half
-    vc = ((tl.load(vb + (od // per)[None, :], mask=vm, other=0) >> shift[None, :]) & cmask).to(tl.float32) - half
-    kc = tl.where(vm, kc, 0.0)
-    vc = tl.where(vm, vc, 0.0)
+    # codes come as code * 2^-9 (the e4m3 convert); * 512 - HALF is exact in float16. Rows without a
+    # token (any bytes) are zeroed: their scale columns are 0 too, and no NaN can enter a product.
+    if _desc(desc_ptr, code, 0) == 5:  # int4h: 2 codes a byte, HALF 7.5
+        kc = tl.where(vm, _small_codes(kb, od, vm, 2) * 512.0 - 7.5, 0.0).to(tl.float16)
+        v16 = tl.where(vm, _small_codes(vb, od, vm, 2) * 512.0 - 7.5, 0.0).to(tl.float16)
+    else:  # int2h: 4 codes a byte, HALF 1.5
+        kc = tl.where(vm, _small_codes(kb, od, vm, 4) * 512.0 - 1.5, 0.0).to(tl.float16)
+        v16 = tl.where(vm, _small_codes(vb, od, vm, 4) * 512.0 - 1.5, 0.0).to(tl.float16)
     ks_p = _desc(desc_ptr, code, 8).to(tl.pointer_type(tl.float16), bitcast=True)
     vs_p = _desc(desc_ptr, code, 10).to(tl.pointer_type(tl.float16), bitcast=True)
     kz_p = _desc(desc_ptr, code, 9).to(tl.pointer_type(tl.float16), bitcast=True)
     ks_row = sid * _desc(desc_ptr, code, 13) + h * _desc(desc_ptr, code, 15) + ot * _desc(desc_ptr, code, 14)
     vs_row = sid * _desc(desc_ptr, code, 16) + h * _desc(desc_ptr, code, 18) + ot * _desc(desc_ptr, code, 17)
     ksc = tl.load(ks_p + ks_row, mask=valid, other=0.0).to(tl.float32)
-    vsc = tl.load(vs_p + vs_row, mask=valid, other=0.0).to(tl.float32)
+    vcol = tl.load(vs_p + vs_row, mask=valid, other=0.0).to(tl.float32)
     kz_row = sid * _desc(desc_ptr, code, 23) + h * _desc(desc_ptr, code, 24)
     kz = tl.load(kz_p + kz_row + od, mask=md, other=0.0).to(tl.float32)
-    bias = tl.zeros((BS,), tl.float32)
+    qz = tl.sum(qf * kz[None, :], axis=1)  # q . z: one term per query head for the whole block
+    s = _dot_qk(qr16, kc, DOT, DOT_16BIT) * (ksc * lean_scale)[None, :] + (qz * sm_scale_log2)[:, None]
     lc_addr = _desc(desc_ptr, code, 12)
     if lc_addr != 0:  # centroids (cluster(R)+int4h): log(count) on each logit
         lc_p = lc_addr.to(tl.pointer_type(tl.float32), bitcast=True)
@@ -120,28 +128,6 @@ def lean_step(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, ot, od, md, q, q
             mask=valid,
             other=0.0,
         )
-    qz = tl.sum(q * kz[None, :], axis=1)  # q . z: one term per query head for the whole block
-    if DOT:
-        if DOT_16BIT:  # centred codes are exact in 16 bits; q R rounds as any 16-bit query does
-            qk = tl.dot(qr.to(q_ptr.dtype.element_ty), tl.trans(kc.to(q_ptr.dtype.element_ty)))
-        else:
-            qk = tl.dot(qr, tl.trans(kc))
-    else:
-        qk = tl.sum(qr[:, None, :] * kc[None, :, :], axis=2)
-    s = (qk * ksc[None, :] + qz[:, None]) * sm_scale_log2 + (bias * 1.4426950408889634)[None, :]
+        s = s + (bias * 1.4426950408889634)[None, :]
     s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_r, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
-    alpha = tl.math.exp2(m_r - m_use)
-    l_r = l_r * alpha + tl.sum(p, axis=1)
-    ps = p * vsc[None, :]  # the value scales folded into the probabilities: [heads, tokens], not [tokens, D]
-    if DOT:
-        if DOT_16BIT:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
-            pv = tl.dot(ps.to(q_ptr.dtype.element_ty), vc.to(q_ptr.dtype.element_ty))
-        else:
-            pv = tl.dot(ps, vc)
-    else:
-        pv = tl.sum(ps[:, :, None] * vc[None, :, :], axis=1)
-    acc_r = acc_r * alpha[:, None] + pv
-    return m_new, l_r, acc_r, p, m_use
+    return s, v16, vcol

@@ -420,7 +420,7 @@ ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32",
         "sm_scale_log2": "fp32"}
 kernels = [(md._mixed_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": observe,
                                       "DOT": True, "DOT_16BIT": True, "PARTIAL": partial,
-                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe, "LEAN": lean})]
+                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe, "VG": 32, "LEAN": lean})]
 if partial:
     kernels.append((md._combine_splits_kernel, {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "SPLITS_PAD": 16,
                                                 "OBSERVE": observe}))

@@ -235,8 +235,8 @@ def _mixed_decode_kernel(
                     if _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
                         if rot == 0:  # the first lean block of this program: rotate the query, once
                             rot = _desc(desc_ptr, code, 25)
-                            qr16, lean_scale = rotate_query(qf, rot, sm_scale_log2, od, md, BLOCK_D, DOT)
-                        ls, lv, lvcol = lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, qf, qr16,
+                            qr16, lean_scale = rotate_query(q, rot, sm_scale_log2, od, md, BLOCK_D, DOT)
+                        ls, lv, lvcol = lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q, qr16,
                                                    lean_scale, sm_scale_log2, ot, od, md, BS, DOT, DOT_16BIT)
                         m_r, l_r, acc_r, lp, lm = _slot_step(ls, lv, lvcol, m_r, l_r, acc_r, DOT, DOT_16BIT)
                         if OBSERVE:

@@ -58,12 +58,13 @@ def _times_hadamard(x, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def rotate_query(qf, rot_addr, sm_scale_log2, od, md, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
-    """q R for the query rows qf [G_PAD, BLOCK_D] float32 (`rot_addr`: R's first column, a descriptor
+def rotate_query(q, rot_addr, sm_scale_log2, od, md, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+    """q R for the query rows q [G_PAD, BLOCK_D] as loaded (the query passed, not a float32 copy:
+    that would stay live through the kernel's pass over vLLM's pages; `rot_addr`: R's first column, a descriptor
     field), as the compressed slots take the query (`mixed_decode`'s q16): scaled by a power of two
     into [-1, 1] and rounded to float16, with the factor that undoes it times the softmax scale."""
     col = tl.load(rot_addr.to(tl.pointer_type(tl.float32), bitcast=True) + od, mask=md, other=0.0)
-    qr = _times_hadamard(qf * col[None, :], BLOCK_D, DOT)
+    qr = _times_hadamard(q.to(tl.float32) * col[None, :], BLOCK_D, DOT)
     qmax = tl.max(tl.max(tl.abs(qr), axis=1), axis=0)
     qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
     return (qr * (1.0 / qn)).to(tl.float16), sm_scale_log2 * qn
@@ -83,13 +84,13 @@ def merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot_addr, od, md, BLOCK_D: tl.
 
 
 @triton.jit
-def lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, qf, qr16, lean_scale, sm_scale_log2, ot, od, md,
+def lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q, qr16, lean_scale, sm_scale_log2, ot, od, md,
                BS: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr):  # fmt: skip
     """Logical block `j` of the row, a lean slot of format `code`, as `mixed_slots._slot_block`
     returns a slot: its scores [G_PAD, BS] (log2 units, the key mean's term and the centroids' log
     count added, -inf where no token is), its centred value codes [BS, BLOCK_D] float16 (rotated
-    basis; 0 where no token is) and the value scale of each probability column. qf: the query
-    (float32, for the key mean's term); qr16 / lean_scale: `rotate_query`'s."""
+    basis; 0 where no token is) and the value scale of each probability column. q: the query
+    (as loaded, for the key mean's term); qr16 / lean_scale: `rotate_query`'s."""
     seen = tl.minimum(seq_len - j * BS, BS)
     sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
     tokens = _desc(desc_ptr, code, 1)
@@ -118,7 +119,7 @@ def lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, qf, qr16, lean_
     vcol = tl.load(vs_p + vs_row, mask=valid, other=0.0).to(tl.float32)
     kz_row = sid * _desc(desc_ptr, code, 23) + h * _desc(desc_ptr, code, 24)
     kz = tl.load(kz_p + kz_row + od, mask=md, other=0.0).to(tl.float32)
-    qz = tl.sum(qf * kz[None, :], axis=1)  # q . z: one term per query head for the whole block
+    qz = tl.sum(q.to(tl.float32) * kz[None, :], axis=1)  # q . z: one term per query head for the whole block
     s = _dot_qk(qr16, kc, DOT, DOT_16BIT) * (ksc * lean_scale)[None, :] + (qz * sm_scale_log2)[:, None]
     lc_addr = _desc(desc_ptr, code, 12)
     if lc_addr != 0:  # centroids (cluster(R)+int4h): log(count) on each logit

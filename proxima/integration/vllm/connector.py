@@ -186,9 +186,15 @@ class ProximaConnector(KVConnectorBase_V1):
         device = next(iter(kv_caches.values())).device if kv_caches else None
         if one_pass_decode(device):  # only the one-pass decode reads it: without it, no table to keep current
             from proxima.compression.mixed_decode import READS_QUANTS
+            from proxima.compression.spec import LEAN_BITS
 
             self._make_block_table(kv_caches)
-            store.readable_quants = READS_QUANTS
+            # The lean reader costs every other format of the kernel (H100, 8 x 32k: bf16 pages
+            # 0.38 -> 0.44 ms a layer, int4 3.02 -> 3.18): compiled in only when the start-up
+            # policy stores a lean format. A lean format a live policy brings later is refused
+            # (`WorkerStore._readable`: the block stays hot, the report says why).
+            store.one_pass_lean = any(f.quant in LEAN_BITS for f in store.stored_formats())
+            store.readable_quants = READS_QUANTS if store.one_pass_lean else READS_QUANTS - set(LEAN_BITS)
         store.require_reader = True  # a real worker: compress only if a Proxima backend reads it
         # The model (and with it every layer's attention implementation) is built before vLLM
         # creates this connector, so the readers are found on the layers, not announced by them.

@@ -313,7 +313,8 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
             entry_lse, lse = ent_all[:s], lse_all[:s]
         mixed_decode(q, out, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.slot_mapping,
                      table.owner, table.entries, self.layer_descriptors(layer, store, table, kv_cache.device),
-                     sm_scale=self.scale, entry_lse=entry_lse, lse=lse, key_group=store.storage.smallest_group)
+                     sm_scale=self.scale, entry_lse=entry_lse, lse=lse, key_group=store.storage.smallest_group,
+                     lean=store.one_pass_lean)
         if entry_lse is not None and lse is not None:
             update_block_importance(entry_lse, lse, m.seq_lens, m.query_start_loc, m.slot_mapping, table.owner,
                                     table.entries, table.imp_owner, table.importance, decay=store.ema_decay,

@@ -145,6 +145,9 @@ class WorkerStore:
         read the freed sources."""
         self.require_reader = False
         """Set by the KV connector (a real vLLM worker): refuse to compress without a reader."""
+        self.one_pass_lean = True
+        """The one-pass decode kernel is compiled with its lean reader (the connector turns it off
+        when the start-up policy stores no lean format; then `readable_quants` excludes them)."""
         self.readable_quants: frozenset[str] | None = None
         """Quantizations every reader of this worker can read (None: any). Set by the connector
         with the one-pass decode, whose kernel reads fewer than the split path and replays from
@@ -336,8 +339,9 @@ class WorkerStore:
         bad = sorted({str(a.fmt) for a in actions if a.fmt.quant not in ok})
         if bad:
             self.report.failed.extend(a.action_id for a in actions if a.fmt.quant not in ok)
-            self.report.errors.append(f"{', '.join(bad)}: the one-pass decode reads {', '.join(sorted(ok))} codes; "
-                                      "set PROXIMA_ONE_PASS_DECODE=0 to store other formats")
+            self.report.errors.append(f"{', '.join(bad)}: the one-pass decode reads {', '.join(sorted(ok))} codes "
+                                      "(the lean int4h / int2h when the start-up policy stores one); set "
+                                      "PROXIMA_ONE_PASS_DECODE=0 to store other formats")
         return [a for a in actions if a.fmt.quant in ok]
 
     def _commit(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:

@@ -6,6 +6,7 @@ the connector's device block table."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +15,10 @@ import torch
 if not torch.cuda.is_available():  # before anything imports triton (vLLM does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from proxima.compression.mixed_decode import block_mass, mixed_decode, pool_descriptors
+from proxima.compression.mixed_decode import READS_QUANTS, block_mass, mixed_decode, pool_descriptors
 from proxima.compression.paged import PagedRow, paged_attention, plan_rows
 from proxima.formats import Format
+from proxima.integration.vllm import POLICY_ENV
 from proxima.integration.vllm.attention import triton as cb
 from proxima.integration.vllm.connector import ProximaConnector
 from proxima.integration.vllm.plan import CompressAction, ProximaPlan
@@ -44,6 +46,9 @@ REQUESTS = {
 }
 
 
+LEAN_STARTUP = Path(__file__).with_name("lean_startup.yaml")
+
+
 @pytest.fixture(autouse=True)
 def _one_pass_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device table these tests read exists only with the one-pass decode on (the connector
@@ -63,6 +68,9 @@ def _world(connector: ProximaConnector, group: int | None = None
     connector.register_kv_caches({LAYER: kv})
     store = connector.store
     assert store is not None
+    # request f's lean blocks: as the connector sets it up when the start-up policy stores a lean
+    # format (`test_a_start_up_policy_with_a_lean_format_compiles_the_lean_reader_in`)
+    store.one_pass_lean, store.readable_quants = True, READS_QUANTS
     compression_probe_off(store)
     if group is not None:
         from proxima.policy.schema import Storage
@@ -160,6 +168,38 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
         nblk = len(REQUESTS[rid][0])
         assert torch.allclose(mass[r, :nblk], want_mass, atol=2e-3), rid
         assert mass[r, nblk:].eq(0).all()
+
+
+def test_a_start_up_policy_with_a_lean_format_compiles_the_lean_reader_in(worker_connector: ProximaConnector,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(POLICY_ENV, str(LEAN_STARTUP))
+    kv = torch.randn(NB, H, B, 2 * D).bfloat16().to(DEV)
+    worker_connector.register_kv_caches({LAYER: kv})
+    store = worker_connector.store
+    assert store is not None and store.one_pass_lean and store.readable_quants == READS_QUANTS
+
+
+def test_a_start_up_policy_without_lean_formats_leaves_the_lean_reader_out(worker_connector: ProximaConnector) -> None:
+    """The lean reader costs every other format of the kernel, so the connector compiles it in only
+    when the start-up policy stores a lean format. With `off` at start (the fixture's), a lean
+    format a live policy brings later is refused: the block stays hot and the report says why,
+    and the blocks of other formats are written."""
+    kv = torch.randn(NB, H, B, 2 * D).bfloat16().to(DEV)
+    impl = cb.ProximaTritonAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=H,
+                                         alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    worker_connector._vllm_config.compilation_config.static_forward_context[LAYER] = SimpleNamespace(impl=impl)
+    worker_connector.register_kv_caches({LAYER: kv})
+    store = worker_connector.store
+    assert store is not None and not store.one_pass_lean
+    assert store.readable_quants is not None
+    assert "int4h" not in store.readable_quants and "int4" in store.readable_quants
+    compression_probe_off(store)
+    acts = [CompressAction(0, "a", 0, src=1, dst=20, slot=0, fmt=Format.parse("int4h")),
+            CompressAction(1, "a", 1, src=2, dst=21, slot=0, fmt=Format.parse("int4"))]
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=acts))
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and rep.failed == [0] and rep.ok == [1]
+    assert any("int4h" in e and "start-up policy" in e for e in rep.errors), rep.errors
 
 
 def test_it_agrees_with_the_existing_paged_path(worker_connector: ProximaConnector) -> None:

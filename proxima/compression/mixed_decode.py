@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from proxima.compression.blocks import CompressedBlocks, kept_count
-from proxima.compression.mixed_slots import _dot_pv, _slot_block
+from proxima.compression.mixed_slots import _dot_pv, _slot_block, _slot_tile
 from proxima.compression.spec import QUANT_CODE
 from proxima.compression.triton_ops import _p2
 
@@ -199,7 +199,7 @@ def _mixed_decode_kernel(
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
-    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr, COMP_TILE: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -253,7 +253,25 @@ def _mixed_decode_kernel(
                                                   DOT_16BIT)
             if OBSERVE:
                 _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, hp, hm, hot, G_PAD, TILE_BLOCKS, BS)
-    if compressed > 0:
+    if COMP_TILE > 0:  # a constexpr: otherwise the block-by-block loop below is compiled
+        if compressed > 0:
+            # the compressed blocks COMP_TILE at a time, one tile per quantization the tile holds
+            # (`mixed_slots._slot_tile`: a quantization is a constexpr, pools are runtime)
+            occ = tl.arange(0, COMP_TILE)
+            for jt in range(j_start, j_end, COMP_TILE):
+                jj = jt + occ
+                codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
+                quants = tl.load(desc_ptr + codes * 23, mask=codes != 0, other=0)
+                for QK in tl.static_range(1, 5):
+                    if tl.max((quants == QK).to(tl.int32), axis=0) > 0:
+                        cs, cv, cvcol, cread = _slot_tile(ent_ptr, desc_ptr, h, trow, NB, jt, j_end, seq_len, q16,
+                                                          slot_scale, od, md, QK, D, BS, BLOCK_D, COMP_TILE, VG, DOT,
+                                                          DOT_16BIT)
+                        m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
+                        if OBSERVE:
+                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, cp, cm, cread, G_PAD,
+                                             COMP_TILE, BS)
+    elif compressed > 0:
         for j in range(j_start, j_end):
             code = tl.load(ent_ptr + (trow * NB + j) * 2)
             if code != 0:
@@ -321,6 +339,8 @@ def _combine_splits_kernel(
 TILE_TOKENS = 128
 """Tokens of vLLM's pages one step of the kernel reads where a run of blocks is all bf16 (on the
 H100 at 8 rows x 32k: 0.37 ms a layer at 128, 0.68 at 64; vLLM's own kernel 0.46)."""
+COMP_TILE_TOKENS = 128
+"""Rows of one compressed tile (`mixed_slots._slot_tile`), in tokens of vLLM's blocks."""
 NUM_WARPS = 4
 """Warps of one program (`num_warps=` overrides, for the benchmark's sweep)."""
 MAX_SPLITS = 16
@@ -364,7 +384,7 @@ def mixed_decode(
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
-    num_warps: int | None = None, key_group: int | None = None,
+    num_warps: int | None = None, key_group: int | None = None, comp_tile: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -404,6 +424,10 @@ def mixed_decode(
     tb = max(1, TILE_TOKENS // bs) if tile_blocks is None else tile_blocks
     if tb < 1 or tb & (tb - 1):
         raise ValueError(f"mixed_decode reads tiles of a power-of-two number of blocks, got {tb}")
+    ct = min(tb, max(1, COMP_TILE_TOKENS // bs)) if comp_tile is None else comp_tile
+    if ct < 0 or (ct and (ct & (ct - 1) or tb % ct)):
+        raise ValueError(f"mixed_decode reads compressed tiles of a power-of-two number of blocks dividing "
+                         f"tile_blocks ({tb}), or 0 (one block at a time), got {ct}")
     block_d = _p2(d, 16)
     part_ml = torch.empty(s, hq, n_split, 2, dtype=torch.float32, device=q.device) if partial else dummy
     part_acc = torch.empty(s, hq, n_split, block_d, dtype=torch.float32, device=q.device) if partial else dummy
@@ -422,7 +446,7 @@ def mixed_decode(
         lse if lse is not None else dummy, part_ml, part_acc,
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
-        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb,
+        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb, COMP_TILE=ct,
         KEY_ROWS=key_group is None or key_group < bs, VG=_value_group(key_group, block_d),
         num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip

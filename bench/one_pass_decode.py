@@ -9,12 +9,18 @@ torch.profiler on one eager call):
   every row's oldest blocks in `--format`);
 * `one_pass, unsplit`: the same with every row's context in one program (`splits=1`: the kernel
   before the split; `one_pass` splits as `auto_splits` decides, its count in the JSON);
+* `one_pass, without the lean reader` (nothing compressed, and formats other than int4h / int2h):
+  the kernel compiled without `mixed_decode_lean.py` (`lean=False`), what carrying the lean
+  formats' state costs every other format (the backend always compiles it in);
 * `one_pass, observed layer` (mixed only): the same with the block log-sum-exp and the device
   importance update (`update_block_importance`), the observed layer's two launches;
 * `split` (mixed only): what the backend ran before: vLLM's kernel on every row, then
   `paged_attention` over the compressed rows (eager: it plans on the host).
 
-    python bench/one_pass_decode.py [--batch 64 --context 4096 --format int4 --fraction 0.5]
+    python bench/one_pass_decode.py [--batch 64 --context 4096 --formats int4 int4h --fractions 0.5]
+
+`--formats` takes any format the one-pass kernel reads (`mixed_decode_pools.READS_QUANTS`: fp8,
+int8, int4, int2 and the lean int4h / int2h, alone or under cluster(R) / sparse(R)).
 
 Writes bench/results/one-pass-decode-<gpu>.{json,md} (command, commit, machine, versions, date).
 """
@@ -102,7 +108,7 @@ def main() -> None:
     from proxima.compression.layout import KVLayout, hot_store
     from proxima.compression.mixed_decode import auto_splits, mixed_decode, pool_descriptors, update_block_importance
     from proxima.compression.paged import PagedPlan, PagedRow, paged_attention, plan_rows
-    from proxima.compression.spec import SlotSpec
+    from proxima.compression.spec import LEAN_BITS, SlotSpec
     from proxima.formats import DEFAULT_GROUP_SIZE, Format
     from proxima.integration.vllm.worker.block_table import DeviceBlockTable
 
@@ -139,9 +145,10 @@ def main() -> None:
     table.update([], [], key_blocks)
     empty_desc = pool_descriptors({}, bs, dev)
 
-    def one_pass(desc: torch.Tensor, splits: int | None = None, tb: int | None = None, nw: int | None = None) -> None:
+    def one_pass(desc: torch.Tensor, splits: int | None = None, tb: int | None = None, nw: int | None = None,
+                 lean: bool = True) -> None:
         mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale,
-                     splits=splits, tile_blocks=tb, num_warps=nw, key_group=DEFAULT_GROUP_SIZE)
+                     splits=splits, tile_blocks=tb, num_warps=nw, key_group=DEFAULT_GROUP_SIZE, lean=lean)
 
     def timed(name: str, case: str, fn, graph: bool = True) -> dict:  # type: ignore[no-untyped-def]
         row = {"row": name, "case": case, "ms": (_graph_ms if graph else _eager_ms)(fn, a.iters),
@@ -155,6 +162,8 @@ def main() -> None:
     rows = [timed("vllm", "nothing compressed", vllm)]
     rows += [timed(name, "nothing compressed", lambda sp=sp, tb=tb, nw=nw: one_pass(empty_desc, sp, tb, nw))
              for name, sp, tb, nw in variants]
+    no_lean = "one_pass, without the lean reader"
+    rows.append(timed(no_lean, "nothing compressed", lambda: one_pass(empty_desc, lean=False)))
 
     def mixed_case(fmt: Format, fraction: float) -> tuple[torch.Tensor, CompressedBlocks, dict]:
         """Every row's oldest blocks (never its last, which takes this step's token) in `fmt`,
@@ -190,6 +199,8 @@ def main() -> None:
             case = f"{info['ncomp']}/{nblk} blocks {fmt}"
             rows += [timed(name, case, lambda sp=sp, tb=tb, nw=nw, desc=desc: one_pass(desc, sp, tb, nw))
                      for name, sp, tb, nw in variants]
+            if fmt.quant not in LEAN_BITS:  # (a lean code needs the reader)
+                rows.append(timed(no_lean, case, lambda desc=desc: one_pass(desc, lean=False)))
             if first:  # the observed layer and the old split path, once
                 first = False
 

@@ -26,6 +26,11 @@ splits) and nothing is read back to the host: capturable in a CUDA graph. In the
 second small launch (`update_block_importance`) folds the per-block log-sum-exp into the device
 importance.
 
+Lean slots (int4h / int2h, cluster(R)+int4h) are read in their rotated basis by
+`mixed_decode_lean.py` (the query rotated once per program, a second softmax state merged at the
+end of the compressed pass), compiled in by the `LEAN` constexpr; the descriptor rows are
+`mixed_decode_pools.py`'s.
+
 Named dims: S batch rows (one query token each), Hq query heads, H KV heads, G = Hq / H, D head
 dim, BS vLLM's block size, NB logical blocks per request in the table.
 """
@@ -34,74 +39,18 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
-from proxima.compression.blocks import CompressedBlocks, kept_count
+from proxima.compression.mixed_decode_lean import lean_block, merge_rotated, rotate_query
+from proxima.compression.mixed_decode_pools import MAX_CODES, READS_QUANTS, _desc, pool_descriptors
 from proxima.compression.mixed_slots import _dot_pv, _slot_block, _slot_tile
-from proxima.compression.spec import QUANT_CODE
 from proxima.compression.triton_ops import _p2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-# descriptor fields (one int64 row per format code; row 0, the hot code, is unused)
-F_QUANT, F_TOKENS, F_REDUCED, F_GROUP = 0, 1, 2, 3
-F_DATA_SLOT, F_DATA_T, F_DATA_H, F_V_DATA = 4, 5, 6, 7
-F_KS, F_KZ, F_VS, F_VZ, F_LC = 8, 9, 10, 11, 12
-F_KS_SLOT, F_KS_T, F_KS_H, F_VS_SLOT, F_VS_T, F_VS_H, F_LC_SLOT, F_LC_T, F_LC_H = range(13, 22)
-F_K_DATA = 22
-NUM_FIELDS = 23
-READS_QUANTS = frozenset({"fp8", "int8", "int4", "int2"})
-"""Quantizations of the slots this kernel reads (lean int4h / int2h, with rotated keys and
-per-token scales, are read by the split path only)."""
-MAX_CODES = 16
-"""Rows of a layer's persistent descriptor table (format codes 1..15; 0 is vLLM's pages)."""
-
-
-def pool_descriptors(pools: Mapping[int, CompressedBlocks], block_size: int, device: torch.device) -> torch.Tensor:
-    """int64 [max code + 1, NUM_FIELDS]: how the kernel reads the slots of each format code.
-
-    `pools[code]` is that code's slot pool in this layer (`layer.slot_pool`-like views: k_data
-    and v_data alias the KV cache bytes, metadata in side tables). Addresses are raw pointers:
-    the table is valid while the pools' tensors live (the worker's pools live as long as the
-    caches). Build it once per layer and keep it: its contents change only when a new format
-    appears."""
-    rows = max(pools, default=0) + 1
-    d = torch.zeros(rows, NUM_FIELDS, dtype=torch.int64)
-    for code, p in pools.items():
-        if code <= 0:
-            raise ValueError(f"pool code {code}: codes start at 1 (0 is vLLM's bf16 pages)")
-        q = p.fmt.quant
-        if q not in READS_QUANTS:
-            raise ValueError(f"{p.fmt}: the mixed decode kernel reads fp8, int8, int4 and int2 slots, not {q} "
-                             "(set PROXIMA_ONE_PASS_DECODE=0: the split path reads lean formats)")
-        k8, v8 = p.k_data.view(torch.uint8), p.v_data.view(torch.uint8)
-        if k8.stride(-1) != 1 or k8.stride(1) != k8.shape[2] * k8.stride(2):
-            raise ValueError(f"{p.fmt}: slot data must be [slots, C, H, P] with dense tokens, strides {k8.stride()}")
-        if v8.stride()[:3] != k8.stride()[:3]:
-            raise ValueError(f"{p.fmt}: keys and values must share strides, got {k8.stride()} and {v8.stride()}")
-        d[code, F_QUANT] = QUANT_CODE[q]
-        d[code, F_TOKENS] = kept_count(p.fmt, block_size)
-        d[code, F_REDUCED] = int(p.fmt.reduction is not None)
-        d[code, F_GROUP] = p.group_size
-        d[code, F_DATA_SLOT], d[code, F_DATA_T], d[code, F_DATA_H] = k8.stride()[:3]
-        d[code, F_K_DATA], d[code, F_V_DATA] = k8.data_ptr(), v8.data_ptr()
-        for f_ptr, f_str, t in ((F_KS, F_KS_SLOT, p.k_scale), (F_VS, F_VS_SLOT, p.v_scale),
-                                (F_LC, F_LC_SLOT, p.log_count)):
-            if t is not None:
-                d[code, f_ptr] = t.data_ptr()
-                d[code, f_str : f_str + 3] = torch.tensor(t.stride()[:3])
-        for f_ptr, t, like in ((F_KZ, p.k_zero, p.k_scale), (F_VZ, p.v_zero, p.v_scale)):
-            if t is not None:
-                if like is None or t.stride() != like.stride():
-                    raise ValueError(f"{p.fmt}: zero points must share their scales' strides")
-                d[code, f_ptr] = t.data_ptr()
-    return d.to(device)
-
 
 @triton.jit
 def _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, trow, NB, r, h, j0, seq_len, od, m2,
@@ -184,6 +133,21 @@ def _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j0, j_end, p, m_use, ke
 
 
 @triton.jit
+def _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16, slot_scale, ot, od, md, m_i, l_i,
+                     acc, ent_out_ptr, NB_OUT, Hq, r, qh, mg, D: tl.constexpr, BS: tl.constexpr,
+                     BLOCK_D: tl.constexpr, G_PAD: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr,
+                     DOT: tl.constexpr, DOT_16BIT: tl.constexpr, OBSERVE: tl.constexpr):  # fmt: skip
+    """Logical block `j`, a slot of a non-lean format `code` > 0 (`mixed_slots._slot_block`), into the
+    plain online softmax (and the observed layer's per-block log-sum-exp)."""
+    cs, cv, cvcol = _slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q16, slot_scale, ot, od, md, D, BS,
+                                BLOCK_D, KEY_ROWS, VG, DOT, DOT_16BIT)
+    m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
+    if OBSERVE:
+        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _mixed_decode_kernel(
     q_ptr, sq_s, sq_h,  # [S, Hq, D] queries
     o_ptr, so_s, so_h,  # [S, Hq, D] output (written in place)
@@ -192,14 +156,15 @@ def _mixed_decode_kernel(
     seq_ptr,  # [R] int32 context lengths (this step's token included)
     qsl_ptr, slot_ptr,  # query_start_loc [R + 1], slot_mapping [tokens]
     owner_ptr, ent_ptr, NB,  # device block table: owner [N] int32, entries [rows, NB, 2] int32
-    desc_ptr,  # pool descriptors [codes, NUM_FIELDS = 23] int64
+    desc_ptr,  # pool descriptors [codes, NUM_FIELDS = 26] int64 (`mixed_decode_pools.py`)
     ent_out_ptr, NB_OUT,  # [S, NB_OUT, Hq] float32 per-block log-sum-exp (OBSERVE only)
     lse_ptr,  # [S, Hq] float32 (OBSERVE only)
     part_ml_ptr, part_acc_ptr,  # [S, Hq, SPLITS, 2] / [S, Hq, SPLITS, BLOCK_D] float32 (PARTIAL only)
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
-    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr, COMP_TILE: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr, LEAN: tl.constexpr,
+    COMP_TILE: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -253,15 +218,28 @@ def _mixed_decode_kernel(
                                                   DOT_16BIT)
             if OBSERVE:
                 _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, hp, hm, hot, G_PAD, TILE_BLOCKS, BS)
-    if COMP_TILE > 0:  # a constexpr: otherwise the block-by-block loop below is compiled
-        if compressed > 0:
-            # the compressed blocks COMP_TILE at a time, one tile per quantization the tile holds
-            # (`mixed_slots._slot_tile`: a quantization is a constexpr, pools are runtime)
+    if compressed > 0:
+        if LEAN:  # lean slots (int4h / int2h): a softmax state of their own in the rotated basis, live in
+            # this pass only and merged at its end (`mixed_decode_lean.py`); `rot` is the rotation
+            # column's address once a lean block was met (row 0 of the descriptors, vLLM's pages, is
+            # all zeros: 0 = none yet), `qr16` / `lean_scale` the rotated query then, as q16 / slot_scale
+            m_r = tl.full((G_PAD,), float("-inf"), tl.float32)
+            l_r = tl.zeros((G_PAD,), tl.float32)
+            acc_r = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+            qr16 = tl.zeros((G_PAD, BLOCK_D), tl.float16)
+            lean_scale = slot_scale
+            rot = _desc(desc_ptr, 0, 25)
+        todo = compressed  # blocks left for the block-by-block loop below
+        if COMP_TILE > 0:  # a constexpr. The compressed blocks COMP_TILE at a time, one tile per
+            # quantization the tile holds (`mixed_slots._slot_tile`: the quantization a constexpr,
+            # the pools run-time); only lean blocks are left to the block-by-block loop.
+            todo = 0
             occ = tl.arange(0, COMP_TILE)
             for jt in range(j_start, j_end, COMP_TILE):
                 jj = jt + occ
-                codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
-                quants = tl.load(desc_ptr + codes * 23, mask=codes != 0, other=0)
+                tcodes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
+                quants = tl.load(desc_ptr + tcodes * 26, mask=tcodes != 0, other=0)  # 26: NUM_FIELDS
+                todo += tl.sum((quants >= 5).to(tl.int32), axis=0)
                 for QK in tl.static_range(1, 5):
                     if tl.max((quants == QK).to(tl.int32), axis=0) > 0:
                         cs, cv, cvcol, cread = _slot_tile(ent_ptr, desc_ptr, h, trow, NB, jt, j_end, seq_len, q16,
@@ -271,16 +249,34 @@ def _mixed_decode_kernel(
                         if OBSERVE:
                             _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, cp, cm, cread, G_PAD,
                                              COMP_TILE, BS)
-    elif compressed > 0:
-        for j in range(j_start, j_end):
-            code = tl.load(ent_ptr + (trow * NB + j) * 2)
-            if code != 0:
-                cs, cv, cvcol = _slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q16, slot_scale, ot, od,
-                                            md, D, BS, BLOCK_D, KEY_ROWS, VG, DOT, DOT_16BIT)
-                m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
-                if OBSERVE:
-                    _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, tl.full((1,), 1, tl.int1),
-                                     G_PAD, 1, BS)
+        if todo > 0:
+            for j in range(j_start, j_end):
+                code = tl.load(ent_ptr + (trow * NB + j) * 2)
+                if code != 0:
+                    if LEAN:  # (a constexpr: without it the lean reader is not compiled, see `mixed_decode`)
+                        if _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
+                            if rot == 0:  # the first lean block of this program: rotate the query, once
+                                rot = _desc(desc_ptr, code, 25)
+                                qr16, lean_scale = rotate_query(q, rot, sm_scale_log2, od, md, BLOCK_D, DOT)
+                            ls, lv, lvcol = lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q, qr16,
+                                                       lean_scale, sm_scale_log2, ot, od, md, BS, DOT, DOT_16BIT)
+                            m_r, l_r, acc_r, lp, lm = _slot_step(ls, lv, lvcol, m_r, l_r, acc_r, DOT, DOT_16BIT)
+                            if OBSERVE:
+                                _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm,
+                                                 tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
+                        elif COMP_TILE == 0:  # (with tiles, the tiles read every other block)
+                            m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
+                                                             slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT,
+                                                             Hq, r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT,
+                                                             DOT_16BIT, OBSERVE)
+                    elif COMP_TILE == 0:
+                        m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
+                                                         slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq,
+                                                         r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT, DOT_16BIT,
+                                                         OBSERVE)
+        if LEAN:  # noqa: SIM102 (a constexpr, then a run-time test: `and` would reference `rot` without LEAN)
+            if rot != 0:  # un-rotate the lean blocks' output and merge their state in (before a split's partial)
+                m_i, l_i, acc = merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot, od, md, BLOCK_D, DOT)
     if OBSERVE:  # the blocks past this row's end received nothing (the last split says so)
         for j in range(tl.where(sp == SPLITS - 1, nblk, NB_OUT), NB_OUT):
             tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, tl.full((G_PAD,), float("-inf"), tl.float32), mask=mg)
@@ -384,7 +380,7 @@ def mixed_decode(
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
-    num_warps: int | None = None, key_group: int | None = None, comp_tile: int | None = None,
+    num_warps: int | None = None, key_group: int | None = None, lean: bool = True, comp_tile: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -402,7 +398,14 @@ def mixed_decode(
     serving); at or above the block size every slot has one key scale row and the per-token
     variant is not compiled. None (unknown): both are, and the slot's group picks at run time.
     `tile_blocks` (default: TILE_TOKENS' worth, at least 1; a power of two): blocks read as one tile
-    where they are all vLLM's pages."""
+    where they are all vLLM's pages. `lean=False` compiles the kernel without the lean formats'
+    reader (`mixed_decode_lean.py`), for measuring what carrying it costs the other formats
+    (`bench/one_pass_decode.py`); the descriptors must then hold no lean code (it would be read as
+    KIVI codes). The backend always reads them (True). `comp_tile` (default: COMP_TILE_TOKENS'
+    worth, at most `tile_blocks`; a power of two dividing it): compressed blocks of the fp8 / int8
+    / int4 / int2 quantizations read as one tile per quantization (`mixed_slots._slot_tile`); 0
+    reads them block by block (`_compressed_step`), for the benchmark's comparison. Lean blocks
+    are read block by block either way."""
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
     if d2 != 2 * d or hq % h or out.shape != q.shape:
@@ -447,7 +450,7 @@ def mixed_decode(
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
         DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb, COMP_TILE=ct,
-        KEY_ROWS=key_group is None or key_group < bs, VG=_value_group(key_group, block_d),
+        KEY_ROWS=key_group is None or key_group < bs, VG=_value_group(key_group, block_d), LEAN=lean,
         num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     if partial:

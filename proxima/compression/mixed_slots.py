@@ -22,13 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from proxima.compression.mixed_decode_pools import _desc
 from proxima.compression.triton_codes import _bytes_f16
-
-
-@triton.jit
-def _desc(desc_ptr, code, field: tl.constexpr):
-    """Field `field` of format `code`'s row in a layer's pool descriptors (`mixed_decode.pool_descriptors`)."""
-    return tl.load(desc_ptr + code * 23 + field)
 
 
 @triton.jit
@@ -194,7 +189,7 @@ def _slot_tile(ent_ptr, desc_ptr, h, trow, NB, j0, j_end, seq_len, q16, score_sc
     inb = jb < j_end
     code = tl.load(ent_ptr + (trow * NB + jb) * 2, mask=inb, other=0)
     live = inb & (code != 0)
-    d_row = desc_ptr + code * 23
+    d_row = desc_ptr + code * 26  # 26: NUM_FIELDS (`mixed_decode_pools`)
     quant = tl.load(d_row, mask=live, other=0)
     live = live & (quant == QK)
     sid = tl.load(ent_ptr + (trow * NB + jb) * 2 + 1, mask=live, other=0).to(tl.int64)

@@ -163,9 +163,10 @@ def test_decode_attention_reads_lean_segments(fmt: str, device: str) -> None:
     assert torch.all(o.block_mass[0][segs[0].slot_tokens == 0] == 0)
 
 
-def test_kernels_that_do_not_read_lean_codes_refuse_them(device: str) -> None:
+def test_the_split_kernel_refuses_lean_codes(device: str) -> None:
+    """The split path's per-format kernel does not read lean codes (`attention.py` dequantizes a
+    lean segment first); the one-pass kernel does (`mixed_decode_lean.py`, test below)."""
     from proxima.compression import triton_attention as ta
-    from proxima.compression.mixed_decode import pool_descriptors
 
     k, v = realistic_kv(2, 16, 1, 64, seed=0, device=device)
     cb = compress_blocks("int4h", k, v)
@@ -174,8 +175,35 @@ def test_kernels_that_do_not_read_lean_codes_refuse_them(device: str) -> None:
     o, lse = torch.empty(1, 1, 1, 64, device=device), torch.empty(1, 1, 1, device=device)
     with pytest.raises(ValueError, match="does not read int4h codes"):
         ta.segment_partial(q, seg, 0.125, 1, o, lse)
+
+
+@pytest.mark.parametrize("fmt", ["int4h", "int2h", "cluster(2)+int4h"])
+def test_the_one_pass_descriptors_describe_lean_pools(fmt: str, device: str) -> None:
+    """A lean code's descriptor row holds what the one-pass kernel needs beyond the other formats':
+    the key mean's own strides ([N, 1, H, D], not its scale's [N, C, H]) and the address of the
+    rotation's first column (signs / sqrt(D)), one tensor per head dim for the process's life
+    (CUDA graphs replay the address). 16-bit slots (`cluster(2)`) are still refused."""
+    from proxima.compression import mixed_decode_pools as mp
+
+    k, v = realistic_kv(3, 16, 2, 64, seed=1, device=device)
+    imp = torch.rand(3, 16, 2, device=device)
+    cb = compress_blocks(fmt, k, v, token_importance=imp if "cluster" in fmt else None)
+    assert cb.k_zero is not None and cb.k_scale is not None
+    d = mp.pool_descriptors({2: cb}, 16, torch.device(device)).cpu()
+    assert d.shape == (3, mp.NUM_FIELDS) and d[:2].eq(0).all()  # rows 0 (pages) and 1 (unused) empty
+    row = d[2]
+    assert int(row[mp.F_QUANT]) == (5 if "int4h" in fmt else 6)
+    assert int(row[mp.F_KZ]) == cb.k_zero.data_ptr()
+    assert (int(row[mp.F_KZ_SLOT]), int(row[mp.F_KZ_H])) == (cb.k_zero.stride(0), cb.k_zero.stride(2))
+    assert int(row[mp.F_KS]) == cb.k_scale.data_ptr() and int(row[mp.F_KS_T]) == cb.k_scale.stride(1)
+    col = mp.lean_rotation_column(64, cb.k_zero.device)
+    assert int(row[mp.F_ROT]) == col.data_ptr() and col is mp.lean_rotation_column(64, cb.k_zero.device)
+    assert torch.equal(col.cpu(), ref.rotation(64)[:, 0])
+    assert torch.equal(col.cpu().sign(), torch.tensor(ref._rotation_signs(64)))
+    assert int(row[mp.F_LC] != 0) == int("cluster" in fmt)
+    plain = compress_blocks("cluster(2)", k, v, token_importance=imp)
     with pytest.raises(ValueError, match="PROXIMA_ONE_PASS_DECODE=0"):
-        pool_descriptors({1: cb}, 16, torch.device(device))
+        mp.pool_descriptors({1: plain}, 16, torch.device(device))
 
 
 KERNEL_COMPILE = """

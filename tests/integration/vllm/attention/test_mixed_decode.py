@@ -37,6 +37,10 @@ REQUESTS = {
     # cluster(2)+int4 slots (read block by block), [4] the page with the query token
     "e": ([12, 13, 14, 15, 16], 70, {0: ("int4", 25, 0), 1: ("int4", 25, 1), 2: ("cluster(2)+int4", 26, 0),
                                      3: ("cluster(2)+int4", 26, 1)}),
+    # the lean formats (rotated codes, issue 40) beside a KIVI block: with tiles of 2, [0, 1] is a
+    # tile of int4h and int2h, [2, 3] one of cluster(2)+int4h and int4
+    "f": ([27, 28, 29, 30, 31], 75, {0: ("int4h", 32, 0), 1: ("int2h", 33, 0), 2: ("cluster(2)+int4h", 34, 0),
+                                     3: ("int4", 25, 2)}),
 }
 
 
@@ -143,7 +147,7 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     if group is not None:  # the slots were written with it
         assert cb.slot_pool_of(store, LAYER, Format.parse("int4"), DEV).group_size == group
     t = worker_connector.block_table
-    assert t is not None and len(t.formats) == 5  # int8, int4, fp8, int2, cluster(2)+int4
+    assert t is not None and len(t.formats) == 8  # int8, int4, fp8, int2, cluster(2)+int4, int4h, int2h, c(2)+int4h
     q = torch.randn(len(REQUESTS), HQ, D).bfloat16().to(DEV)
     out = torch.full_like(q, float("nan"))
     ent = torch.empty(len(REQUESTS), 5, HQ, device=DEV)
@@ -292,8 +296,8 @@ def no_parent_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_decode_batch_is_one_launch_per_layer_and_building_reads_nothing_back(
     worker_connector: ProximaConnector, no_parent_kernel: None, monkeypatch: pytest.MonkeyPatch, layers: int
 ) -> None:
-    """Item 6 of issue 38: one forward of the backend over a batch mixing bf16 pages and five
-    compressed formats launches at most 2 kernels per layer (here 1: the observed layer's
+    """Item 6 of issue 38: one forward of the backend over a batch mixing bf16 pages and eight
+    compressed formats (the lean ones among them) launches at most 2 kernels per layer (here 1: the observed layer's
     importance is still planned on the host, see `importance.py`), and building the step's
     metadata reads nothing back to the host. Counted on the product's own launches."""
     from tests.integration.vllm.attention.test_cuda_backend import _builder
@@ -412,14 +416,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from proxima.compression import mixed_decode as md
 
-observe, partial = sys.argv[1] == "1", sys.argv[2] == "1"
+observe, partial, lean = sys.argv[1] == "1", sys.argv[2] == "1", sys.argv[3] == "1"
 ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_ptr": "*i32",
         "qsl_ptr": "*i32", "slot_ptr": "*i64", "owner_ptr": "*i32", "ent_ptr": "*i32", "desc_ptr": "*i64",
         "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32",
         "sm_scale_log2": "fp32"}
 kernels = [(md._mixed_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": observe,
                                       "DOT": True, "DOT_16BIT": True, "PARTIAL": partial,
-                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe, "VG": 32,
+                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe, "VG": 32, "LEAN": lean,
                                       "COMP_TILE": 4 if observe else 0})]
 if partial:
     kernels.append((md._combine_splits_kernel, {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "SPLITS_PAD": 16,
@@ -428,20 +432,26 @@ for fn, consts in kernels:
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    print(f".entry {fn.__name__}" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(f".entry {fn.__name__}" in ptx)
+    if fn is md._mixed_decode_kernel:  # whether the lean reader is in: its rotations are the only fp32 (tf32) dots
+        print("tf32" in ptx)
 """
 
 
-@pytest.mark.parametrize(("observe", "partial"), [(False, False), (True, False), (True, True)])
-def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool, partial: bool) -> None:
+@pytest.mark.parametrize(("observe", "partial", "lean"),
+                         [(False, False, True), (True, False, True), (True, True, True), (False, False, False)])
+def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool, partial: bool, lean: bool) -> None:
     """The interpreter runs Python, so it accepts what the compiler refuses (e.g. a runtime `if`
     whose branches leave one name with two types). Compile the kernels (with a split context:
     also the merge) for sm_90 to PTX, in a process without TRITON_INTERPRET (this one's
-    decorators built interpreter wrappers)."""
+    decorators built interpreter wrappers). The backend's variants hold the lean formats' reader
+    (`mixed_decode_lean.py`): its query rotation and final un-rotation are in the PTX; `lean=False`
+    (the benchmark's variant without it) leaves them out."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE, str(int(observe)), str(int(partial))], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.split() == ["True"] * (1 + partial), res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-c", COMPILE, str(int(observe)), str(int(partial)), str(int(lean))],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.split() == ["True", str(lean)] + ["True"] * partial, res.stderr[-2000:]

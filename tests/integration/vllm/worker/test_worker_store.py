@@ -68,22 +68,26 @@ def test_no_proxima_backend_means_no_compression() -> None:
 
 
 def test_a_format_the_readers_cannot_read_fails_and_stays_hot() -> None:
-    """With the one-pass decode (the connector sets `readable_quants`), a lean format would be
-    written where the decode graphs cannot read it: its actions fail, the others in the same plan
-    run, and the report names the format and the switch."""
+    """With the one-pass decode (the connector sets `readable_quants`), a format its kernel cannot
+    read (16-bit centroids: `cluster(2)`, read by the split path only) would be written where the
+    decode graphs cannot read it: its actions fail, the others in the same plan run (the lean
+    int4h / int2h among them: the kernel reads their rotated codes), and the report names the
+    format and the switch."""
     from proxima.compression.mixed_decode import READS_QUANTS
 
     st, caches = _store()
     before = {k: v.clone() for k, v in caches.items()}
     st.readable_quants = READS_QUANTS
-    st.apply(ProximaPlan(actions=[CompressAction(7, "r", 0, src=1, dst=10, slot=0, fmt=Format.parse("int4h")),
-                                  CompressAction(8, "r", 1, src=2, dst=11, slot=0, fmt=Format.parse("int4"))]))
+    acts = [CompressAction(7, "r", 0, src=1, dst=10, slot=0, fmt=Format.parse("cluster(2)")),
+            CompressAction(8, "r", 1, src=2, dst=11, slot=0, fmt=Format.parse("int4h")),
+            CompressAction(9, "r", 2, src=3, dst=9, slot=0, fmt=Format.parse("int2h"))]  # fmt: skip
+    st.apply(ProximaPlan(actions=acts))
     rep = st.take_report()
-    assert rep is not None and rep.failed == [7] and rep.ok == [8]
-    assert len(rep.errors) == 1 and "int4h" in rep.errors[0] and "PROXIMA_ONE_PASS_DECODE=0" in rep.errors[0]
-    assert set(st.remap["r"]) == {1}
+    assert rep is not None and rep.failed == [7] and sorted(rep.ok) == [8, 9]
+    assert len(rep.errors) == 1 and "cluster(2)" in rep.errors[0] and "PROXIMA_ONE_PASS_DECODE=0" in rep.errors[0]
+    assert set(st.remap["r"]) == {1, 2}
     changed = (caches["layer.0"] != before["layer.0"]).flatten(1).any(1).nonzero().flatten().tolist()
-    assert changed == [11]  # block 10 (the lean action's destination) untouched
+    assert changed == [9, 11]  # block 10 (the refused action's destination) untouched
 
 
 def test_injected_fault_keeps_blocks_hot(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -265,10 +265,10 @@ def _mixed_decode_kernel(
                                 _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm,
                                                  tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
                         elif COMP_TILE == 0:  # (with tiles, the tiles read every other block)
-                            m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
-                                                             slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT,
-                                                             Hq, r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT,
-                                                             DOT_16BIT, OBSERVE)
+                            m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end,
+                                                             seq_len, q16, slot_scale, ot, od, md, m_i, l_i, acc,
+                                                             ent_out_ptr, NB_OUT, Hq, r, qh, mg, D, BS, BLOCK_D, G_PAD,
+                                                             KEY_ROWS, VG, DOT, DOT_16BIT, OBSERVE)
                     elif COMP_TILE == 0:
                         m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
                                                          slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq,

@@ -96,6 +96,8 @@ def main() -> None:
                     help="extra variants: these splits (0: auto) x --tiles x --warps")
     ap.add_argument("--tiles", nargs="*", type=int, default=[], help="extra variants: --splits x these tile_blocks")
     ap.add_argument("--warps", nargs="*", type=int, default=[4], help="extra variants: num_warps")
+    ap.add_argument("--comp-tiles", nargs="*", type=int, default=[],
+                    help="extra rows per compressed case: these comp_tile (0: block by block)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--iters", type=int, default=50)
     a = ap.parse_args()
@@ -146,9 +148,10 @@ def main() -> None:
     empty_desc = pool_descriptors({}, bs, dev)
 
     def one_pass(desc: torch.Tensor, splits: int | None = None, tb: int | None = None, nw: int | None = None,
-                 lean: bool = True) -> None:
+                 lean: bool = True, ct: int | None = None) -> None:
         mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale,
-                     splits=splits, tile_blocks=tb, num_warps=nw, key_group=DEFAULT_GROUP_SIZE, lean=lean)
+                     splits=splits, tile_blocks=tb, num_warps=nw, key_group=DEFAULT_GROUP_SIZE, lean=lean,
+                     comp_tile=ct)
 
     def timed(name: str, case: str, fn, graph: bool = True) -> dict:  # type: ignore[no-untyped-def]
         row = {"row": name, "case": case, "ms": (_graph_ms if graph else _eager_ms)(fn, a.iters),
@@ -201,6 +204,8 @@ def main() -> None:
                      for name, sp, tb, nw in variants]
             if fmt.quant not in LEAN_BITS:  # (a lean code needs the reader)
                 rows.append(timed(no_lean, case, lambda desc=desc: one_pass(desc, lean=False)))
+            rows += [timed(f"one_pass, comp_tile={ct}", case, lambda desc=desc, ct=ct: one_pass(desc, ct=ct))
+                     for ct in a.comp_tiles]
             if first:  # the observed layer and the old split path, once
                 first = False
 

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from proxima.compression.mixed_decode_lean import lean_block, merge_rotated, rotate_query
 from proxima.compression.mixed_decode_pools import MAX_CODES, READS_QUANTS, _desc, pool_descriptors
-from proxima.compression.mixed_slots import _dot_pv, _slot_block
+from proxima.compression.mixed_slots import _dot_pv, _slot_block, _slot_tile
 from proxima.compression.triton_ops import _p2
 
 LOG2E = 1.4426950408889634
@@ -164,6 +164,7 @@ def _mixed_decode_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
     TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr, LEAN: tl.constexpr,
+    COMP_TILE: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -228,30 +229,51 @@ def _mixed_decode_kernel(
             qr16 = tl.zeros((G_PAD, BLOCK_D), tl.float16)
             lean_scale = slot_scale
             rot = _desc(desc_ptr, 0, 25)
-        for j in range(j_start, j_end):
-            code = tl.load(ent_ptr + (trow * NB + j) * 2)
-            if code != 0:
-                if LEAN:  # (a constexpr: without it the lean reader is not compiled, see `mixed_decode`)
-                    if _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
-                        if rot == 0:  # the first lean block of this program: rotate the query, once
-                            rot = _desc(desc_ptr, code, 25)
-                            qr16, lean_scale = rotate_query(q, rot, sm_scale_log2, od, md, BLOCK_D, DOT)
-                        ls, lv, lvcol = lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q, qr16,
-                                                   lean_scale, sm_scale_log2, ot, od, md, BS, DOT, DOT_16BIT)
-                        m_r, l_r, acc_r, lp, lm = _slot_step(ls, lv, lvcol, m_r, l_r, acc_r, DOT, DOT_16BIT)
+        todo = compressed  # blocks left for the block-by-block loop below
+        if COMP_TILE > 0:  # a constexpr. The compressed blocks COMP_TILE at a time, one tile per
+            # quantization the tile holds (`mixed_slots._slot_tile`: the quantization a constexpr,
+            # the pools run-time); only lean blocks are left to the block-by-block loop.
+            todo = 0
+            occ = tl.arange(0, COMP_TILE)
+            for jt in range(j_start, j_end, COMP_TILE):
+                jj = jt + occ
+                tcodes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
+                quants = tl.load(desc_ptr + tcodes * 26, mask=tcodes != 0, other=0)  # 26: NUM_FIELDS
+                todo += tl.sum((quants >= 5).to(tl.int32), axis=0)
+                for QK in tl.static_range(1, 5):
+                    if tl.max((quants == QK).to(tl.int32), axis=0) > 0:
+                        cs, cv, cvcol, cread = _slot_tile(ent_ptr, desc_ptr, h, trow, NB, jt, j_end, seq_len, q16,
+                                                          slot_scale, od, md, QK, D, BS, BLOCK_D, COMP_TILE, VG, DOT,
+                                                          DOT_16BIT)
+                        m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
                         if OBSERVE:
-                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm,
-                                             tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
-                    else:
+                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, cp, cm, cread, G_PAD,
+                                             COMP_TILE, BS)
+        if todo > 0:
+            for j in range(j_start, j_end):
+                code = tl.load(ent_ptr + (trow * NB + j) * 2)
+                if code != 0:
+                    if LEAN:  # (a constexpr: without it the lean reader is not compiled, see `mixed_decode`)
+                        if _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
+                            if rot == 0:  # the first lean block of this program: rotate the query, once
+                                rot = _desc(desc_ptr, code, 25)
+                                qr16, lean_scale = rotate_query(q, rot, sm_scale_log2, od, md, BLOCK_D, DOT)
+                            ls, lv, lvcol = lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q, qr16,
+                                                       lean_scale, sm_scale_log2, ot, od, md, BS, DOT, DOT_16BIT)
+                            m_r, l_r, acc_r, lp, lm = _slot_step(ls, lv, lvcol, m_r, l_r, acc_r, DOT, DOT_16BIT)
+                            if OBSERVE:
+                                _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm,
+                                                 tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
+                        elif COMP_TILE == 0:  # (with tiles, the tiles read every other block)
+                            m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end,
+                                                             seq_len, q16, slot_scale, ot, od, md, m_i, l_i, acc,
+                                                             ent_out_ptr, NB_OUT, Hq, r, qh, mg, D, BS, BLOCK_D, G_PAD,
+                                                             KEY_ROWS, VG, DOT, DOT_16BIT, OBSERVE)
+                    elif COMP_TILE == 0:
                         m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
-                                                         slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT,
-                                                         Hq, r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT,
-                                                         DOT_16BIT, OBSERVE)
-                else:
-                    m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
-                                                     slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq,
-                                                     r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT, DOT_16BIT,
-                                                     OBSERVE)
+                                                         slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq,
+                                                         r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT, DOT_16BIT,
+                                                         OBSERVE)
         if LEAN:  # noqa: SIM102 (a constexpr, then a run-time test: `and` would reference `rot` without LEAN)
             if rot != 0:  # un-rotate the lean blocks' output and merge their state in (before a split's partial)
                 m_i, l_i, acc = merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot, od, md, BLOCK_D, DOT)
@@ -313,6 +335,8 @@ def _combine_splits_kernel(
 TILE_TOKENS = 128
 """Tokens of vLLM's pages one step of the kernel reads where a run of blocks is all bf16 (on the
 H100 at 8 rows x 32k: 0.37 ms a layer at 128, 0.68 at 64; vLLM's own kernel 0.46)."""
+COMP_TILE_TOKENS = 128
+"""Rows of one compressed tile (`mixed_slots._slot_tile`), in tokens of vLLM's blocks."""
 NUM_WARPS = 4
 """Warps of one program (`num_warps=` overrides, for the benchmark's sweep)."""
 MAX_SPLITS = 16
@@ -356,7 +380,7 @@ def mixed_decode(
     query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, owner: torch.Tensor, entries: torch.Tensor,
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
-    num_warps: int | None = None, key_group: int | None = None, lean: bool = True,
+    num_warps: int | None = None, key_group: int | None = None, lean: bool = True, comp_tile: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -377,7 +401,11 @@ def mixed_decode(
     where they are all vLLM's pages. `lean=False` compiles the kernel without the lean formats'
     reader (`mixed_decode_lean.py`), for measuring what carrying it costs the other formats
     (`bench/one_pass_decode.py`); the descriptors must then hold no lean code (it would be read as
-    KIVI codes). The backend always reads them (True)."""
+    KIVI codes). The backend always reads them (True). `comp_tile` (default: COMP_TILE_TOKENS'
+    worth, at most `tile_blocks`; a power of two dividing it): compressed blocks of the fp8 / int8
+    / int4 / int2 quantizations read as one tile per quantization (`mixed_slots._slot_tile`); 0
+    reads them block by block (`_compressed_step`), for the benchmark's comparison. Lean blocks
+    are read block by block either way."""
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
     if d2 != 2 * d or hq % h or out.shape != q.shape:
@@ -399,6 +427,10 @@ def mixed_decode(
     tb = max(1, TILE_TOKENS // bs) if tile_blocks is None else tile_blocks
     if tb < 1 or tb & (tb - 1):
         raise ValueError(f"mixed_decode reads tiles of a power-of-two number of blocks, got {tb}")
+    ct = min(tb, max(1, COMP_TILE_TOKENS // bs)) if comp_tile is None else comp_tile
+    if ct < 0 or (ct and (ct & (ct - 1) or tb % ct)):
+        raise ValueError(f"mixed_decode reads compressed tiles of a power-of-two number of blocks dividing "
+                         f"tile_blocks ({tb}), or 0 (one block at a time), got {ct}")
     block_d = _p2(d, 16)
     part_ml = torch.empty(s, hq, n_split, 2, dtype=torch.float32, device=q.device) if partial else dummy
     part_acc = torch.empty(s, hq, n_split, block_d, dtype=torch.float32, device=q.device) if partial else dummy
@@ -417,7 +449,7 @@ def mixed_decode(
         lse if lse is not None else dummy, part_ml, part_acc,
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
-        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb,
+        DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb, COMP_TILE=ct,
         KEY_ROWS=key_group is None or key_group < bs, VG=_value_group(key_group, block_d), LEAN=lean,
         num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip

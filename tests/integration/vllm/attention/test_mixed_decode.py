@@ -136,18 +136,21 @@ def _pools(connector: ProximaConnector, store: WorkerStore) -> torch.Tensor:
     return pool_descriptors(pools, B, DEV)
 
 
-@pytest.mark.parametrize(("splits", "tiles", "group"),
-                         [(1, None, None), (1, 1, None), (2, 1, None), (3, 1, None), (2, 2, None), (1, 2, None),
-                          (2, None, 8)])
+@pytest.mark.parametrize(("splits", "tiles", "group", "comp"),
+                         [(1, None, None, None), (1, 1, None, None), (2, 1, None, None), (3, 1, None, None),
+                          (2, 2, None, None), (1, 2, None, 1), (2, None, 8, None), (3, None, 8, 2),
+                          (1, None, None, 0), (2, None, 8, 0)])
 def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector, splits: int,
-                                                             tiles: int | None, group: int | None) -> None:
+                                                             tiles: int | None, group: int | None,
+                                                             comp: int | None) -> None:
     """Whatever the split of the context over programs (3 over rows of 1-4 blocks: uneven runs,
     and splits with no block at all) and the tile (1 block: rows a and c read their last page as a
     tile of its own after their compressed blocks; 2 and the default 8: tiles mixing formats and
     pages, block by block, and all-pages tiles, partial ones in rows b and d; row e: runs of one
     compressed format) and the storage's group (8: two KIVI key groups per 16-token slot, read per
-    token; the policy's 32: one scale row per slot), the merged result
-    and the per-block mass are the same."""
+    token; the policy's 32: one scale row per slot) and the compressed tile (the default: as many
+    blocks as the page tile; 1 and 2: tiles of mixed quantizations split by the tile's edges; 0:
+    block by block), the merged result and the per-block mass are the same."""
     store, kv, meta = _world(worker_connector, group)
     if group is not None:  # the slots were written with it
         assert cb.slot_pool_of(store, LAYER, Format.parse("int4"), DEV).group_size == group
@@ -159,7 +162,7 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     lse = torch.empty(len(REQUESTS), HQ, device=DEV)
     mixed_decode(q, out, kv, meta["block_table"], meta["seq_lens"], meta["query_start_loc"], meta["slot_mapping"],
                  t.owner, t.entries, _pools(worker_connector, store), sm_scale=D**-0.5, entry_lse=ent, lse=lse,
-                 splits=splits, tile_blocks=tiles)
+                 splits=splits, tile_blocks=tiles, comp_tile=comp)
     mass = block_mass(ent, lse)
     for r, rid in enumerate(REQUESTS):
         want, want_mass = _reference(store, kv, q[r], rid)
@@ -460,7 +463,8 @@ ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32",
         "sm_scale_log2": "fp32"}
 kernels = [(md._mixed_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": observe,
                                       "DOT": True, "DOT_16BIT": True, "PARTIAL": partial,
-                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe, "VG": 32, "LEAN": lean})]
+                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe, "VG": 32, "LEAN": lean,
+                                      "COMP_TILE": 4 if observe else 0})]
 if partial:
     kernels.append((md._combine_splits_kernel, {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "SPLITS_PAD": 16,
                                                 "OBSERVE": observe}))

@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="*", type=int, default=[], help="extra variants: --splits x these tile_blocks")
     ap.add_argument("--warps", nargs="*", type=int, default=[4], help="extra variants: num_warps")
     ap.add_argument("--comp-tiles", nargs="*", type=int, default=[],
-                    help="extra rows per compressed case: these comp_tile (0: block by block)")
+                    help="extra rows per compressed case: these comp_tile (blocks of a compressed tile)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--iters", type=int, default=50)
     a = ap.parse_args()

@@ -12,11 +12,12 @@ observed layer's per-block attention mass follows (`block_mass`) without a secon
 
 Speed (issue 38, item 5), where it stands (H100, 2026-12-06, bench/one_pass_decode.py, per layer
 at the 8B shape): a run of vLLM's pages is read TILE_TOKENS (128) at a time as one bf16 tile, as fast
-as vLLM's own kernel (0.37 ms vs 0.46 at 8 rows x 32k, 0.37 vs 0.35 at 64 x 4k); a tile holding any
-compressed block goes block by block in its formats (`_load_slot_block`), 3-9x slower than bf16
-(int4 3.4 ms at 8 x 32k): registers (ptxas sm_90: 143 at one-block tiles, 255 with spills beside
-the 128-token hot tile), per-element value-scale gathers and integer-to-float conversions bound
-it; the split path's per-format kernel (`triton_attention.py`) avoids those. Both products run on
+as vLLM's own kernel (0.38 ms vs 0.46 at 8 rows x 32k, 0.37 vs 0.35 at 64 x 4k). Compressed blocks
+are read in a second pass, COMP_TILE_TOKENS (128) rows a tile, one tile per quantization present
+(`mixed_slots._slot_tile`): at 8 x 32k, all-int4 3.18 ms, cluster(4)+int4 1.25, int8 1.37, fp8
+0.59 (block by block before: 3.68 / 1.91 / 2.08 / 1.75; bench/results/experiments/one-pass-tiles/).
+What bounds it (Nsight Compute, bench/results/experiments/one-pass-profile/): latency, at 255
+registers (set by the 128-token bf16 tile) and 12.5% occupancy, DRAM 2-3% busy. Both products run on
 tensor cores (`tl.dot`, the KV head's G query heads as M padded to 16, operands in the query's
 16-bit dtype, fp32 accumulation) once the block and head dim reach 16. Long contexts split over
 programs (`splits`, `auto_splits`: from the batch shape and the GPU's SM count, so a graph captured
@@ -46,7 +47,7 @@ import triton.language as tl
 
 from proxima.compression.mixed_decode_lean import lean_block, merge_rotated, rotate_query
 from proxima.compression.mixed_decode_pools import MAX_CODES, READS_QUANTS, _desc, pool_descriptors
-from proxima.compression.mixed_slots import _dot_pv, _slot_block, _slot_tile
+from proxima.compression.mixed_slots import _dot_pv, _slot_tile
 from proxima.compression.triton_ops import _p2
 
 LOG2E = 1.4426950408889634
@@ -111,8 +112,8 @@ def _softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale_log2, q_ptr,
 
 @triton.jit
 def _slot_step(s, v16, vcol, m_i, l_i, acc, DOT: tl.constexpr, DOT_16BIT: tl.constexpr):
-    """A compressed slot (`mixed_slots._slot_block`: its scores, float16 values and the factor of
-    each probability column) into the online softmax, as `_softmax_step`."""
+    """A compressed tile (`mixed_slots._slot_tile`, or a lean slot: its scores, float16 values and
+    the factor of each probability column) into the online softmax, as `_softmax_step`."""
     m_i, l_i, p, alpha, m_use = _online(s, m_i, l_i)
     acc = acc * alpha[:, None] + _dot_pv((p * vcol[None, :]).to(tl.float16), v16, DOT, DOT_16BIT)
     return m_i, l_i, acc, p, m_use
@@ -133,21 +134,6 @@ def _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j0, j_end, p, m_use, ke
 
 
 @triton.jit
-def _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16, slot_scale, ot, od, md, m_i, l_i,
-                     acc, ent_out_ptr, NB_OUT, Hq, r, qh, mg, D: tl.constexpr, BS: tl.constexpr,
-                     BLOCK_D: tl.constexpr, G_PAD: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr,
-                     DOT: tl.constexpr, DOT_16BIT: tl.constexpr, OBSERVE: tl.constexpr):  # fmt: skip
-    """Logical block `j`, a slot of a non-lean format `code` > 0 (`mixed_slots._slot_block`), into the
-    plain online softmax (and the observed layer's per-block log-sum-exp)."""
-    cs, cv, cvcol = _slot_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q16, slot_scale, ot, od, md, D, BS,
-                                BLOCK_D, KEY_ROWS, VG, DOT, DOT_16BIT)
-    m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
-    if OBSERVE:
-        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, cp, cm, tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _mixed_decode_kernel(
     q_ptr, sq_s, sq_h,  # [S, Hq, D] queries
     o_ptr, so_s, so_h,  # [S, Hq, D] output (written in place)
@@ -163,8 +149,7 @@ def _mixed_decode_kernel(
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
-    TILE_BLOCKS: tl.constexpr, KEY_ROWS: tl.constexpr, VG: tl.constexpr, LEAN: tl.constexpr,
-    COMP_TILE: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr, VG: tl.constexpr, LEAN: tl.constexpr, COMP_TILE: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -200,8 +185,9 @@ def _mixed_decode_kernel(
     # Two passes over the program's blocks, both into the same online softmax (its result does not
     # depend on the order). First vLLM's pages, TILE_BLOCKS blocks a tile (vLLM's own kernel reads
     # 32-64 tokens a step; one 16-token page a step left the unsplit kernel at 3x its time on the
-    # H100), a compressed block's rows masked out; then the compressed blocks one by one, each in
-    # its own format. Separate loops keep the wide bf16 tile and a slot's dequantization from
+    # H100), a compressed block's rows masked out; then the compressed blocks, COMP_TILE a tile,
+    # once per quantization the tile holds (lean blocks one by one). Separate loops keep the wide
+    # bf16 tile and a slot's dequantization from
     # being live at once: in one loop with a branch per tile, ptxas (sm_90) gave the kernel 255
     # registers and 1.2-1.5 KB of spills.
     otb = tl.arange(0, TILE_BLOCKS)
@@ -229,51 +215,40 @@ def _mixed_decode_kernel(
             qr16 = tl.zeros((G_PAD, BLOCK_D), tl.float16)
             lean_scale = slot_scale
             rot = _desc(desc_ptr, 0, 25)
-        todo = compressed  # blocks left for the block-by-block loop below
-        if COMP_TILE > 0:  # a constexpr. The compressed blocks COMP_TILE at a time, one tile per
-            # quantization the tile holds (`mixed_slots._slot_tile`: the quantization a constexpr,
-            # the pools run-time); only lean blocks are left to the block-by-block loop.
-            todo = 0
-            occ = tl.arange(0, COMP_TILE)
-            for jt in range(j_start, j_end, COMP_TILE):
-                jj = jt + occ
-                tcodes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
-                quants = tl.load(desc_ptr + tcodes * 26, mask=tcodes != 0, other=0)  # 26: NUM_FIELDS
-                todo += tl.sum((quants >= 5).to(tl.int32), axis=0)
-                for QK in tl.static_range(1, 5):
-                    if tl.max((quants == QK).to(tl.int32), axis=0) > 0:
-                        cs, cv, cvcol, cread = _slot_tile(ent_ptr, desc_ptr, h, trow, NB, jt, j_end, seq_len, q16,
-                                                          slot_scale, od, md, QK, D, BS, BLOCK_D, COMP_TILE, VG, DOT,
-                                                          DOT_16BIT)
-                        m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
+        # The compressed blocks COMP_TILE at a time, one tile per quantization the tile holds
+        # (`mixed_slots._slot_tile`: the quantization a constexpr, the pools run-time); lean blocks
+        # are counted and left to the block-by-block loop below.
+        lean_blocks = 0
+        occ = tl.arange(0, COMP_TILE)
+        for jt in range(j_start, j_end, COMP_TILE):
+            jj = jt + occ
+            tcodes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
+            quants = tl.load(desc_ptr + tcodes * 26, mask=tcodes != 0, other=0)  # 26: NUM_FIELDS
+            lean_blocks += tl.sum((quants >= 5).to(tl.int32), axis=0)
+            for QK in tl.static_range(1, 5):
+                if tl.max((quants == QK).to(tl.int32), axis=0) > 0:
+                    cs, cv, cvcol, cread = _slot_tile(ent_ptr, desc_ptr, h, trow, NB, jt, j_end, seq_len, q16,
+                                                      slot_scale, od, md, QK, D, BS, BLOCK_D, COMP_TILE, VG, DOT,
+                                                      DOT_16BIT)
+                    m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
+                    if OBSERVE:
+                        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, cp, cm, cread, G_PAD,
+                                         COMP_TILE, BS)
+        if LEAN:  # noqa: SIM102 (a constexpr, then a run-time test: without LEAN the reader is not compiled)
+            if lean_blocks > 0:
+                for j in range(j_start, j_end):
+                    code = tl.load(ent_ptr + (trow * NB + j) * 2)
+                    # lean (QUANT_CODE int4h 5, int2h 6): rotated codes; row 0 (vLLM's pages) reads 0
+                    if _desc(desc_ptr, code, 0) >= 5:
+                        if rot == 0:  # the first lean block of this program: rotate the query, once
+                            rot = _desc(desc_ptr, code, 25)
+                            qr16, lean_scale = rotate_query(q, rot, sm_scale_log2, od, md, BLOCK_D, DOT)
+                        ls, lv, lvcol = lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q, qr16,
+                                                   lean_scale, sm_scale_log2, ot, od, md, BS, DOT, DOT_16BIT)
+                        m_r, l_r, acc_r, lp, lm = _slot_step(ls, lv, lvcol, m_r, l_r, acc_r, DOT, DOT_16BIT)
                         if OBSERVE:
-                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, cp, cm, cread, G_PAD,
-                                             COMP_TILE, BS)
-        if todo > 0:
-            for j in range(j_start, j_end):
-                code = tl.load(ent_ptr + (trow * NB + j) * 2)
-                if code != 0:
-                    if LEAN:  # (a constexpr: without it the lean reader is not compiled, see `mixed_decode`)
-                        if _desc(desc_ptr, code, 0) >= 5:  # lean (QUANT_CODE int4h 5, int2h 6): rotated codes
-                            if rot == 0:  # the first lean block of this program: rotate the query, once
-                                rot = _desc(desc_ptr, code, 25)
-                                qr16, lean_scale = rotate_query(q, rot, sm_scale_log2, od, md, BLOCK_D, DOT)
-                            ls, lv, lvcol = lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q, qr16,
-                                                       lean_scale, sm_scale_log2, ot, od, md, BS, DOT, DOT_16BIT)
-                            m_r, l_r, acc_r, lp, lm = _slot_step(ls, lv, lvcol, m_r, l_r, acc_r, DOT, DOT_16BIT)
-                            if OBSERVE:
-                                _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm,
-                                                 tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
-                        elif COMP_TILE == 0:  # (with tiles, the tiles read every other block)
-                            m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end,
-                                                             seq_len, q16, slot_scale, ot, od, md, m_i, l_i, acc,
-                                                             ent_out_ptr, NB_OUT, Hq, r, qh, mg, D, BS, BLOCK_D, G_PAD,
-                                                             KEY_ROWS, VG, DOT, DOT_16BIT, OBSERVE)
-                    elif COMP_TILE == 0:
-                        m_i, l_i, acc = _compressed_step(ent_ptr, desc_ptr, h, trow, NB, code, j, j_end, seq_len, q16,
-                                                         slot_scale, ot, od, md, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq,
-                                                         r, qh, mg, D, BS, BLOCK_D, G_PAD, KEY_ROWS, VG, DOT, DOT_16BIT,
-                                                         OBSERVE)
+                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, j, j_end, lp, lm,
+                                             tl.full((1,), 1, tl.int1), G_PAD, 1, BS)
         if LEAN:  # noqa: SIM102 (a constexpr, then a run-time test: `and` would reference `rot` without LEAN)
             if rot != 0:  # un-rotate the lean blocks' output and merge their state in (before a split's partial)
                 m_i, l_i, acc = merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot, od, md, BLOCK_D, DOT)
@@ -395,17 +370,15 @@ def mixed_decode(
     launch (`_combine_splits_kernel`) merges them into `out` (and `lse`): two launches, and the
     per-block log-sum-exp is the same either way (absolute, not relative to a split's maximum).
     `key_group`: the smallest KIVI group of any pool in `descriptors` (the storage's, fixed while
-    serving); at or above the block size every slot has one key scale row and the per-token
-    variant is not compiled. None (unknown): both are, and the slot's group picks at run time.
+    serving): how many value channels share one scale load (`VG`); None (unknown): one each.
     `tile_blocks` (default: TILE_TOKENS' worth, at least 1; a power of two): blocks read as one tile
     where they are all vLLM's pages. `lean=False` compiles the kernel without the lean formats'
     reader (`mixed_decode_lean.py`), for measuring what carrying it costs the other formats
     (`bench/one_pass_decode.py`); the descriptors must then hold no lean code (it would be read as
     KIVI codes). The backend always reads them (True). `comp_tile` (default: COMP_TILE_TOKENS'
     worth, at most `tile_blocks`; a power of two dividing it): compressed blocks of the fp8 / int8
-    / int4 / int2 quantizations read as one tile per quantization (`mixed_slots._slot_tile`); 0
-    reads them block by block (`_compressed_step`), for the benchmark's comparison. Lean blocks
-    are read block by block either way."""
+    / int4 / int2 quantizations read as one tile per quantization (`mixed_slots._slot_tile`).
+    Lean blocks are read block by block."""
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
     if d2 != 2 * d or hq % h or out.shape != q.shape:
@@ -428,9 +401,9 @@ def mixed_decode(
     if tb < 1 or tb & (tb - 1):
         raise ValueError(f"mixed_decode reads tiles of a power-of-two number of blocks, got {tb}")
     ct = min(tb, max(1, COMP_TILE_TOKENS // bs)) if comp_tile is None else comp_tile
-    if ct < 0 or (ct and (ct & (ct - 1) or tb % ct)):
+    if ct < 1 or ct & (ct - 1) or tb % ct:
         raise ValueError(f"mixed_decode reads compressed tiles of a power-of-two number of blocks dividing "
-                         f"tile_blocks ({tb}), or 0 (one block at a time), got {ct}")
+                         f"tile_blocks ({tb}), got {ct}")
     block_d = _p2(d, 16)
     part_ml = torch.empty(s, hq, n_split, 2, dtype=torch.float32, device=q.device) if partial else dummy
     part_acc = torch.empty(s, hq, n_split, block_d, dtype=torch.float32, device=q.device) if partial else dummy
@@ -450,7 +423,7 @@ def mixed_decode(
         hq, sm_scale * LOG2E, n_split,
         G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
         DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb, COMP_TILE=ct,
-        KEY_ROWS=key_group is None or key_group < bs, VG=_value_group(key_group, block_d), LEAN=lean,
+        VG=_value_group(key_group, block_d), LEAN=lean,
         num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     if partial:

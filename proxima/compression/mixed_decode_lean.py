@@ -86,15 +86,15 @@ def merge_rotated(m_i, l_i, acc, m_r, l_r, acc_r, rot_addr, od, md, BLOCK_D: tl.
 @triton.jit
 def lean_block(ent_ptr, desc_ptr, h, trow, NB, code, j, seq_len, q, qr16, lean_scale, sm_scale_log2, ot, od, md,
                BS: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr):  # fmt: skip
-    """Logical block `j` of the row, a lean slot of format `code`, as `mixed_slots._slot_block`
-    returns a slot: its scores [G_PAD, BS] (log2 units, the key mean's term and the centroids' log
-    count added, -inf where no token is), its centred value codes [BS, BLOCK_D] float16 (rotated
+    """Logical block `j` of the row, a lean slot of format `code`, read as `mixed_slots._slot_tile`
+    reads the other formats' tiles. Returns its scores [G_PAD, BS] (log2 units, the key mean's term
+    and the centroids' log count added, -inf where no token is), its centred value codes [BS, BLOCK_D] float16 (rotated
     basis; 0 where no token is) and the value scale of each probability column. q: the query
     (as loaded, for the key mean's term); qr16 / lean_scale: `rotate_query`'s."""
     seen = tl.minimum(seq_len - j * BS, BS)
     sid = tl.load(ent_ptr + (trow * NB + j) * 2 + 1).to(tl.int64)
     tokens = _desc(desc_ptr, code, 1)
-    # as `_slot_block`: a quantized slot keeps token order (clipped like a page), a reduced one
+    # as `_slot_tile`: a quantized slot keeps token order (clipped like a page), a reduced one
     # (cluster(R)+int4h) is all or nothing
     ntok = tl.where(_desc(desc_ptr, code, 2) != 0, tl.where(seen == BS, tokens, 0), tl.minimum(seen, tokens))
     valid = ot < ntok

@@ -139,7 +139,7 @@ def _pools(connector: ProximaConnector, store: WorkerStore) -> torch.Tensor:
 @pytest.mark.parametrize(("splits", "tiles", "group", "comp"),
                          [(1, None, None, None), (1, 1, None, None), (2, 1, None, None), (3, 1, None, None),
                           (2, 2, None, None), (1, 2, None, 1), (2, None, 8, None), (3, None, 8, 2),
-                          (1, None, None, 0), (2, None, 8, 0)])
+                          (1, 1, 8, 1), (2, 2, 8, 2)])
 def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector, splits: int,
                                                              tiles: int | None, group: int | None,
                                                              comp: int | None) -> None:
@@ -149,8 +149,8 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     pages, block by block, and all-pages tiles, partial ones in rows b and d; row e: runs of one
     compressed format) and the storage's group (8: two KIVI key groups per 16-token slot, read per
     token; the policy's 32: one scale row per slot) and the compressed tile (the default: as many
-    blocks as the page tile; 1 and 2: tiles of mixed quantizations split by the tile's edges; 0:
-    block by block), the merged result and the per-block mass are the same."""
+    blocks as the page tile; 1 and 2: tiles of mixed quantizations split by the tile's edges), the
+    merged result and the per-block mass are the same."""
     store, kv, meta = _world(worker_connector, group)
     if group is not None:  # the slots were written with it
         assert cb.slot_pool_of(store, LAYER, Format.parse("int4"), DEV).group_size == group
@@ -463,8 +463,8 @@ ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32",
         "sm_scale_log2": "fp32"}
 kernels = [(md._mixed_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": observe,
                                       "DOT": True, "DOT_16BIT": True, "PARTIAL": partial,
-                                      "TILE_BLOCKS": 4, "KEY_ROWS": observe, "VG": 32, "LEAN": lean,
-                                      "COMP_TILE": 4 if observe else 0})]
+                                      "TILE_BLOCKS": 4, "VG": 32, "LEAN": lean,
+                                      "COMP_TILE": 4 if observe else 2})]
 if partial:
     kernels.append((md._combine_splits_kernel, {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "SPLITS_PAD": 16,
                                                 "OBSERVE": observe}))

@@ -56,11 +56,8 @@ def _one_pass_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
 
 
-def _world(connector: ProximaConnector, group: int | None = None
-           ) -> tuple[WorkerStore, torch.Tensor, dict[str, torch.Tensor]]:
-    """The connector's worker with REQUESTS' blocks compressed (with `group`: the storage's KIVI
-    group instead of the policy's, e.g. 8 < the block size: several key groups per slot)."""
-    torch.manual_seed(0)
+def _registered(connector: ProximaConnector) -> tuple[WorkerStore, torch.Tensor]:
+    """The connector's worker with one layer's cache registered, read by Proxima's backend."""
     kv = torch.randn(NB, H, B, 2 * D).bfloat16().to(DEV)
     impl = cb.ProximaTritonAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=H,
                                          alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
@@ -68,6 +65,15 @@ def _world(connector: ProximaConnector, group: int | None = None
     connector.register_kv_caches({LAYER: kv})
     store = connector.store
     assert store is not None
+    return store, kv
+
+
+def _world(connector: ProximaConnector, group: int | None = None
+           ) -> tuple[WorkerStore, torch.Tensor, dict[str, torch.Tensor]]:
+    """The connector's worker with REQUESTS' blocks compressed (with `group`: the storage's KIVI
+    group instead of the policy's, e.g. 8 < the block size: several key groups per slot)."""
+    torch.manual_seed(0)
+    store, kv = _registered(connector)
     # request f's lean blocks: as the connector sets it up when the start-up policy stores a lean
     # format (`test_a_start_up_policy_with_a_lean_format_compiles_the_lean_reader_in`)
     store.one_pass_lean, store.readable_quants = True, READS_QUANTS
@@ -176,10 +182,8 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
 def test_a_start_up_policy_with_a_lean_format_compiles_the_lean_reader_in(worker_connector: ProximaConnector,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(POLICY_ENV, str(LEAN_STARTUP))
-    kv = torch.randn(NB, H, B, 2 * D).bfloat16().to(DEV)
-    worker_connector.register_kv_caches({LAYER: kv})
-    store = worker_connector.store
-    assert store is not None and store.one_pass_lean and store.readable_quants == READS_QUANTS
+    store, _ = _registered(worker_connector)
+    assert store.one_pass_lean and store.readable_quants == READS_QUANTS
 
 
 def test_a_start_up_policy_without_lean_formats_leaves_the_lean_reader_out(worker_connector: ProximaConnector) -> None:
@@ -187,13 +191,8 @@ def test_a_start_up_policy_without_lean_formats_leaves_the_lean_reader_out(worke
     when the start-up policy stores a lean format. With `off` at start (the fixture's), a lean
     format a live policy brings later is refused: the block stays hot and the report says why,
     and the blocks of other formats are written."""
-    kv = torch.randn(NB, H, B, 2 * D).bfloat16().to(DEV)
-    impl = cb.ProximaTritonAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=H,
-                                         alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-    worker_connector._vllm_config.compilation_config.static_forward_context[LAYER] = SimpleNamespace(impl=impl)
-    worker_connector.register_kv_caches({LAYER: kv})
-    store = worker_connector.store
-    assert store is not None and not store.one_pass_lean
+    store, _ = _registered(worker_connector)
+    assert not store.one_pass_lean
     assert store.readable_quants is not None
     assert "int4h" not in store.readable_quants and "int4" in store.readable_quants
     compression_probe_off(store)

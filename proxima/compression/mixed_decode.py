@@ -223,7 +223,7 @@ def _mixed_decode_kernel(
         for jt in range(j_start, j_end, COMP_TILE):
             jj = jt + occ
             tcodes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
-            quants = tl.load(desc_ptr + tcodes * 26, mask=tcodes != 0, other=0)  # 26: NUM_FIELDS
+            quants = _desc(desc_ptr, tcodes, 0)  # code 0 (pages, past the end) reads row 0: quant 0
             lean_blocks += tl.sum((quants >= 5).to(tl.int32), axis=0)
             for QK in tl.static_range(1, 5):
                 if tl.max((quants == QK).to(tl.int32), axis=0) > 0:

@@ -103,8 +103,15 @@ def pool_descriptors(pools: Mapping[int, CompressedBlocks], block_size: int, dev
 
 
 @triton.jit
+def _desc_row(desc_ptr, code):
+    """Address of format `code`'s descriptor row (`code` a scalar or a vector of codes): the one
+    place the kernels spell the row length out (a jitted function reads no module global)."""
+    return desc_ptr + code * 26  # 26: NUM_FIELDS
+
+
+@triton.jit
 def _desc(desc_ptr, code, field: tl.constexpr):
-    return tl.load(desc_ptr + code * 26 + field)  # 26: NUM_FIELDS
+    return tl.load(_desc_row(desc_ptr, code) + field)
 
 
 __all__ = ["MAX_CODES", "NUM_FIELDS", "READS_QUANTS", "lean_rotation_column", "pool_descriptors"]

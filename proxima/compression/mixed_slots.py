@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from proxima.compression.mixed_decode_pools import _desc_row
 from proxima.compression.triton_codes import _bytes_f16
 
 
@@ -88,7 +89,7 @@ def _slot_tile(ent_ptr, desc_ptr, h, trow, NB, j0, j_end, seq_len, q16, score_sc
     inb = jb < j_end
     code = tl.load(ent_ptr + (trow * NB + jb) * 2, mask=inb, other=0)
     live = inb & (code != 0)
-    d_row = desc_ptr + code * 26  # 26: NUM_FIELDS (`mixed_decode_pools`)
+    d_row = _desc_row(desc_ptr, code)
     quant = tl.load(d_row, mask=live, other=0)
     live = live & (quant == QK)
     sid = tl.load(ent_ptr + (trow * NB + jb) * 2 + 1, mask=live, other=0).to(tl.int64)

@@ -22,6 +22,17 @@ copy of it):
   comparisons returning a Python bool (`equal`, `is_nonzero`), and tensors built from Python data
   (`torch.tensor(list)`: `aten.lift_fresh`), which on a GPU is a blocking host-to-device copy.
 
+*device kernels* are the dispatched ops that would launch a CUDA kernel with the same tensors on
+a GPU, plus the Triton / numba launches: every counted op except views and metadata ops
+(`NO_KERNEL_OPS`: view, reshape's alias, expand, select, slice, as_strided, unsqueeze, squeeze,
+t, transpose, permute, detach, alias, split, unbind, narrow; and the allocations `empty`,
+`empty_like`, `empty_strided`, which launch nothing) and except what runs inside `_upload`
+(host work and the one host-to-device copy, a memcpy counted as an upload). A `.to()` /
+`.contiguous()` that changes nothing does not reach the dispatcher, so a dispatched `_to_copy`,
+`clone` or `copy_` is always a kernel. `aten.lift_fresh` (a host tensor from Python data) is a
+would-be sync, not a kernel. The count is what the torch profiler's CUDA kernel count should
+show minus its memcpys (uploads, read-backs).
+
 What the CPU count cannot see: a tensor made on the host (`torch.ones(...)`) then moved with
 `.to(cuda)` is a no-op on CPU. The GPU run (`torch.cuda.set_sync_debug_mode("error")`) catches
 those; `bench/step_ops.py --device cuda` runs it.
@@ -48,6 +59,17 @@ SYNC_OPS = frozenset({
     "aten.lift_fresh", "aten.lift_fresh_copy",  # torch.tensor(python data): host -> device
 })
 """Packet names (overload stripped) of the ops that would synchronise with a GPU."""
+
+NO_KERNEL_OPS = frozenset({
+    "aten.view", "aten._unsafe_view", "aten._reshape_alias", "aten.reshape", "aten.expand", "aten.select",
+    "aten.slice", "aten.as_strided", "aten.unsqueeze", "aten.squeeze", "aten.t", "aten.transpose",
+    "aten.permute", "aten.detach", "aten.alias", "aten.split", "aten.split_with_sizes", "aten.unbind",
+    "aten.narrow", "aten.chunk", "aten.view_as", "aten.unflatten", "aten.flatten",
+    "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
+    "aten.lift_fresh", "aten.lift_fresh_copy", "aten._local_scalar_dense",
+})
+"""Dispatched ops that launch no device kernel: views and metadata, allocations, and the would-be
+syncs that are memcpys (counted as syncs). Every other dispatched op is a device kernel."""
 
 
 def _packet(func: Any) -> str:
@@ -76,6 +98,8 @@ class Counts:
     """Triton / numba kernel -> launches."""
     syncs: Counter[str] = field(default_factory=Counter)
     """aten op packet -> would-be syncs."""
+    kernels: Counter[str] = field(default_factory=Counter)
+    """aten op packet -> dispatches that would launch a device kernel (see the module docstring)."""
     uploads: int = 0
     """Calls of the worker's `_upload` (pinned, non-blocking host-to-device copies)."""
     paused: int = 0
@@ -90,6 +114,11 @@ class Counts:
     @property
     def total_launches(self) -> int:
         return sum(self.launches.values())
+
+    @property
+    def device_kernels(self) -> int:
+        """Would-be device kernels: kernel-launching torch ops plus Triton / numba launches."""
+        return sum(self.kernels.values()) + self.total_launches
 
     @property
     def total_syncs(self) -> int:
@@ -110,6 +139,8 @@ class _DispatchCounter(TorchDispatchMode):
         self.counts.ops[name] += 1
         if _is_sync(func, args, kwargs) and not self.counts.uploading:
             self.counts.syncs[name] += 1
+        if not self.counts.uploading and name not in NO_KERNEL_OPS:
+            self.counts.kernels[name] += 1
         return func(*args, **kwargs)
 
 

@@ -237,6 +237,8 @@ def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: 
             "layers": shape.layers, "group": f"{src.name}->{dst.name}",
             "actions": per_group, "ops": counts.total_ops, "launches": counts.total_launches,
             "syncs": counts.total_syncs, "sync_ops": dict(counts.syncs), "uploads": counts.uploads,
+            "device_kernels": counts.device_kernels,
+            "kernel_ops": {**dict(counts.kernels), **dict(counts.launches)},
             "top_ops": dict(counts.ops.most_common(8)),
         }
         if device == "cuda":
@@ -247,18 +249,53 @@ def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: 
 
 def table(rows: list[dict[str, Any]]) -> str:
     cuda = any("cuda_ms" in r for r in rows)
-    head = "| policy | probe | kernels | group | layers | actions | torch ops | launches | uploads | would-be syncs |"
+    head = ("| policy | probe | kernels | group | layers | actions | torch ops | launches | device kernels | uploads |"
+            " would-be syncs |")
     head += " CUDA ms | CUDA kernels | sync check |" if cuda else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         probe = "on" if r["probe"] else "off"
         line = (f"| {r['policy']} | {probe} | {r.get('kernels', 'torch')} | {r['group']} | {r['layers']} | "
                 f"{r['actions']} | {r['ops']} | "
-                f"{r['launches']} | {r.get('uploads', '-')} | {r['syncs']} |")
+                f"{r['launches']} | {r.get('device_kernels', '-')} | {r.get('uploads', '-')} | {r['syncs']} |")
         if cuda:
             line += f" {r['cuda_ms']:.2f} | {r['cuda_kernels']} | {r['sync_error'] or 'ok'} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+ROLES = {
+    "aten.index_select": "gather of sources (pages or slots, all layers) / the slots' side-table fields",
+    "aten.index": "gather of sources through a layer-row index / a page-order permutation (`split_pages`)",
+    "aten.clone": "`.contiguous()` of a permuted gather / the source log-counts copied (`decompress_blocks`)",
+    "aten.index_copy_": "scatter of codes and side-table fields into the destination slots",
+    "aten.index_put_": "scatter through a layer-row index",
+    "aten.zeros": "log-counts of a source that has none (`decompress_blocks`)",
+    "aten.ones": "uniform token importance of unobserved blocks (host on a GPU: `importance_of`)",
+    "aten.clamp_min": "importance clamp (host, `importance_of`) and the k-means weights (device)",
+    "aten.repeat": "per-action importance repeated for every layer",
+    "aten.exp": "counts from the source's log-counts (`_row_counts`)",
+    "aten.gt": "re-merge rank score (`compress_blocks`)",
+    "aten.where": "re-merge rank score (`compress_blocks`)",
+    "aten.scalar_tensor": "the where's scalars (CPU only: on a GPU they are wrapped numbers)",
+    "aten.stack": "the probe's observation queries",
+}
+"""What each kernel-launching op of a group does (the classification table's legend)."""
+
+
+def breakdown(rows: list[dict[str, Any]]) -> str:
+    """Device kernels by op, per group and probe setting at the first layer count (the count is
+    the same at every layer count; `test_step_ops.py` asserts it), and the legend of the ops."""
+    first = min(r["layers"] for r in rows)
+    lines = ["| policy | probe | group | device kernels | by op (torch ops, then Triton launches) |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["layers"] != first or "kernel_ops" not in r:
+            continue
+        ops = ", ".join(f"{k.removeprefix('aten.')} {v}" for k, v in r["kernel_ops"].items())
+        lines.append(f"| {r['policy']} | {'on' if r['probe'] else 'off'} | {r['group']} | {r['device_kernels']} | {ops} |")
+    used = {k for r in rows for k in r.get("kernel_ops", {}) if k in ROLES}
+    legend = "".join(f"- `{k.removeprefix('aten.')}`: {v}\n" for k, v in ROLES.items() if k in used)
+    return "\n".join(lines) + "\n\n" + legend
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             shape = Shape(layers, args.heads, args.block_size, args.head_dim, args.blocks)
             for probe in ([True, False] if args.probe == "both" else [args.probe == "on"]):
                 rows.extend(measure(name, shape, args.device, args.per_group, probe, args.kernels))
-    md = table(rows)
+    md = table(rows) + "\n## Device kernels by op\n\n" + breakdown(rows)
     print(md)
     if args.name:
         payload = {"command": " ".join(sys.argv), "machine": machine_info(), "args": vars(args), "rows": rows}

@@ -27,7 +27,8 @@ a GPU, plus the Triton / numba launches: every counted op except views and metad
 (`NO_KERNEL_OPS`: view, reshape's alias, expand, select, slice, as_strided, unsqueeze, squeeze,
 t, transpose, permute, detach, alias, split, unbind, narrow; and the allocations `empty`,
 `empty_like`, `empty_strided`, which launch nothing) and except what runs inside `_upload`
-(host work and the one host-to-device copy, a memcpy counted as an upload). A `.to()` /
+(host work and the one host-to-device copy, a memcpy counted as an upload) or inside the
+worker's host-side builders (`HOST_WORK`). A `.to()` /
 `.contiguous()` that changes nothing does not reach the dispatcher, so a dispatched `_to_copy`,
 `clone` or `copy_` is always a kernel. `aten.lift_fresh` (a host tensor from Python data) is a
 would-be sync, not a kernel. The count is what the torch profiler's CUDA kernel count should
@@ -106,6 +107,8 @@ class Counts:
     """> 0 while an interpreted Triton launch runs: its emulation is not the product's ops."""
     uploading: int = 0
     """> 0 inside `_upload`: building its host tensor is not a would-be sync."""
+    on_host: int = 0
+    """> 0 inside the worker's host-side builders (`HOST_WORK`): their ops are no device kernels."""
 
     @property
     def total_ops(self) -> int:
@@ -139,7 +142,7 @@ class _DispatchCounter(TorchDispatchMode):
         self.counts.ops[name] += 1
         if _is_sync(func, args, kwargs) and not self.counts.uploading:
             self.counts.syncs[name] += 1
-        if not self.counts.uploading and name not in NO_KERNEL_OPS:
+        if not self.counts.uploading and not self.counts.on_host and name not in NO_KERNEL_OPS:
             self.counts.kernels[name] += 1
         return func(*args, **kwargs)
 
@@ -206,6 +209,30 @@ def _launch_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
                 counts.launches[f"numba:{name}"] += 1
 
             stack.enter_context(_wrapped(cpu_kernels, name, numba_launch))
+
+
+HOST_WORK = ("importance_of",)
+"""`WorkerStore` methods that build step data on the host by design (`importance_of`: torch ops
+on host tensors, then one `_upload`): on a GPU their ops launch nothing. On CPU every tensor is
+a host tensor, so they are named here: counted as torch ops, not as device kernels."""
+
+
+def _host_work_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
+    try:
+        from proxima.integration.vllm.worker.store import WorkerStore
+    except ImportError:
+        return
+    for name in HOST_WORK:
+        original = getattr(WorkerStore, name)
+
+        def on_host(*args: Any, original: Any = original, **kwargs: Any) -> Any:
+            counts.on_host += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counts.on_host -= 1
+
+        stack.enter_context(_patched(WorkerStore, name, on_host))
 
 
 def _upload_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
@@ -275,6 +302,7 @@ class OpCounter:
         _launch_hooks(self._stack, self.counts)
         _host_read_hooks(self._stack, self.counts)
         _upload_hooks(self._stack, self.counts)
+        _host_work_hooks(self._stack, self.counts)
         self._stack.enter_context(_DispatchCounter(self.counts))
         return self
 

@@ -287,12 +287,14 @@ def breakdown(rows: list[dict[str, Any]]) -> str:
     """Device kernels by op, per group and probe setting at the first layer count (the count is
     the same at every layer count; `test_step_ops.py` asserts it), and the legend of the ops."""
     first = min(r["layers"] for r in rows)
-    lines = ["| policy | probe | group | device kernels | by op (torch ops, then Triton launches) |", "|---|---|---|---|---|"]
+    lines = ["| policy | probe | group | device kernels | by op (torch ops, then Triton launches) |",
+             "|---|---|---|---|---|"]
     for r in rows:
         if r["layers"] != first or "kernel_ops" not in r:
             continue
         ops = ", ".join(f"{k.removeprefix('aten.')} {v}" for k, v in r["kernel_ops"].items())
-        lines.append(f"| {r['policy']} | {'on' if r['probe'] else 'off'} | {r['group']} | {r['device_kernels']} | {ops} |")
+        probe = "on" if r["probe"] else "off"
+        lines.append(f"| {r['policy']} | {probe} | {r['group']} | {r['device_kernels']} | {ops} |")
     used = {k for r in rows for k in r.get("kernel_ops", {}) if k in ROLES}
     legend = "".join(f"- `{k.removeprefix('aten.')}`: {v}\n" for k, v in ROLES.items() if k in used)
     return "\n".join(lines) + "\n\n" + legend

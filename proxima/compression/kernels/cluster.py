@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from proxima.compression.kernels.common import INTERPRET, _p2, _ranks, _to_out
+from proxima.compression.kernels.common import INTERPRET, _p2, _ranks_of, _step_slot, _to_out
 from proxima.compression.reference import PIN_BY
 
 
@@ -85,10 +85,19 @@ def _cluster_kernel(
     vo_ptr,  # [N, C, H, D] centroids and value means (float32 or the source dtype), contiguous
     lc_ptr,  # [N, C, H] float32 log(count)
     cnt_ptr,  # [N, T, H] float32 tokens each row stands for (read only with COUNTS)
+    tbl_ptr,  # LC_SLOTS: the step table (`common._step_slot`), else unused
+    rows_ptr,  # LC_SLOTS with HAS_ROWS: the group's stack rows
+    A,  # W_MODE 1 / LC_SLOTS: actions per layer (blocks are layer-major, n = layer * A + action)
+    lc_layer,  # LC_SLOTS: strides of the destination side table's log-counts [L, slots, C, H]
+    lc_slot,
     T,
     H,
     C,
     P,  # pinned rows (protected tokens kept as they are), 0 <= P < C
+    W_MODE: tl.constexpr,  # 0: w_ptr / imp_ptr [N, T, H]; 1: imp_ptr [A, T, H] per action, w = max(imp, 1e-6);
+    # 2: from the counts (COUNTS): w = count, rank score 1 (count > 0) or -1 (`compress_blocks`' re-merge)
+    LC_SLOTS: tl.constexpr,  # log-counts into the destination slots of the step table, not [N, C, H]
+    HAS_ROWS: tl.constexpr,
     ITERS: tl.constexpr,
     HAS_PROT: tl.constexpr,
     HAS_PIN: tl.constexpr,  # P > 0
@@ -127,8 +136,18 @@ def _cluster_kernel(
     row = (n * T + ot) * H + h  # [BLOCK_T] int64
     K16 = tl.load(k_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0)
     K = K16.to(tl.float32)
-    w = tl.load(w_ptr + row, mask=mt, other=0.0)
-    rank = _ranks(imp_ptr, prot_ptr, n, h, T, H, HAS_PROT, BLOCK_T, False)  # [BLOCK_T] as columns
+    # The step kernels' modes compute in the kernel what `compress_blocks` computes in torch before
+    # the launch, with the same float32 operations (a max, a comparison): the same bits.
+    if W_MODE == 0:
+        w = tl.load(w_ptr + row, mask=mt, other=0.0)
+        s = tl.load(imp_ptr + row, mask=mt, other=float("-inf")).to(tl.float32)
+    elif W_MODE == 1:
+        s = tl.load(imp_ptr + ((n % A) * T + ot) * H + h, mask=mt, other=float("-inf")).to(tl.float32)
+        w = tl.where(mt, tl.maximum(s, 1e-6), 0.0)
+    else:
+        w = tl.load(cnt_ptr + row, mask=mt, other=0.0)
+        s = tl.where(mt, tl.where(w > 0, 1.0, -1.0), float("-inf"))
+    rank = _ranks_of(s, prot_ptr, n, T, HAS_PROT, BLOCK_T, False)  # [BLOCK_T] as columns
     BIG = BLOCK_T + 1
     chosen = ot < 0
     seeds = tl.zeros((BLOCK_C,), tl.int64)
@@ -144,7 +163,7 @@ def _cluster_kernel(
         dev = K - mean[None, :]
         score = tl.where(live, tl.sum(dev * dev, axis=1), -1.0)
         score = tl.where(mt, score, float("-inf"))
-        impv = tl.load(imp_ptr + row, mask=mt, other=0.0).to(tl.float32)
+        impv = tl.where(mt, s, 0.0)
         flat = tl.max(tl.where(live, impv, float("-inf")), axis=0) == tl.min(tl.where(live, impv, float("inf")), axis=0)
         for j in range(P):
             p_out = tl.argmax(tl.where(chosen, float("-inf"), score), axis=0, tie_break_left=True)
@@ -227,7 +246,12 @@ def _cluster_kernel(
     mo = mc[:, None] & md[None, :]
     tl.store(ko_ptr + dst, _to_out(cent, ko_ptr.dtype.element_ty, HW_CVT), mask=mo)
     tl.store(vo_ptr + dst, _to_out(vc, vo_ptr.dtype.element_ty, HW_CVT), mask=mo)
-    tl.store(lc_ptr + (n * C + oc) * H + h, lc, mask=mc)
+    if LC_SLOTS:
+        layer, slot = _step_slot(tbl_ptr, rows_ptr, n, A, 2, HAS_ROWS)
+        lc_base = layer * lc_layer + slot * lc_slot
+    else:
+        lc_base = n * C * H
+    tl.store(lc_ptr + lc_base + oc * H + h, lc, mask=mc)
 
 
 CLUSTER_WARPS = 4
@@ -274,8 +298,9 @@ def cluster(
     cnt = counts.float().contiguous() if counts is not None else w
     if n:
         _cluster_kernel[(n, h)](
-            k, v, w, imp, prot, ko, vo, lc, cnt, t, h, n_centroids, n_pinned,
-            ITERS=iters, HAS_PROT=protected is not None, HAS_PIN=n_pinned > 0, PIN_BY=PIN_BY.index(pin_by),
+            k, v, w, imp, prot, ko, vo, lc, cnt, w, w, 1, 0, 0, t, h, n_centroids, n_pinned,
+            W_MODE=0, LC_SLOTS=False, HAS_ROWS=False, ITERS=iters, HAS_PROT=protected is not None,
+            HAS_PIN=n_pinned > 0, PIN_BY=PIN_BY.index(pin_by),
             COUNTS=counts is not None, D=d,
             BLOCK_T=_p2(t, 16), BLOCK_D=_p2(d, 16), BLOCK_C=_p2(n_centroids, 16),
             EXACT16=k.dtype in (torch.bfloat16, torch.float16), BF16=k.dtype == torch.bfloat16 and CLUSTER_BF16,

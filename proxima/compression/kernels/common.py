@@ -181,8 +181,15 @@ def _ranks(imp_ptr, prot_ptr, n, h, T, H, HAS_PROT: tl.constexpr, BLOCK_T: tl.co
     """Rank of each token of (block n, head h); ROW picks the layout of the result ([T] as rows
     (axis 0) or as columns). Same total order as reference.token_ranks."""
     oi = tl.arange(0, BLOCK_T)
+    s = tl.load(imp_ptr + (n * T + oi) * H + h, mask=oi < T, other=float("-inf")).to(tl.float32)
+    return _ranks_of(s, prot_ptr, n, T, HAS_PROT, BLOCK_T, ROW)
+
+
+@triton.jit
+def _ranks_of(s, prot_ptr, n, T, HAS_PROT: tl.constexpr, BLOCK_T: tl.constexpr, ROW: tl.constexpr):
+    """`_ranks` of scores s [BLOCK_T] float32 (-inf past T), however the caller made them."""
+    oi = tl.arange(0, BLOCK_T)
     mi = oi < T
-    s = tl.load(imp_ptr + (n * T + oi) * H + h, mask=mi, other=float("-inf")).to(tl.float32)
     if HAS_PROT:
         p = tl.load(prot_ptr + n * T + oi, mask=mi, other=0)
         s = tl.where(p != 0, float("inf"), s)
@@ -199,3 +206,16 @@ def _ranks(imp_ptr, prot_ptr, n, h, T, H, HAS_PROT: tl.constexpr, BLOCK_T: tl.co
         return tl.sum(before_t.to(tl.int32), axis=0)
 
 
+@triton.jit
+def _step_slot(tbl_ptr, rows_ptr, n, A, COL: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """(stack row, column COL of the step table) of program block n of a step kernel: blocks are
+    layer-major over the group's layers (n = layer * A + action); `rows_ptr` lists the group's
+    stack rows unless it is every layer in order (HAS_ROWS false). The table is the worker's
+    long [A, 3] (source page, source slot row, destination slot row; `WorkerStore._step_tables`)."""
+    li = n // A
+    a = n - li * A
+    if HAS_ROWS:  # noqa: SIM108 (a Triton branch on a constexpr)
+        layer = tl.load(rows_ptr + li).to(tl.int64)
+    else:
+        layer = li
+    return layer, tl.load(tbl_ptr + a * 3 + COL).to(tl.int64)

@@ -19,29 +19,37 @@ from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, QUANT_CODE, VALUES_
 
 
 @triton.jit
-def _quant_rows_kernel(
-    x_ptr,  # [N, T, H, D] keys or values, contiguous
-    d_ptr,  # [N, T, H, P] codes, contiguous
-    s_ptr,  # scale: [N, T, H] f32 (fp8 / int8) | [N, T, H, D/G] f16 (int4 / int2 values)
-    z_ptr,  # zero point [N, T, H, D/G] f16 (int4 / int2 only)
-    TH,  # rows per block (T * H)
-    QUANT: tl.constexpr,  # spec.QUANT_CODE: 1 fp8, 2 int8, 3 int4, 4 int2
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # next power of two >= D
-    ROWS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BITS: tl.constexpr,
-    PER: tl.constexpr,
-    QMAX: tl.constexpr,  # 448 (fp8) or 127 (int8)
-    HW_CVT: tl.constexpr,
-):
-    n = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # row (token, head) within block n
+def _x_offsets(x_base, t, c, pos_ptr, HS, W: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr, mask):
+    """Offsets of elements (token t, channel c of the flattened (head, channel) axis, broadcast
+    shapes) of one block's keys or values: [T, H, D] contiguous from `x_base`, or (PAGES) a KV
+    page set from `x_base` (head h's page at h * HS, element (t, d) at `pos_ptr[t * D + d]`, the
+    attention kernel's page order, `worker.page_layout`)."""
+    if PAGES:
+        pos = tl.load(pos_ptr + t * D + c % D, mask=mask, other=0)
+        return x_base + (c // D) * HS + pos
+    else:
+        return x_base + t * W + c
+
+
+@triton.jit
+def _quant_rows_tile(
+    x_ptr, x_base, pos_ptr, HS,  # the block's keys or values (`_x_offsets`)
+    d_ptr, d_base,  # codes: the block's [T, H, P] from d_base, contiguous
+    s_ptr, z_ptr, m_base,  # scale (zero point) of the block from m_base: [T, H] | [T, H, D/G], contiguous
+    r,  # [ROWS] rows (token, head) of the block
+    TH, H,
+    PAGES: tl.constexpr, QUANT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    GROUP: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, QMAX: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    """The row kernel's work on ROWS rows of one block, wherever the block and its outputs live
+    (`_quant_rows_kernel`: contiguous batches; `kernels.step`: pages and slot pools)."""
     od = tl.arange(0, BLOCK_D)
     mr = r < TH
     m2 = mr[:, None] & (od < D)[None, :]
-    row = n * TH + r  # [ROWS] int64
-    x = tl.load(x_ptr + row[:, None] * D + od[None, :], mask=m2, other=0.0).to(tl.float32)
+    rr = r.to(tl.int64)
+    x_off = _x_offsets(x_base, (rr // H)[:, None], ((rr % H) * D)[:, None] + od[None, :], pos_ptr, HS, H * D, D,
+                       PAGES, m2)
+    x = tl.load(x_ptr + x_off, mask=m2, other=0.0).to(tl.float32)
     P: tl.constexpr = D // PER
     if QUANT == 1 or QUANT == 2:
         amax = tl.max(tl.abs(x), axis=1)
@@ -50,11 +58,11 @@ def _quant_rows_kernel(
         y = x * tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), scale)[:, None]
         if QUANT == 1:
             y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-            tl.store(d_ptr + row[:, None] * D + od[None, :], _to_e4m3(y, HW_CVT), mask=m2)
+            tl.store(d_ptr + d_base + rr[:, None] * D + od[None, :], _to_e4m3(y, HW_CVT), mask=m2)
         else:
             code = _floor_code(y + 0.5, -127, 127, HW_CVT)
-            tl.store(d_ptr + row[:, None] * D + od[None, :], code.to(tl.int8), mask=m2)
-        tl.store(s_ptr + row, scale, mask=mr)
+            tl.store(d_ptr + d_base + rr[:, None] * D + od[None, :], code.to(tl.int8), mask=m2)
+        tl.store(s_ptr + m_base + rr, scale, mask=mr)
     else:
         # KIVI values: per row, groups of GROUP channels (D % GROUP == 0, checked by blocks.py)
         LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -71,22 +79,49 @@ def _quant_rows_kernel(
         og = tl.arange(0, NG)
         DG: tl.constexpr = D // GROUP
         mg = mr[:, None] & (og < DG)[None, :]
-        tl.store(s_ptr + row[:, None] * DG + og[None, :], scale, mask=mg)
-        tl.store(z_ptr + row[:, None] * DG + og[None, :], zero, mask=mg)
+        tl.store(s_ptr + m_base + rr[:, None] * DG + og[None, :], scale, mask=mg)
+        tl.store(z_ptr + m_base + rr[:, None] * DG + og[None, :], zero, mask=mg)
         BP: tl.constexpr = BLOCK_D // PER
         packed = _pack(code, ROWS, BLOCK_D, BITS, PER)
         op = tl.arange(0, BP)
         mp = mr[:, None] & (op < P)[None, :]
-        tl.store(d_ptr + row[:, None] * P + op[None, :], packed.to(tl.uint8), mask=mp)
+        tl.store(d_ptr + d_base + rr[:, None] * P + op[None, :], packed.to(tl.uint8), mask=mp)
 
 
 @triton.jit
-def _quant_keys_kernel(
-    x_ptr,  # [N, T, H, D] keys, contiguous: row (n, t) holds W = H * D channels
-    d_ptr,  # [N, T, H, P] uint8 codes, contiguous
-    s_ptr,  # [N, Gk, H, D] f16 scale
-    z_ptr,  # [N, Gk, H, D] f16 zero point
+def _quant_rows_kernel(
+    x_ptr,  # [N, T, H, D] keys or values, contiguous
+    d_ptr,  # [N, T, H, P] codes, contiguous
+    s_ptr,  # scale: [N, T, H] f32 (fp8 / int8) | [N, T, H, D/G] f16 (int4 / int2 values)
+    z_ptr,  # zero point [N, T, H, D/G] f16 (int4 / int2 only)
+    TH,  # rows per block (T * H)
+    H,
+    QUANT: tl.constexpr,  # spec.QUANT_CODE: 1 fp8, 2 int8, 3 int4, 4 int2
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= D
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    PER: tl.constexpr,
+    QMAX: tl.constexpr,  # 448 (fp8) or 127 (int8)
+    HW_CVT: tl.constexpr,
+    MG: tl.constexpr,  # metadata per row: D / G (int4 / int2 values), else 1
+):
+    n = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # row (token, head) within block n
+    _quant_rows_tile(x_ptr, n * TH * D, x_ptr, 0, d_ptr, n * TH * (D // PER), s_ptr, z_ptr, n * TH * MG, r, TH, H,
+                     False, QUANT, D, BLOCK_D, ROWS, GROUP, BITS, PER, QMAX, HW_CVT)
+
+
+@triton.jit
+def _quant_keys_tile(
+    x_ptr, x_base, pos_ptr, HS,  # the block's keys (`_x_offsets`)
+    d_ptr, d_base,  # the block's [T, H, P] uint8 codes from d_base, contiguous
+    s_ptr, z_ptr, m_base,  # the block's [Gk, H, D] f16 scale and zero point from m_base, contiguous
+    g, cb,  # token group, channel block
     T,
+    PAGES: tl.constexpr,
+    D: tl.constexpr,
     W: tl.constexpr,  # H * D
     BLOCK_W: tl.constexpr,  # channels per program (power of two; D % PER == 0 keeps bytes whole)
     GROUP: tl.constexpr,
@@ -105,24 +140,22 @@ def _quant_keys_kernel(
     with a barrier, once per chunk.) The chunk loops are not unrolled: unrolled, ptxas hoisted
     every chunk's loads and spilled. (The one-pass kernel this
     replaced reduced across warps and ran at a third of the copy bandwidth on the H200.)"""
-    n = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    oc = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    oc = cb * BLOCK_W + tl.arange(0, BLOCK_W)
     orow = tl.arange(0, RT)
     mc = oc < W
     LEVELS: tl.constexpr = (1 << BITS) - 1
     lo = tl.full((BLOCK_W,), float("inf"), tl.float32)
     hi = tl.full((BLOCK_W,), float("-inf"), tl.float32)
     for r0 in range(0, GROUP, RT):
-        ot = g * GROUP + r0 + orow
-        tok = n * T + ot  # [RT] int64
+        ot = (g * GROUP + r0 + orow).to(tl.int64)
+        m2 = (ot < T)[:, None] & mc[None, :]
+        x_off = _x_offsets(x_base, ot[:, None], oc[None, :], pos_ptr, HS, W, D, PAGES, m2)
         if EVEN:
-            x = tl.load(x_ptr + tok[:, None] * W + oc[None, :]).to(tl.float32)
+            x = tl.load(x_ptr + x_off).to(tl.float32)
             lo = tl.minimum(lo, tl.min(x, axis=0))
             hi = tl.maximum(hi, tl.max(x, axis=0))
         else:  # a short last group: its valid tokens only
-            m2 = (ot < T)[:, None] & mc[None, :]
-            x = tl.load(x_ptr + tok[:, None] * W + oc[None, :], mask=m2, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + x_off, mask=m2, other=0.0).to(tl.float32)
             lo = tl.minimum(lo, tl.min(tl.where(m2, x, float("inf")), axis=0))
             hi = tl.maximum(hi, tl.max(tl.where(m2, x, float("-inf")), axis=0))
     if not EVEN:
@@ -132,8 +165,7 @@ def _quant_keys_kernel(
     scale = tl.where(rng > 0, tl.math.div_rn(rng, LEVELS * 1.0), 1.0).to(tl.float16)
     zero = lo.to(tl.float16)
     inv = tl.math.div_rn(tl.full((BLOCK_W,), 1.0, tl.float32), scale.to(tl.float32))
-    GK = (T + GROUP - 1) // GROUP
-    m_off = (n * GK + g) * W + oc
+    m_off = m_base + g * W + oc
     if EVEN:
         tl.store(s_ptr + m_off, scale)
         tl.store(z_ptr + m_off, zero)
@@ -141,23 +173,48 @@ def _quant_keys_kernel(
         tl.store(s_ptr + m_off, scale, mask=mc)
         tl.store(z_ptr + m_off, zero, mask=mc)
     BP: tl.constexpr = BLOCK_W // PER
-    op = tl.program_id(2) * BP + tl.arange(0, BP)
+    op = cb * BP + tl.arange(0, BP)
     zf = zero.to(tl.float32)
     for r0 in range(0, GROUP, RT):
-        ot = g * GROUP + r0 + orow
-        tok = n * T + ot
+        ot = (g * GROUP + r0 + orow).to(tl.int64)
+        m2 = (ot < T)[:, None] & mc[None, :]
+        x_off = _x_offsets(x_base, ot[:, None], oc[None, :], pos_ptr, HS, W, D, PAGES, m2)
         if EVEN:
-            x = tl.load(x_ptr + tok[:, None] * W + oc[None, :]).to(tl.float32)
+            x = tl.load(x_ptr + x_off).to(tl.float32)
         else:
-            x = tl.load(x_ptr + tok[:, None] * W + oc[None, :], mask=(ot < T)[:, None] & mc[None, :], other=0.0)
+            x = tl.load(x_ptr + x_off, mask=m2, other=0.0)
             x = x.to(tl.float32)
         code = _floor_code((x - zf[None, :]) * inv[None, :] + 0.5, 0, LEVELS, HW_CVT)
         packed = _pack(code, RT, BLOCK_W, BITS, PER).to(tl.uint8)
-        d_off = tok[:, None] * (W // PER) + op[None, :]
+        d_off = d_base + ot[:, None] * (W // PER) + op[None, :]
         if EVEN:
             tl.store(d_ptr + d_off, packed)
         else:
             tl.store(d_ptr + d_off, packed, mask=(ot < T)[:, None] & (op < W // PER)[None, :])
+
+
+@triton.jit
+def _quant_keys_kernel(
+    x_ptr,  # [N, T, H, D] keys, contiguous: row (n, t) holds W = H * D channels
+    d_ptr,  # [N, T, H, P] uint8 codes, contiguous
+    s_ptr,  # [N, Gk, H, D] f16 scale
+    z_ptr,  # [N, Gk, H, D] f16 zero point
+    T,
+    D: tl.constexpr,
+    W: tl.constexpr,  # H * D
+    BLOCK_W: tl.constexpr,
+    GROUP: tl.constexpr,
+    RT: tl.constexpr,
+    BITS: tl.constexpr,
+    PER: tl.constexpr,
+    EVEN: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    """One program per (block, token group, channel block): `_quant_keys_tile`."""
+    n = tl.program_id(0).to(tl.int64)
+    GK = (T + GROUP - 1) // GROUP
+    _quant_keys_tile(x_ptr, n * T * W, x_ptr, 0, d_ptr, n * T * (W // PER), s_ptr, z_ptr, n * GK * W,
+                     tl.program_id(1), tl.program_id(2), T, False, D, W, BLOCK_W, GROUP, RT, BITS, PER, EVEN, HW_CVT)
 
 
 KEY_TILE_W = 256
@@ -197,7 +254,7 @@ def quantize(
         block_w = min(_p2(h * d, 16), KEY_TILE_W)
         grid = (n, triton.cdiv(t, group), triton.cdiv(h * d, block_w))
         _quant_keys_kernel[grid](
-            x, data, scale, z, t, W=h * d, BLOCK_W=block_w, GROUP=group, RT=min(KEY_ROWS, group), BITS=bits,
+            x, data, scale, z, t, D=d, W=h * d, BLOCK_W=block_w, GROUP=group, RT=min(KEY_ROWS, group), BITS=bits,
             PER=per, EVEN=t % group == 0 and (h * d) % block_w == 0, HW_CVT=not INTERPRET,
             num_warps=max(1, min(4, block_w // 512)),
         )  # fmt: skip
@@ -205,9 +262,10 @@ def quantize(
         block_d = _p2(d, 16)
         rows = max(1, min(_p2(t * h), ROW_TILE // block_d))
         _quant_rows_kernel[(n, triton.cdiv(t * h, rows))](
-            x, data, scale, z, t * h,
+            x, data, scale, z, t * h, h,
             QUANT=QUANT_CODE[quant], D=d, BLOCK_D=block_d, ROWS=rows, GROUP=group, BITS=bits, PER=per,
-            QMAX=FP8_E4M3_MAX if quant == "fp8" else INT8_MAX, HW_CVT=not INTERPRET, num_warps=4,
+            QMAX=FP8_E4M3_MAX if quant == "fp8" else INT8_MAX, HW_CVT=not INTERPRET,
+            MG=d // group if quant in ("int4", "int2") else 1, num_warps=4,
         )  # fmt: skip
     return data, scale, zero
 

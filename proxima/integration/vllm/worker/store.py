@@ -26,6 +26,7 @@ from proxima.compression.layer_stack import upload as _upload
 from proxima.compression.spec import SlotSpec, check_group_size
 from proxima.formats import HOT, Format, recompressible
 from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.worker import step_groups
 from proxima.integration.vllm.worker.debug import SplitErrors, checks_values
 from proxima.integration.vllm.worker.faults import FaultInjector
 from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
@@ -510,17 +511,24 @@ class WorkerStore:
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], table: torch.Tensor) -> None:
         """Compress the actions' blocks in every layer, one batched call per (source, target)
         stored-format group of layers (one group without `layer_overrides`), then write every
-        slot of every layer; `table` is the actions' rows of the step table (`_step_tables`)."""
+        slot of every layer; `table` is the actions' rows of the step table (`_step_tables`).
+        Groups the step kernels cover run there (`step_groups`: a few launches, written in place)."""
         self.faults.check()
         now = self.formats.current(fmt)  # new blocks use the latest override table
-        staged: list[tuple[tuple[int, ...], SlotPool, CompressedBlocks]] = []
-        for (src_l, dst_l), rows in self._layer_groups(from_fmt, now).items():
+        groups = self._layer_groups(from_fmt, now)
+        for src_l, dst_l in groups:
             # A recompression starts from the current slot (its loss is kept, not undone).
             if not src_l.is_hot and not recompressible(src_l, dst_l):
                 raise ValueError(f"cannot recompress {src_l} into {dst_l} (proxima.formats.recompressible)")
+        staged: list[tuple[tuple[int, ...], SlotPool, CompressedBlocks]] = []
+        for (src_l, dst_l), rows in groups.items():
+            if step_groups.fused(self, src_l, dst_l):
+                step_groups.compress_group(self, src_l, dst_l, rows, acts, table)
+                continue
             k, v, counts = self._read_rows(rows, src_l, table)  # [R * A, T, H, D]
             staged.append((rows, self.slot_pool(dst_l), self.compress_read(src_l, dst_l, k, v, counts, acts)))
-        # Writes happen only after every layer compressed: a failure above leaves no partial slot.
+        # Batch-path writes happen only after every layer compressed: a failure above leaves no
+        # partial slot of theirs (the step kernels' writes go to slots no block points at yet).
         idx = table[:, 2]
         for rows, sp, cb in staged:
             self.dtypes[sp.spec.fmt] = (cb.k_data.dtype, cb.v_data.dtype)

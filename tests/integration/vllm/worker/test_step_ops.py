@@ -39,6 +39,12 @@ def test_the_counter_sees_ops_and_would_be_syncs() -> None:
     with OpCounter() as quiet:
         _ = x.index_select(0, torch.zeros(2, dtype=torch.long))
     assert quiet.counts.total_syncs == 0 and quiet.counts.total_ops == 2  # zeros + index_select
+    with OpCounter() as k:
+        y = x.view(2, 3).t().unsqueeze(0)  # views: no kernel
+        _ = torch.empty(4)  # an allocation: no kernel
+        _ = (y * 2).contiguous()  # mul, then the copy of the transposed result: two kernels
+    assert k.counts.total_ops >= 5 and dict(k.counts.kernels) == {"aten.mul": 1, "aten.clone": 1}
+    assert k.counts.device_kernels == 2
 
 
 def test_vllm_layout_caches_stack_into_one_view() -> None:
@@ -79,21 +85,82 @@ def test_the_compression_reads_nothing_back() -> None:
 
 
 def test_on_the_triton_kernels_a_group_is_a_few_launches_whatever_the_layers() -> None:
-    """The Triton path (`WorkerStore.cpu_kernels`, the interpreter here; CUDA's path): per group,
-    the launches are the format's kernels once for every layer (keys and values quantized: 2;
-    a merge adds the sources' dequantization, 2, and one k-means launch, first merges and
-    recompressions alike), the same at 2 and 4 layers, and nothing is read back."""
+    """The Triton path (`WorkerStore.cpu_kernels`, the interpreter here; CUDA's path) runs the
+    step kernels (`worker/step_groups.py`): a first compression is one launch over every layer
+    (keys and values, read from the pages, written into the slots), a merge three (the sources'
+    dequantization, the k-means, the quantization), the same at 2 and 4 layers, and nothing
+    is read back."""
     policy = without_probe(load_policy("aggressive"))
     works = [Workload(policy, Shape(layers=n, **SHAPE), "cpu", per_group=2, kernels="triton") for n in (2, 4)]
-    expected = {"bf16->int4": 2, "int4->cluster(2)+int4": 5, "cluster(2)+int4->cluster(4)+int4": 5,
-                "cluster(4)+int4->cluster(8)+int4": 5}
+    expected = {"bf16->int4": 1, "int4->cluster(2)+int4": 3, "cluster(2)+int4->cluster(4)+int4": 3,
+                "cluster(4)+int4->cluster(8)+int4": 3}
     assert [f"{s.name}->{d.name}" for s, d in works[0].groups] == list(expected)
     for g, want in enumerate(expected.values()):
         a, b = (w.apply_counted(g) for w in works)
         assert (a.total_ops, a.ops, a.launches) == (b.total_ops, b.ops, b.launches), works[0].groups[g]
         assert a.total_launches == want, (works[0].groups[g], a.launches)
-        assert a.launches["triton:_cluster_kernel"] == (want == 5)
+        assert a.launches["triton:_quant_step_kernel"] == 1
+        assert a.launches["triton:_cluster_kernel"] == (want == 3)
         assert dict(a.syncs) == {}, (works[0].groups[g], a.syncs)
+
+
+@pytest.mark.parametrize("policy", ["conservative", "balanced", "aggressive"])
+def test_a_group_launches_at_most_4_device_kernels_whatever_the_layers(policy: str) -> None:
+    """Issue 37's GPU budget, counted on CPU: the ops of one apply that would launch a CUDA kernel
+    (`bench/op_counter.py`: every dispatched op but views and allocations) plus the Triton
+    launches, <= 4 for every (source, target) group of the shipped policies with the probe off,
+    the same at 4 and 8 layers, and no would-be sync (one upload: the step table; a first merge
+    adds its blocks' importance)."""
+    works = [Workload(without_probe(load_policy(policy)), Shape(layers=n, **SHAPE), "cpu", per_group=2,
+                      kernels="triton") for n in (4, 8)]
+    for g, (src, dst) in enumerate(works[0].groups):
+        a, b = (w.apply_counted(g) for w in works)
+        assert a.total_launches >= 1, (src, dst)  # the Triton kernels ran, not the torch reference
+        assert a.device_kernels <= 4, (src, dst, dict(a.kernels), dict(a.launches))
+        assert (a.kernels, a.launches) == (b.kernels, b.launches), (src, dst)
+        assert a.total_syncs == 0 == b.total_syncs, (src, dst, a.syncs, b.syncs)
+
+
+def _written(store: WorkerStore, plans: list[ProximaPlan]) -> dict[tuple[str, str], torch.Tensor]:
+    """Every destination slot the plans wrote, in every layer: codes and side-table rows as bytes."""
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for plan in plans:
+        for a in plan.actions:
+            fmt = store.formats.stored(a.fmt)
+            p = store.stack.pools[fmt]
+            row = a.dst * fmt.pack_ratio + a.slot
+            assert p.k_all is not None and p.v_all is not None
+            out[(str(a.action_id), "k")], out[(str(a.action_id), "v")] = p.k_all[:, row], p.v_all[:, row]
+            for name, t in p.meta.items():
+                out[(str(a.action_id), name)] = t[:, row].contiguous().view(torch.uint8)
+    return out
+
+
+@pytest.mark.parametrize(("policy", "pins"), [("conservative", 0), ("aggressive", 0), ("aggressive", 2)])
+def test_the_step_kernels_write_the_batch_paths_bytes(policy: str, pins: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step kernels (`step_groups`) and the batch path (gather, `compress_blocks` on the same
+    Triton kernels, scatter) write identical codes and side-table rows for every group, first
+    compressions, recompressions and merges (with pinned rows too)."""
+    from proxima.integration.vllm.worker import step_groups
+
+    pol = without_probe(load_policy(policy))
+    if pins:
+        pol = pol.model_copy(update={"protect": pol.protect.model_copy(update={"merged_tokens": pins})})
+    written = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(step_groups, "fused", lambda *_: False)
+        work = Workload(pol, Shape(layers=3, **SHAPE), "cpu", per_group=2, kernels="triton")
+        for g, plan in enumerate(work.plans):
+            work.reset()
+            work.store.apply(plan)
+            rep = work.store.take_report()
+            assert rep is not None and rep.ok == [a.action_id for a in plan.actions], (fused, work.groups[g], rep)
+        written.append(_written(work.store, work.plans))
+    assert written[0].keys() == written[1].keys()
+    for key, got in written[0].items():
+        assert torch.equal(got, written[1][key]), key
 
 
 def test_stacked_and_per_layer_caches_write_the_same_bytes() -> None:

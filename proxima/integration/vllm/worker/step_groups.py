@@ -1,0 +1,99 @@
+"""One (source, target) group of a step on the step kernels (`compression.kernels.step`).
+
+A group's blocks in every layer of the group are read where they live (KV pages or source
+slots) and written where they go (destination slots and side-table rows), addressed from the
+step table (`WorkerStore._step_tables`): a first compression is one launch, a recompression two
+(dequantize, quantize), a first merge three (dequantize, k-means, quantize) and a merge of
+centroids four (the same, and the counts' exp in torch: `_row_counts` takes it there, and the
+bits must match). No torch gather, cast or scatter runs around them.
+
+The batch path (`WorkerStore._read_rows` -> `compress_read` -> `LayerStack.write`) stays for
+what these kernels do not cover: the torch reference (CPU serving), caches that do not stack,
+the lean and bf16 formats, sparse reductions, a first compression straight into a merge, a
+merge that passes rows through, and value checks (`PROXIMA_CHECK_VALUES`). Both write the
+same bytes (tests/integration/vllm/worker/test_step_ops.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from proxima.compression.blocks import DEFAULT_CLUSTER_ITERS, use_triton
+from proxima.formats import Format
+from proxima.integration.vllm.worker.debug import checks_values
+
+if TYPE_CHECKING:
+    from proxima.integration.vllm.plan import CompressAction
+    from proxima.integration.vllm.worker.store import WorkerStore
+
+STEP_QUANTS = ("fp8", "int8", "int4", "int2")
+"""As `compression.kernels.step.STEP_QUANTS` (not imported here: that imports triton)."""
+
+
+def fused(store: WorkerStore, src: Format, dst: Format) -> bool:
+    """Whether the step kernels run this group (stored formats, after `layer_overrides`)."""
+    stack = store.stack
+    if stack.kv is None or not stack.layers or checks_values():
+        return False
+    kv = stack.layers[0]
+    backend = "auto" if kv.is_cuda else store.cpu_kernels
+    if not use_triton(backend, kv) or dst.quant not in STEP_QUANTS or dst.reduction not in (None, "cluster"):
+        return False
+    if src.is_hot:
+        return dst.reduction is None  # a first merge from pages takes the batch path
+    if src.quant not in STEP_QUANTS or src.reduction not in (None, "cluster"):
+        return False
+    if src.reduction == "cluster" and dst.reduction != "cluster":
+        return False
+    b = kv.shape[2]
+    t = src.kept_tokens(b)
+    # A merge that keeps every row of a reduced source passes them through (`compress_blocks`).
+    return dst.reduction is None or not (dst.kept_count(b) == t and t < b)
+
+
+def compress_group(store: WorkerStore, src: Format, dst: Format, rows: tuple[int, ...],
+                   acts: list[CompressAction], table: torch.Tensor) -> None:
+    """Compress the actions' blocks in stack rows `rows` from stored format `src` into `dst` and
+    write them (`fused` said yes). Writes go straight into the destination slots: a failure
+    after the first launch leaves written bytes only in slots no block map entry points at
+    (the actions fail, and the scheduler releases their slots)."""
+    from proxima.compression.kernels import step
+
+    stack = store.stack
+    kv = stack.kv
+    assert kv is not None
+    pool = store.slot_pool(dst)
+    spec = pool.spec
+    kdt, vdt = getattr(torch, spec.key_dtype), getattr(torch, spec.data_dtype)
+    store.dtypes[dst] = (kdt, vdt)
+    assert pool.k_all is not None and pool.v_all is not None
+    k_dst, v_dst = pool.k_all.view(kdt), pool.v_all.view(vdt)
+    idx = stack.rows(rows)
+    group = store.group_for(dst)
+    if src.is_hot:
+        kpos, vpos = store.page_layout(stack.layers[0]).positions(kv.device)
+        step.quantize_step(dst.quant, group, table, idx, len(rows), k_dst, v_dst, pool.meta, pages=(kv, kpos, vpos))
+        return
+    sp = store.slot_pool(src)
+    assert sp.k_all is not None and sp.v_all is not None
+    skdt, svdt = store.dtypes[src]
+    k, v, lc = step.dequantize_step(src.quant, sp.spec.group_size, table, idx, len(rows), sp.k_all.view(skdt),
+                                    sp.v_all.view(svdt), sp.meta, spec.head_dim, kv.dtype)
+    if dst.reduction == "cluster":
+        b = stack.layers[0].shape[2]  # block size (kv is [L, N, H, B, 2D])
+        keep = dst.kept_count(b)
+        prot = store.policy.protect if store.policy is not None else None
+        pins = min(prot.merged_tokens if prot is not None else 0, keep - 1)
+        if lc is None:  # a first merge: the blocks' token importance, the same in every layer
+            from proxima.integration.vllm.worker import store as store_module  # its `_upload`: one H2D copy
+
+            imp = store_module._upload(store.importance_of(acts, b, k.shape[2]), kv.device)
+            counts = None
+        else:  # centroids merged again: weighed by their counts (`compress_blocks._row_counts`)
+            imp, counts = None, lc.exp()
+        k, v = step.cluster_step(k, v, keep, DEFAULT_CLUSTER_ITERS, table, idx, pool.meta["log_count"],
+                                 importance=imp, counts=counts, n_pinned=pins,
+                                 pin_by=prot.merged_by if prot is not None else "mixed")
+    step.quantize_step(dst.quant, group, table, idx, len(rows), k_dst, v_dst, pool.meta, k=k, v=v)

@@ -172,7 +172,8 @@ def quantize_step(
         PAGES=pages is not None, HAS_ROWS=rows is not None, K_KIVI=_kivi(quant, True),
         QK=QUANT_CODE[quant], QV=QUANT_CODE[quant], D=d, BLOCK_D=block_d, ROWS=nrows, BLOCK_W=block_w,
         GROUP=group, RT=min(KEY_ROWS, group), BITS=8 // per, PER=per,
-        QMAX_K=FP8_E4M3_MAX, QMAX_V=FP8_E4M3_MAX if quant == "fp8" else INT8_MAX, EVEN=t % group == 0 and (h * d) % block_w == 0,
+        QMAX_K=FP8_E4M3_MAX, QMAX_V=FP8_E4M3_MAX if quant == "fp8" else INT8_MAX,
+        EVEN=t % group == 0 and (h * d) % block_w == 0,
         HW_CVT=not INTERPRET, num_warps=4,
     )  # fmt: skip
 

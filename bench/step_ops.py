@@ -5,8 +5,9 @@ it can be recompressed into) is one group. On synthetic caches laid out as vLLM 
 out (one backing allocation, layer views at a fixed stride), blocks are first brought into each
 group's source format (not counted), then one `apply` per group runs under `OpCounter`
 (`bench/op_counter.py`): torch ops dispatched, Triton/numba launches, would-be GPU syncs. The
-product's code runs, nothing is copied. Issue 37's target: the same count at both layer counts,
-<= 64 ops + launches per group, no would-be sync.
+product's code runs, nothing is copied. Issue 37's targets: the same count at both layer counts,
+<= 64 ops + launches and <= 4 device kernels per group (probe off), no would-be sync. On CUDA the
+profiler's kernel count ("CUDA kernels") also holds the uploads' copies (memcpy HtoD).
 
     PYTHONPATH=$PWD .venv/bin/python bench/step_ops.py --name step-ops-cpu  # CPU, torch reference
     TRITON_INTERPRET=1 PYTHONPATH=$PWD .venv/bin/python bench/step_ops.py --kernels triton \

@@ -16,23 +16,41 @@ same bytes (tests/integration/vllm/worker/test_step_ops.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Literal, Protocol
 
 import torch
 
 from proxima.compression.blocks import DEFAULT_CLUSTER_ITERS, use_triton
+from proxima.compression.layer_stack import LayerStack, SlotPool
 from proxima.formats import Format
+from proxima.integration.vllm.plan import CompressAction
 from proxima.integration.vllm.worker.debug import checks_values
+from proxima.integration.vllm.worker.page_layout import PageLayout
+from proxima.policy.schema import Policy
 
-if TYPE_CHECKING:
-    from proxima.integration.vllm.plan import CompressAction
-    from proxima.integration.vllm.worker.store import WorkerStore
+
+class StepStore(Protocol):
+    """What a group needs of the `WorkerStore` (a protocol: the store imports this module)."""
+
+    stack: LayerStack
+    cpu_kernels: Literal["torch", "triton"]
+    dtypes: dict[Format, tuple[torch.dtype, torch.dtype]]
+    policy: Policy | None
+
+    def slot_pool(self, fmt: Format) -> SlotPool: ...
+
+    def group_for(self, fmt: Format) -> int: ...
+
+    def page_layout(self, kv: torch.Tensor) -> PageLayout: ...
+
+    def importance_of(self, acts: list[CompressAction], b: int, h: int) -> torch.Tensor: ...
 
 STEP_QUANTS = ("fp8", "int8", "int4", "int2")
 """As `compression.kernels.step.STEP_QUANTS` (not imported here: that imports triton)."""
 
 
-def fused(store: WorkerStore, src: Format, dst: Format) -> bool:
+def fused(store: StepStore, src: Format, dst: Format) -> bool:
     """Whether the step kernels run this group (stored formats, after `layer_overrides`)."""
     stack = store.stack
     if stack.kv is None or not stack.layers or checks_values():
@@ -53,12 +71,13 @@ def fused(store: WorkerStore, src: Format, dst: Format) -> bool:
     return dst.reduction is None or not (dst.kept_count(b) == t and t < b)
 
 
-def compress_group(store: WorkerStore, src: Format, dst: Format, rows: tuple[int, ...],
-                   acts: list[CompressAction], table: torch.Tensor) -> None:
+def compress_group(store: StepStore, src: Format, dst: Format, rows: tuple[int, ...], acts: list[CompressAction],
+                   table: torch.Tensor, upload: Callable[[torch.Tensor, torch.device], torch.Tensor]) -> None:
     """Compress the actions' blocks in stack rows `rows` from stored format `src` into `dst` and
     write them (`fused` said yes). Writes go straight into the destination slots: a failure
     after the first launch leaves written bytes only in slots no block map entry points at
-    (the actions fail, and the scheduler releases their slots)."""
+    (the actions fail, and the scheduler releases their slots). `upload`: the store's one
+    pinned, non-blocking host-to-device copy (a first merge sends its blocks' importance)."""
     from proxima.compression.kernels import step
 
     stack = store.stack
@@ -87,9 +106,7 @@ def compress_group(store: WorkerStore, src: Format, dst: Format, rows: tuple[int
         prot = store.policy.protect if store.policy is not None else None
         pins = min(prot.merged_tokens if prot is not None else 0, keep - 1)
         if lc is None:  # a first merge: the blocks' token importance, the same in every layer
-            from proxima.integration.vllm.worker import store as store_module  # its `_upload`: one H2D copy
-
-            imp = store_module._upload(store.importance_of(acts, b, k.shape[2]), kv.device)
+            imp = upload(store.importance_of(acts, b, k.shape[2]), kv.device)
             counts = None
         else:  # centroids merged again: weighed by their counts (`compress_blocks._row_counts`)
             imp, counts = None, lc.exp()

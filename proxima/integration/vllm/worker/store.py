@@ -523,7 +523,7 @@ class WorkerStore:
         staged: list[tuple[tuple[int, ...], SlotPool, CompressedBlocks]] = []
         for (src_l, dst_l), rows in groups.items():
             if step_groups.fused(self, src_l, dst_l):
-                step_groups.compress_group(self, src_l, dst_l, rows, acts, table)
+                step_groups.compress_group(self, src_l, dst_l, rows, acts, table, _upload)
                 continue
             k, v, counts = self._read_rows(rows, src_l, table)  # [R * A, T, H, D]
             staged.append((rows, self.slot_pool(dst_l), self.compress_read(src_l, dst_l, k, v, counts, acts)))

@@ -528,17 +528,14 @@ class WorkerStore:
         return self._read_rows((self.stack.index[layer],), self.layer_format(layer, from_fmt), table)
 
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], table: torch.Tensor) -> None:
-        """Compress the actions' blocks in every layer, one batched call per (source, target)
-        stored-format group of layers (one group without `layer_overrides`), then write every
-        slot of every layer; `table` is the actions' rows of the step table (`_step_tables`).
-        Groups the step kernels cover run there (`step_groups`: a few launches, written in place)."""
+        """Compress the actions' blocks in every layer, per (source, target) stored-format group of
+        layers (one without `layer_overrides`): on the step kernels (`step_groups`, a few launches,
+        written in place) or the batch path; `table`: the actions' rows of `_step_tables`."""
         self.faults.check()
-        now = self.formats.current(fmt)  # new blocks use the latest override table
-        groups = self._layer_groups(from_fmt, now)
-        for src_l, dst_l in groups:
-            # A recompression starts from the current slot (its loss is kept, not undone).
-            if not src_l.is_hot and not recompressible(src_l, dst_l):
-                raise ValueError(f"cannot recompress {src_l} into {dst_l} (proxima.formats.recompressible)")
+        groups = self._layer_groups(from_fmt, self.formats.current(fmt))  # new blocks: the latest overrides
+        # A recompression starts from the current slot (its loss is kept, not undone).
+        if bad := [(s, d) for s, d in groups if not s.is_hot and not recompressible(s, d)]:
+            raise ValueError(f"cannot recompress {bad[0][0]} into {bad[0][1]} (proxima.formats.recompressible)")
         staged: list[tuple[tuple[int, ...], SlotPool, CompressedBlocks]] = []
         for (src_l, dst_l), rows in groups.items():
             if step_groups.fused(self, src_l, dst_l):
@@ -546,8 +543,7 @@ class WorkerStore:
                 continue
             k, v, counts = self._read_rows(rows, src_l, table)  # [R * A, T, H, D]
             staged.append((rows, self.slot_pool(dst_l), self.compress_read(src_l, dst_l, k, v, counts, acts)))
-        # Batch-path writes happen only after every layer compressed: a failure above leaves no
-        # partial slot of theirs (the step kernels' writes go to slots no block points at yet).
+        # Batch writes after every group compressed (step kernels write slots no block points at yet).
         idx = table[:, 2]
         for rows, sp, cb in staged:
             self.dtypes[sp.spec.fmt] = (cb.k_data.dtype, cb.v_data.dtype)

@@ -19,8 +19,9 @@ with scalar descriptor fields (one load each per block, not per row) and:
   (`triton_codes._small_codes_f16`), value scales per (token, VG channels) broadcast;
 * both products on the tensor cores in fp16 (query scaled into [-1, 1] as the main kernel does).
 
-Two blocks are loaded before either is computed (`_load_block` returns raw bytes), so each
-program has two blocks' loads in flight. Blocks of the lean formats (int4h / int2h) stay in the
+The block loop is one block a step: Triton's pipeliner (num_stages) issues the next blocks'
+loads (cp.async) while one is computed. (Two blocks a step by hand: 252 registers, ptxas sm_90a,
+against 122.) Blocks of the lean formats (int4h / int2h) stay in the
 main kernel (`LEAN`). The result is the run's partial softmax state (max, sum, unnormalised
 output), which `_mixed_decode_kernel` (`COMP_IN`) takes as its initial state: the bf16 pages and
 the compressed blocks end in one online softmax, merged across splits by the existing combine.
@@ -38,20 +39,21 @@ from proxima.compression.triton_codes import _bytes_f16, _small_codes_f16
 
 
 @triton.jit
-def _byte_rows(addr, t, tstride, valid, W: tl.constexpr, NW: tl.constexpr):
+def _byte_rows(addr, t, tstride, valid, anchor, W: tl.constexpr, NW: tl.constexpr, ALIGN: tl.constexpr):
     """uint8 [BS, NW] rows `addr + t * tstride` (W bytes each, NW >= W a power of two), rows where
-    `valid`. With the address and the stride multiples of 16 (the usual case: D 128), the same
-    load with that known (`x // 16 * 16` tells Triton's alignment analysis), so it vectorizes."""
+    `valid`. ALIGN (D a multiple of 64: every pool's rows are whole 16-byte units, and
+    `pool_descriptors` refuses a pool whose addresses or strides are not multiples of 16): the
+    load says so, and vectorizes (16 bytes a thread) and is pipelined by Triton into cp.async:
+    addressed from `anchor`, a kernel argument (Triton specializes those as 16-byte aligned), by
+    an offset `x // 16 * 16` (an address loaded as an integer carries no alignment through
+    Triton's analysis). (A run-time test of the alignment instead put the load under an `if`,
+    which the pipeliner leaves alone: 167 registers against 122, ptxas sm_90a.)"""
     ow = tl.arange(0, NW)
-    if NW == W:
-        m = valid[:, None]
-    else:
-        m = valid[:, None] & (ow < W)[None, :]
-    if ((addr % 16) == 0) & ((tstride % 16) == 0):
-        a16 = (addr // 16) * 16
+    m = valid[:, None] if NW == W else valid[:, None] & (ow < W)[None, :]  # (a constexpr test)
+    if ALIGN:
+        off16 = ((addr - anchor.to(tl.int64, bitcast=True)) // 16) * 16
         t16 = (tstride // 16) * 16
-        x = tl.load(a16.to(tl.pointer_type(tl.uint8), bitcast=True) + (t * t16)[:, None] + ow[None, :], mask=m,
-                    other=0)
+        x = tl.load(anchor + off16 + (t * t16)[:, None] + ow[None, :], mask=m, other=0)
     else:
         x = tl.load(addr.to(tl.pointer_type(tl.uint8), bitcast=True) + (t * tstride)[:, None] + ow[None, :], mask=m,
                     other=0)
@@ -59,9 +61,9 @@ def _byte_rows(addr, t, tstride, valid, W: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _load_block(ent_ptr, desc_ptr, h, trow, NB, j, j_end, seq_len, od, md,
+def _load_block(ent_ptr, desc_ptr, anchor_ptr, h, trow, NB, j, j_end, seq_len, od, md,
                 QK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_D: tl.constexpr, VG: tl.constexpr,
-                KEY_ROW: tl.constexpr):  # fmt: skip
+                KEY_ROW: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
     """Logical block `j`'s raw tiles when its format has quantization QK (else all masked): what
     `_block_scores` turns into scores and values. Nothing here waits on a load's result but the
     descriptor fields, so two calls put two blocks' loads in flight."""
@@ -81,8 +83,8 @@ def _load_block(ent_ptr, desc_ptr, h, trow, NB, j, j_end, seq_len, od, md,
     valid = t < tl.where(live, ntok, 0)
     row0 = sid * tl.load(d_row + 4) + h * tl.load(d_row + 6)
     tstride = tl.load(d_row + 5)
-    kraw = _byte_rows(tl.load(d_row + 22) + row0, t, tstride, valid, D // PER, BLOCK_D // PER)
-    vraw = _byte_rows(tl.load(d_row + 7) + row0, t, tstride, valid, D // PER, BLOCK_D // PER)
+    kraw = _byte_rows(tl.load(d_row + 22) + row0, t, tstride, valid, anchor_ptr, D // PER, BLOCK_D // PER, ALIGN)
+    vraw = _byte_rows(tl.load(d_row + 7) + row0, t, tstride, valid, anchor_ptr, D // PER, BLOCK_D // PER, ALIGN)
     ks_base = sid * tl.load(d_row + 13) + h * tl.load(d_row + 15)
     ks_t = tl.load(d_row + 14)
     vs_row = sid * tl.load(d_row + 16) + h * tl.load(d_row + 18) + t * tl.load(d_row + 17)
@@ -154,7 +156,7 @@ def _block_scores(q16, score_scale, kraw, vraw, ksc, kzp, vsc, vzp, bias, valid,
 
 
 @triton.jit
-def _block_step(q16, score_scale, blk, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq, r, qh, qh0, j,
+def _block_step(q16, score_scale, blk, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq, r, qh, qh_end, j,
                 QK: tl.constexpr, BS: tl.constexpr, BLOCK_D: tl.constexpr, VG: tl.constexpr, DOT: tl.constexpr,
                 DOT_16BIT: tl.constexpr, OBSERVE: tl.constexpr):  # fmt: skip
     """One loaded block into the online softmax (and, observed, its log-sum-exp per query head)."""
@@ -171,7 +173,7 @@ def _block_step(q16, score_scale, blk, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq, r
         bsum = tl.sum(p, axis=1)
         ent = tl.where(bsum > 0, (tl.math.log2(tl.maximum(bsum, 1e-30)) + m_use) * 0.6931471805599453,
                        float("-inf"))
-        tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, ent, mask=qh < tl.where(live & (j < NB_OUT), qh0 + G, 0))
+        tl.store(ent_out_ptr + (r * NB_OUT + j) * Hq + qh, ent, mask=qh < tl.where(live & (j < NB_OUT), qh_end, 0))
     return m_new, l_i, acc
 
 
@@ -181,12 +183,13 @@ def _comp_decode_kernel(
     seq_ptr, qsl_ptr, slot_ptr,  # vLLM's seq_lens, query_start_loc, slot_mapping
     owner_ptr, ent_ptr, NB,  # device block table: owner [N] int32, entries [rows, NB, 2] int32
     desc_ptr,  # pool descriptors (`mixed_decode_pools.py`)
+    anchor_ptr,  # any 16-byte aligned uint8 tensor (the descriptors' bytes): `_byte_rows` addresses from it
     ent_out_ptr, NB_OUT,  # [S, NB_OUT, Hq] float32 per-block log-sum-exp (OBSERVE only)
     cml_ptr, cacc_ptr,  # out: [S, Hq, SPLITS, 2] / [S, Hq, SPLITS, BLOCK_D] float32 partial states
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, TILE_BLOCKS: tl.constexpr,
-    VG: tl.constexpr, KEY_ROW: tl.constexpr, SCAN: tl.constexpr,
+    VG: tl.constexpr, KEY_ROW: tl.constexpr, SCAN: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -232,15 +235,11 @@ def _comp_decode_kernel(
     for QK in tl.static_range(1, 5):
         n = n1 if QK == 1 else (n2 if QK == 2 else (n3 if QK == 3 else n4))
         if n > 0:
-            for j in range(j_start, j_end, 2):  # two blocks' loads in flight, then both computed
-                a = _load_block(ent_ptr, desc_ptr, h, trow, NB, j, j_end, seq_len, od, md, QK, D, BS, BLOCK_D,
-                                VG, KEY_ROW)
-                b = _load_block(ent_ptr, desc_ptr, h, trow, NB, j + 1, j_end, seq_len, od, md, QK, D, BS,
-                                BLOCK_D, VG, KEY_ROW)
-                m_i, l_i, acc = _block_step(q16, score_scale, a, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq, r, qh, h * G,
-                                            j, QK, BS, BLOCK_D, VG, DOT, DOT_16BIT, OBSERVE)
-                m_i, l_i, acc = _block_step(q16, score_scale, b, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq, r, qh, h * G,
-                                            j + 1, QK, BS, BLOCK_D, VG, DOT, DOT_16BIT, OBSERVE)
+            for j in range(j_start, j_end):
+                a = _load_block(ent_ptr, desc_ptr, anchor_ptr, h, trow, NB, j, j_end, seq_len, od, md, QK, D, BS,
+                                BLOCK_D, VG, KEY_ROW, ALIGN)
+                m_i, l_i, acc = _block_step(q16, score_scale, a, m_i, l_i, acc, ent_out_ptr, NB_OUT, Hq, r, qh,
+                                            h * G + G, j, QK, BS, BLOCK_D, VG, DOT, DOT_16BIT, OBSERVE)
     part = (r * Hq + qh) * SPLITS + sp
     tl.store(cml_ptr + part * 2, m_i, mask=mg)
     tl.store(cml_ptr + part * 2 + 1, l_i, mask=mg)

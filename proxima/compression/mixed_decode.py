@@ -331,6 +331,8 @@ COMPRESSED_READER = "tiles"
 kernel) or "kernel" (`mixed_comp.py`, a kernel of their own; `compressed_reader=` overrides)."""
 COMP_WARPS = 4
 """Warps of one program of the compressed kernel (`comp_warps=` overrides)."""
+COMP_STAGES = 3
+"""Software-pipelining stages of the compressed kernel's block loop (`comp_stages=` overrides)."""
 COMP_SCAN = 64
 """Codes the compressed kernel reads per step of its scan for the quantizations present."""
 MAX_SPLITS = 16
@@ -346,6 +348,16 @@ WAVES = 8
 def _sm_count(index: int) -> int:
     """SMs of GPU `index`, asked once (auto_splits runs in every layer of every decode step)."""
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+@functools.cache
+def _anchor(device: torch.device) -> torch.Tensor:
+    """16 bytes the compressed kernel addresses its pools from (`mixed_comp._byte_rows`): a fresh
+    allocation, so 16-byte aligned (the kernel's arithmetic relies on it), kept for the process."""
+    t = torch.empty(16, dtype=torch.uint8, device=device)  # (never read: only its address)
+    if t.data_ptr() % 16:
+        raise RuntimeError("the compressed kernel's anchor is not 16-byte aligned")
+    return t
 
 
 def auto_splits(rows: int, kv_heads: int, table_blocks: int, device: torch.device) -> int:
@@ -375,7 +387,7 @@ def mixed_decode(
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
     num_warps: int | None = None, key_group: int | None = None, lean: bool = True, comp_tile: int | None = None,
-    compressed_reader: str | None = None, comp_warps: int | None = None,
+    compressed_reader: str | None = None, comp_warps: int | None = None, comp_stages: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -400,7 +412,8 @@ def mixed_decode(
     / int4 / int2 quantizations read as one tile per quantization (`mixed_slots._slot_tile`).
     Lean blocks are read block by block. `compressed_reader` (default COMPRESSED_READER): "tiles",
     the fp8 / int8 / int4 / int2 blocks read inside this kernel as above; "kernel", read first by a
-    kernel of their own (`mixed_comp.py`, `comp_warps` warps, default COMP_WARPS) whose partial
+    kernel of their own (`mixed_comp.py`, `comp_warps` warps and `comp_stages` pipelining stages,
+    defaults COMP_WARPS and COMP_STAGES) whose partial
     state this kernel starts from: one more launch where the descriptors name any pool."""
     reader = COMPRESSED_READER if compressed_reader is None else compressed_reader
     if reader not in ("tiles", "kernel"):
@@ -448,12 +461,12 @@ def mixed_decode(
     if comp:
         _comp_decode_kernel[(s, h, n_split)](
             q, q.stride(0), q.stride(1), seq_lens, query_start_loc, slot_mapping,
-            owner, entries, entries.shape[1], descriptors,
+            owner, entries, entries.shape[1], descriptors, _anchor(q.device),
             entry_lse if observe else dummy, entry_lse.shape[1] if entry_lse is not None else 0, cml, cacc,
             hq, sm_scale * LOG2E, n_split,
             G=g, G_PAD=g_pad, D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe, DOT=dot, DOT_16BIT=dot_16bit,
             TILE_BLOCKS=tb, VG=vg, KEY_ROW=key_group is not None and key_group >= bs, SCAN=COMP_SCAN,
-            num_warps=comp_warps or COMP_WARPS,
+            ALIGN=d % 64 == 0, num_warps=comp_warps or COMP_WARPS, num_stages=comp_stages or COMP_STAGES,
         )  # fmt: skip
     _mixed_decode_kernel[(s, h, n_split)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),

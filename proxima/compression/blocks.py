@@ -140,6 +140,8 @@ def _check_inputs(
     n, t, h, d = k.shape
     if t == 0 or h == 0 or d == 0:
         raise ValueError(f"k must have T, H_kv and D > 0, got shape {tuple(k.shape)}")
+    if check_values and not bool((torch.isfinite(k) & torch.isfinite(v)).all()):
+        raise ValueError(f"{fmt}: the blocks to compress hold non-finite keys or values (the source was already bad)")
     if importance is not None and importance.shape != (n, t, h):
         raise ValueError(f"token_importance must be [N, T, H_kv] = {(n, t, h)}, got {tuple(importance.shape)}")
     if check_values and importance is not None and bool(torch.isnan(importance).any()):
@@ -301,7 +303,23 @@ def compress_blocks(
         bits = ref.bits_of(q)
         out.k_data, out.k_scale, out.k_zero = ref.quantize_kivi_keys(kr, bits, group_size)
         out.v_data, out.v_scale, out.v_zero = ref.quantize_kivi_values(vr, bits, group_size)
+    if check_values:
+        _check_finite(fmt, out)
     return out
+
+
+def _check_finite(fmt: Format, out: CompressedBlocks) -> None:
+    """`check_values`: every float a slot would store is finite (a log-count may be -inf: an empty
+    centroid), so a compression that would hand attention a NaN fails instead (nothing is lost:
+    the block stays where it was). Reads back to the host: a debug check, never on by default."""
+    fields = {"k_data": out.k_data, "v_data": out.v_data, "k_scale": out.k_scale, "k_zero": out.k_zero,
+              "v_scale": out.v_scale, "v_zero": out.v_zero}
+    for name, t in fields.items():
+        if t is not None and t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.float()).all()):
+            raise ValueError(f"{fmt}: compression produced a non-finite {name}")
+    lc = out.log_count
+    if lc is not None and bool((torch.isnan(lc) | (lc == float("inf"))).any()):
+        raise ValueError(f"{fmt}: compression produced a NaN or +inf log_count")
 
 
 def _row_counts(fmt: Format, log_count: torch.Tensor | None, shape: tuple[int, int, int],

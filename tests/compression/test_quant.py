@@ -161,3 +161,21 @@ def test_floor_by_directed_rounding_equals_the_interpreters_floor(lo, hi):
     for got in outs:
         bad = got != want
         assert not bad.any(), (t[bad][:8].tolist(), got[bad][:8].tolist(), want[bad][:8].tolist())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_checked_values_refuse_a_block_that_would_store_a_non_finite_number(backend, device):
+    """`check_values` (PROXIMA_DEBUG=check-values in a worker): a bad source and a scale that
+    overflows its float16 both fail the compression, naming the format and the field, instead of
+    reaching attention; unchecked, the overflow is stored (why the check exists)."""
+    k, v = realistic_kv(1, 32, 2, 64, seed=3, device=device)
+    bad = k.clone()
+    bad[0, 5, 1, 7] = float("nan")
+    with pytest.raises(ValueError, match="int4: the blocks to compress hold non-finite"):
+        compress_blocks("int4", bad, v, backend=backend)
+    huge = k.clone()
+    huge[0, :16, 0, 3], huge[0, 16:, 0, 3] = 1e6, -1e6  # a range of 2e6 over 15 steps: past float16's max
+    with pytest.raises(ValueError, match="int4: compression produced a non-finite k_scale"):
+        compress_blocks("int4", huge, v, backend=backend)
+    cb = compress_blocks("int4", huge, v, backend=backend, check_values=False)
+    assert not bool(torch.isfinite(cb.k_scale.float()).all())

@@ -54,6 +54,13 @@ STATS_ENV = "PROXIMA_STATS_FILE"
 request's blocks are freed."""
 
 
+def _no_table(fmt: Any) -> str:
+    """`WorkerStore.format_gate` once the device block table stopped following the steps under
+    CUDA graphs (`ProximaConnector._retire_block_table`)."""
+    return ("the device block table stopped following the steps (see the worker's log) and decode batches "
+            "replay CUDA graphs that read it: nothing more is compressed in this engine")
+
+
 class ProximaConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -189,6 +196,8 @@ class ProximaConnector(KVConnectorBase_V1):
             from proxima.compression.spec import LEAN_BITS
 
             self._make_block_table(kv_caches)
+            if self.block_table is not None:
+                store.format_gate = self.block_table.refusal  # never a format the kernel has no code for
             # The lean reader costs every other format of the kernel (H100, 8 x 32k: bf16 pages
             # 0.38 -> 0.44 ms a layer, int4 3.02 -> 3.18): compiled in only when the start-up
             # policy stores a lean format. A lean format a live policy brings later is refused
@@ -240,6 +249,8 @@ class ProximaConnector(KVConnectorBase_V1):
         try:
             table.update(step_placements([*plan.revoked, *plan.actions, *settled], store.remap), plan.dropped,
                          plan.key_blocks)
+            # Codes no entry holds go back, except those of blocks the probe is still judging.
+            table.release_unused(b.stored for b in store.probing if b.stored is not None)
         except Exception:
             logger.exception("proxima: the device block table could not follow this step; attention plans "
                              "from the host maps from now on")
@@ -249,15 +260,12 @@ class ProximaConnector(KVConnectorBase_V1):
     def _refresh_descriptors(self) -> None:
         """The one-pass decode's pool descriptors, current with the table's formats, here (every
         step, outside any CUDA graph) rather than in the forward, which a graph replay skips."""
-        from proxima.integration.vllm.worker.decode_descriptors import TooManyFormats, refresh_descriptors
+        from proxima.integration.vllm.worker.decode_descriptors import refresh_descriptors
 
         if self.block_table is None or self.store is None:
             return
         try:
             refresh_descriptors(self.store, self.block_table)
-        except TooManyFormats as e:  # a known limit, not a fault: the split path serves every format
-            logger.warning("proxima: %s; attention plans from the host maps from now on", e)
-            self._retire_block_table()
         except Exception:
             logger.exception("proxima: the one-pass decode's pool descriptors could not be built; attention "
                              "plans from the host maps from now on")
@@ -266,10 +274,20 @@ class ProximaConnector(KVConnectorBase_V1):
     def _retire_block_table(self) -> None:
         """Stop using the device table, without freeing it (`_retired_tables`): a decode graph
         captured with the one-pass kernel replays it whatever the host decides; freed, its memory
-        would be reused and the replay would read pointers out of other data."""
+        would be reused and the replay would read pointers out of other data. Eager batches plan
+        from the host maps; but a replayed decode graph reads this table, which no longer follows
+        the steps (on the H100 soak that ran out of format codes, 2026-12-06: NaN logprobs), so
+        with CUDA graphs nothing more is compressed (blocks already compressed stay as they are)."""
         if self.block_table is not None:
             self._retired_tables.append(self.block_table)
             self.block_table = None
+            if self.store is not None:
+                self.store.format_gate = None if not self._graphs_replay_decode() else _no_table
+
+    def _graphs_replay_decode(self) -> bool:
+        """Whether this engine replays CUDA graphs (vLLM's `cudagraph_mode` other than NONE)."""
+        mode = getattr(self._vllm_config.compilation_config, "cudagraph_mode", None)
+        return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None

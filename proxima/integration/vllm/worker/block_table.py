@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from proxima.compression.mixed_decode_pools import MAX_CODES
 from proxima.formats import Format
 from proxima.integration.vllm.plan import CompressAction
 
@@ -84,9 +85,14 @@ class BlockTableFull(RuntimeError):
     """More requests with compressed blocks, or longer ones, than the table was sized for."""
 
 
+class TooManyFormats(BlockTableFull):
+    """A format needs a code while every code the decode kernel reads holds a format still in use."""
+
+
 class DeviceBlockTable:
     def __init__(self, max_requests: int, max_blocks: int, num_physical_blocks: int,
-                 device: torch.device | str, *, kv_heads: int = 1, max_batch: int | None = None) -> None:
+                 device: torch.device | str, *, kv_heads: int = 1, max_batch: int | None = None,
+                 max_codes: int = MAX_CODES - 1) -> None:
         if min(max_requests, max_blocks, num_physical_blocks) < 1:
             raise ValueError(f"DeviceBlockTable needs positive sizes, got {max_requests} requests, "
                              f"{max_blocks} blocks per request, {num_physical_blocks} physical blocks")
@@ -95,8 +101,19 @@ class DeviceBlockTable:
         self.entries = torch.zeros(max_requests + 1, max_blocks, 2, dtype=torch.int32, device=self.device)
         self.owner = torch.zeros(num_physical_blocks, dtype=torch.int32, device=self.device)
         self.formats: list[Format] = []
-        """Format of code c at index c - 1 (codes are assigned on first sight, never reused)."""
+        """Format of code c at index c - 1. A code goes back when no entry holds it any more (and
+        no write of it is in flight: `release_unused`) and is handed to the next new format: a
+        long-lived engine meets a new format at every policy change that changes the layer
+        overrides (`layer_formats.py`), more than the kernel's codes."""
         self._codes: dict[Format, int] = {}
+        self.max_codes = max_codes
+        self._uses: dict[int, int] = {}
+        """code -> entries that hold it now (host mirror of `entries`' codes)."""
+        self._row_codes: dict[int, dict[int, int]] = {}
+        """table row -> {logical block: code} of its compressed entries (what a write or a freed row releases)."""
+        self._free_codes: list[int] = []
+        self.formats_version = 0
+        """Bumped whenever a code gets a format (new or reused): the descriptor tables follow it."""
         self.rows: dict[str, int] = {}
         """request -> its table row (assigned at its first compressed block, freed when dropped)."""
         self._free = list(range(max_requests, 0, -1))  # pop() hands out the lowest row first
@@ -117,7 +134,7 @@ class DeviceBlockTable:
         """Set by the metadata builder for a step whose observed layer updates `importance` on
         the device (to the blocks of the step's longest request); read back and reset by the
         connector at the step's end (`device_importance.py`)."""
-        self.descriptors: dict[str, tuple[int, torch.Tensor]] = {}
+        self.descriptors: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
         """Per layer: (formats described, persistent pool descriptor table) for the one-pass decode
         (refreshed in place by the metadata builder, outside any CUDA graph)."""
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -131,15 +148,63 @@ class DeviceBlockTable:
         return self._scratch
 
     def code_of(self, fmt: Format) -> int:
+        """`fmt`'s code, assigned now if it has none (a freed code first); TooManyFormats when
+        every code holds a format in use (`admits` lets the worker refuse such a compression first)."""
         if fmt.is_hot:
             return HOT_CODE
         code = self._codes.get(fmt)
         if code is None:
-            if len(self.formats) >= torch.iinfo(torch.int32).max:  # pragma: no cover - unreachable size
-                raise BlockTableFull("too many formats")
-            self.formats.append(fmt)
-            code = self._codes[fmt] = len(self.formats)
+            if self._free_codes:
+                code = self._free_codes.pop()
+                self.formats[code - 1] = fmt
+            elif len(self.formats) < self.max_codes:
+                self.formats.append(fmt)
+                code = len(self.formats)
+            else:
+                raise TooManyFormats(f"{len(self._codes)} formats in use, the one-pass decode kernel reads "
+                                     f"{self.max_codes}")
+            self._codes[fmt] = code
+            self.formats_version += 1
         return code
+
+    def coded(self) -> dict[Format, int]:
+        """The formats that hold a code now -> their code."""
+        return dict(self._codes)
+
+    def refusal(self, fmt: Format) -> str | None:
+        """None if a block may be written in `fmt` (it has a code, or one is assigned to it now,
+        kept while a write of it is in flight: `release_unused`); else why not."""
+        try:
+            self.code_of(fmt)
+        except TooManyFormats as e:
+            return (f"{e} (each change of the policy's layer_overrides makes new formats); the blocks stay where "
+                    "they are until a code is free")
+        return None
+
+    def release_unused(self, in_flight: Iterable[Format] = ()) -> None:
+        """Give back the codes no entry holds, except those of formats whose writes are still in
+        flight (blocks measured by the probe, placed when their verdict is read). Safe to reuse at
+        once: every kernel that read the old format's entries was queued before the update that
+        cleared them (one stream), and the descriptors are rewritten before the next forward."""
+        keep = set(in_flight)
+        for fmt, code in list(self._codes.items()):
+            if self._uses.get(code, 0) == 0 and fmt not in keep:
+                del self._codes[fmt]
+                self._free_codes.append(code)
+
+    def _hold(self, row: int, index: int, code: int) -> None:
+        """Host mirror of one entry write (HOT_CODE: the entry is cleared)."""
+        codes = self._row_codes.setdefault(row, {})
+        old = codes.pop(index, HOT_CODE)
+        if old != HOT_CODE:
+            self._uses[old] -= 1
+        if code != HOT_CODE:
+            codes[index] = code
+            self._uses[code] = self._uses.get(code, 0) + 1
+
+    def _drop_row(self, row: int) -> None:
+        for code in self._row_codes.pop(row, {}).values():
+            self._uses[code] -= 1
 
     def _row_for(self, req_id: str) -> int:
         row = self.rows.get(req_id)
@@ -159,22 +224,26 @@ class DeviceBlockTable:
         dropped = list(dropped)  # read twice: entry rows, importance rows
         freed = [self.rows.pop(rid) for rid in dropped if rid in self.rows]
         self._free.extend(reversed(freed))
+        for row in freed:
+            self._drop_row(row)
         writes: list[tuple[int, int, int]] = []  # (flat entry index, code, slot id)
         for rid, index, place in placed:
             if index < 0 or index >= self.max_blocks:
                 raise BlockTableFull(f"proxima: request {rid!r} block {index} is past the device block table's "
                                      f"{self.max_blocks} blocks per request")
             if place is None:
-                row = self.rows.get(rid)
-                if row is None:  # never compressed here (or dropped): already hot
+                hot_row = self.rows.get(rid)
+                if hot_row is None:  # never compressed here (or dropped): already hot
                     continue
-                writes.append((row * self.max_blocks + index, HOT_CODE, 0))
+                writes.append((hot_row * self.max_blocks + index, HOT_CODE, 0))
+                self._hold(hot_row, index, HOT_CODE)
                 continue
             fmt, dst, slot = place
-            writes.append((self._row_for(rid) * self.max_blocks + index, self.code_of(fmt),
-                           dst * fmt.pack_ratio + slot))
-        owned = {blk: row for blk, rid in key_blocks.items() if (row := self.rows.get(rid)) is not None}
-        moved = [(blk, row) for blk, row in owned.items() if self._owned.get(blk) != row]
+            row, code = self._row_for(rid), self.code_of(fmt)
+            writes.append((row * self.max_blocks + index, code, dst * fmt.pack_ratio + slot))
+            self._hold(row, index, code)
+        owned = {blk: r for blk, rid in key_blocks.items() if (r := self.rows.get(rid)) is not None}
+        moved = [(blk, r) for blk, r in owned.items() if self._owned.get(blk) != r]
         moved += [(blk, NO_ROW) for blk in self._owned.keys() - owned.keys()]
         self._owned = owned
         imp_freed, imp_moved = self._follow_importance_rows(dropped, key_blocks)

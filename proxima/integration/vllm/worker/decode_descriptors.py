@@ -19,11 +19,6 @@ from proxima.integration.vllm.worker.block_table import DeviceBlockTable
 from proxima.integration.vllm.worker.store import WorkerStore
 
 
-class TooManyFormats(RuntimeError):
-    """More formats met than the decode kernel's descriptor table has codes for (each policy
-    change's override epoch is a format of its own, so a long-lived engine can get there)."""
-
-
 def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.device) -> CompressedBlocks:
     """Every slot of `fmt` in `layer`, as the worker wrote them, for Proxima's kernels (no copy).
 
@@ -45,19 +40,22 @@ def slot_pool_of(store: WorkerStore, layer: str, fmt: Format, device: torch.devi
 
 def layer_descriptors(store: WorkerStore, table: DeviceBlockTable, layer: str) -> torch.Tensor:
     """`layer`'s descriptor table ([MAX_CODES, NUM_FIELDS] int64 on the cache's device), brought
-    up to date with `table.formats` in place (allocated on the layer's first call)."""
-    seen, desc = table.descriptors.get(layer, (-1, None))
-    if desc is not None and seen == len(table.formats):
+    up to date with the table's codes in place (allocated on the layer's first call). Only codes
+    in use are described (a freed code's row is zeroed: no entry holds it); a format that holds a
+    code is one the worker has written (its dtypes known) or is writing this step."""
+    version = (table.formats_version, len(store.dtypes))  # a format's dtypes arrive with its first write
+    seen, desc = table.descriptors.get(layer, (None, None))
+    if desc is not None and seen == version:
         return desc
-    if len(table.formats) >= MAX_CODES:
-        raise TooManyFormats(f"{len(table.formats)} formats met, the one-pass decode kernel reads {MAX_CODES - 1}")
     kv = store.kv_caches[layer]
-    pools = {c + 1: slot_pool_of(store, layer, f, kv.device) for c, f in enumerate(table.formats)}
+    pools = {code: slot_pool_of(store, layer, f, kv.device) for f, code in table.coded().items()
+             if store.layer_format(layer, f) in store.dtypes}
     new = pool_descriptors(pools, store.geometry(layer)[2], kv.device)
     if desc is None:
         desc = torch.zeros(MAX_CODES, new.shape[1], dtype=torch.int64, device=kv.device)
+    desc.zero_()
     desc[: new.shape[0]].copy_(new)
-    table.descriptors[layer] = (len(table.formats), desc)
+    table.descriptors[layer] = (version, desc)
     return desc
 
 
@@ -67,4 +65,4 @@ def refresh_descriptors(store: WorkerStore, table: DeviceBlockTable) -> None:
         layer_descriptors(store, table, layer)
 
 
-__all__ = ["TooManyFormats", "layer_descriptors", "refresh_descriptors", "slot_pool_of"]
+__all__ = ["layer_descriptors", "refresh_descriptors", "slot_pool_of"]

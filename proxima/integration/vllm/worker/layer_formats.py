@@ -39,19 +39,25 @@ class LayerFormats:
 
     def __init__(self, policy: Policy | None = None) -> None:
         self.tables: list[Policy] = [policy if policy is not None else Policy(enabled=False)]
-        """The policy whose `layer_overrides` each epoch used (only that field is read)."""
-
-    @property
-    def epoch(self) -> int:
-        return len(self.tables) - 1
+        """The policy whose `layer_overrides` each epoch used (only that field is read); no two
+        epochs hold the same overrides."""
+        self.epoch = 0
+        """The epoch new compressions are tagged with."""
 
     def adopt(self, policy: Policy) -> bool:
-        """Use `policy`'s overrides for new compressions; True when they differ from the last table."""
-        if policy.layer_overrides == self.tables[-1].layer_overrides:
-            self.tables[-1] = policy  # same table: nothing to tell apart
-            return False
-        self.tables.append(policy)
-        return True
+        """Use `policy`'s overrides for new compressions; True when they differ from the current
+        table. Overrides an earlier epoch used bring that epoch back rather than a new one: a
+        policy switched back and forth (a canary, a rollback) makes no new formats, and every
+        (format, epoch) pair takes one of the one-pass decode's few format codes."""
+        same = [e for e, t in enumerate(self.tables) if t.layer_overrides == policy.layer_overrides]
+        changed = self.epoch not in same
+        if same:
+            self.epoch = same[0]
+            self.tables[self.epoch] = policy
+        else:
+            self.tables.append(policy)
+            self.epoch = len(self.tables) - 1
+        return changed
 
     def stored(self, fmt: Format) -> Format:
         """How a block compressed now into `fmt` is remembered (tagged with the current epoch)."""

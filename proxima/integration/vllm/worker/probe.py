@@ -125,6 +125,9 @@ class ProbeBatch:
     """float32 [len(candidates), len(acts)], on the host (pinned on a GPU)."""
     cfg: CompressionProbe
     event: torch.cuda.Event | None = None
+    stored: Format | None = None
+    """`fmt` as the worker tagged the written slots (`LayerFormats.current` then): a policy change
+    before the verdict must not change how they are read."""
     gone: set[str] = field(default_factory=set)
     """Requests dropped since: their blocks are neither reported nor installed."""
 
@@ -208,7 +211,8 @@ def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Seque
         event = torch.cuda.Event()
         event.record()
         dev = host
-    return deferred, ProbeBatch(fmt, from_fmt, measurable, candidates, dev, cfg, event)
+    stored = store.formats.current(fmt)
+    return deferred, ProbeBatch(fmt, from_fmt, measurable, candidates, dev, cfg, event, stored=stored)
 
 
 def record(report: ProximaReport, fmt: Format, out: ProbeOutcome) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -152,6 +153,10 @@ class WorkerStore:
         """Quantizations every reader of this worker can read (None: any). Set by the connector
         with the one-pass decode, whose kernel reads fewer than the split path and replays from
         CUDA graphs that cannot fall back: a block is never written in a format it cannot read."""
+        self.format_gate: Callable[[Format], str | None] | None = None
+        """Why a block may not be stored in a format (as `formats.current` tags it), None if it may;
+        the gate itself None: any. The connector sets it (`DeviceBlockTable.refusal`): the one-pass
+        kernel reads a bounded number of format codes and, under CUDA graphs, cannot fall back."""
         self.split_errors = SplitErrors()
         """read-sources diagnostics (`debug.py`), CUDA backend."""
         self.times = StepTimes()
@@ -335,18 +340,32 @@ class WorkerStore:
         """The actions whose format the readers can read; the others fail (their blocks stay hot)."""
         ok = self.readable_quants
         if ok is None:
-            return actions
+            return self._codable(actions)
         bad = sorted({str(a.fmt) for a in actions if a.fmt.quant not in ok})
         if bad:
             self.report.failed.extend(a.action_id for a in actions if a.fmt.quant not in ok)
             self.report.errors.append(f"{', '.join(bad)}: the one-pass decode reads {', '.join(sorted(ok))} codes "
                                       "(the lean int4h / int2h when the start-up policy stores one); set "
                                       "PROXIMA_ONE_PASS_DECODE=0 to store other formats")
-        return [a for a in actions if a.fmt.quant in ok]
+        return self._codable([a for a in actions if a.fmt.quant in ok])
 
-    def _commit(self, fmt: Format, from_fmt: Format, acts: list[CompressAction]) -> None:
-        """Point the block map at the actions' written slots and report them written."""
-        stored = self.formats.stored(fmt)
+    def _codable(self, actions: list[CompressAction]) -> list[CompressAction]:
+        """The actions `format_gate` lets through; the others fail (their blocks stay where they
+        are) with the gate's reason in the report."""
+        gate = self.format_gate
+        if gate is None:
+            return actions
+        why = {f: gate(self.formats.current(f)) for f in {a.fmt for a in actions}}
+        for f, reason in why.items():
+            if reason is not None:
+                self.report.failed.extend(a.action_id for a in actions if a.fmt == f)
+                self.report.errors.append(f"{f}: {reason}")
+        return [a for a in actions if why[a.fmt] is None]
+
+    def _commit(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], stored: Format | None = None) -> None:
+        """Point the block map at the actions' written slots and report them written; `stored`:
+        the format as tagged when the slots were written (a probed batch settles steps later)."""
+        stored = self.formats.stored(fmt) if stored is None else stored
         for a in acts:
             blocks = self.remap.setdefault(a.req_id, {})
             old = blocks.get(a.index)
@@ -366,7 +385,7 @@ class WorkerStore:
                 continue
             out = batch.outcome()
             record(self.report, batch.fmt, out)
-            self._commit(batch.fmt, batch.from_fmt, out.accepted)
+            self._commit(batch.fmt, batch.from_fmt, out.accepted, batch.stored)
             self.settled.extend(out.accepted)
         self.probing = waiting
 

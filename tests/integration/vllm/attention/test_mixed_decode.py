@@ -413,6 +413,39 @@ def test_the_observed_layer_on_the_one_pass_path_still_reports_importance(
 
 
 
+def test_a_format_without_a_free_code_is_refused_and_a_freed_code_serves_it(worker_connector: ProximaConnector) -> None:
+    """Under CUDA graphs the decode replays the one-pass kernel whatever the host decides, so a
+    block must never be stored in a format that has no code in the device table (the H100 soak of
+    2026-12-06 ran out of codes, the table stopped following, and logprobs turned NaN). The
+    worker asks the table first: a format that cannot get a code is refused (the block stays,
+    the report says why), the others are written; once no block holds a code it serves the next."""
+    store, _ = _registered(worker_connector)
+    t = worker_connector.block_table
+    assert t is not None and store.format_gate == t.refusal
+    compression_probe_off(store)
+    t.max_codes = 1
+    int4, int8 = Format.parse("int4"), Format.parse("int8")
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=[CompressAction(0, "a", 0, src=1, dst=20, slot=0,
+                                                                                 fmt=int4)], key_blocks={3: "a"}))
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and rep.ok == [0] and set(t.coded()) == {int4}
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=[CompressAction(1, "a", 1, src=2, dst=21, slot=0,
+                                                                                 fmt=int8)], key_blocks={3: "a"}))
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and rep.failed == [1] and 1 not in store.remap["a"]
+    assert any("int8" in e and "formats in use" in e for e in rep.errors), rep.errors
+    worker_connector.bind_connector_metadata(ProximaPlan(dropped=["a"]))  # a finishes: int4's code goes back
+    worker_connector.build_connector_worker_meta()
+    assert t.coded() == {}
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=[CompressAction(2, "b", 0, src=4, dst=22, slot=0,
+                                                                                 fmt=int8)], key_blocks={5: "b"}))
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and rep.ok == [2] and set(t.coded()) == {int8}
+    code, sid = t.entries[t.rows["b"], 0].tolist()
+    assert t.formats[code - 1] == int8 and sid == 22 * int8.pack_ratio
+    assert t.descriptors[LAYER][1][code].any()  # the kernel's descriptor row for the reused code
+
+
 def test_a_block_installed_by_a_late_probe_verdict_enters_the_device_table_at_the_next_plan(
     worker_connector: ProximaConnector,
 ) -> None:

@@ -13,11 +13,13 @@ from proxima.integration.vllm.worker.block_table import (
     HOT_CODE,
     BlockTableFull,
     DeviceBlockTable,
+    TooManyFormats,
     rows_of_batch,
     step_placements,
     table_for,
 )
-from proxima.integration.vllm.worker.layer_formats import StoredFormat
+from proxima.integration.vllm.worker.layer_formats import LayerFormats, StoredFormat
+from proxima.policy.schema import Policy
 
 INT8, INT4, FP8 = Format.parse("int8"), Format.parse("int4"), Format.parse("fp8")
 NBLK = 8
@@ -30,7 +32,7 @@ def expected_entries(table: DeviceBlockTable, remap: dict[str, dict[int, tuple[F
     for rid, blocks in remap.items():
         row = table.rows[rid]
         for j, (fmt, dst, slot) in blocks.items():
-            out[row, j, 0] = table.formats.index(fmt) + 1
+            out[row, j, 0] = table.coded()[fmt]
             out[row, j, 1] = dst * fmt.pack_ratio + slot
     return out
 
@@ -159,3 +161,60 @@ def test_the_one_pass_switch_defaults_to_the_caches_device(monkeypatch: pytest.M
     monkeypatch.setenv(ONE_PASS_ENV, "yes")
     with pytest.raises(ValueError, match=r"PROXIMA_ONE_PASS_DECODE='yes': use 1 .* or 0"):
         one_pass_decode(torch.device("cpu"))
+
+
+def test_codes_go_back_when_no_entry_holds_them_and_serve_new_formats() -> None:
+    """A long-lived engine meets more formats than the kernel has codes (each change of the
+    layer overrides makes new ones: the H100 soak of 2026-12-06 met 16 and its decode graphs then
+    read a table that had stopped following): a code no entry holds goes back and serves the next
+    format, so only the formats in use at once are bounded; beyond that a format is refused."""
+    t = DeviceBlockTable(4, NBLK, 64, "cpu", max_codes=2)
+    epoch = [StoredFormat(None, 1, "int4", e) for e in range(1, 6)]
+    t.update([("a", 0, (INT8, 10, 0)), ("a", 1, (epoch[0], 11, 0))], [], {5: "a"})
+    assert set(t.coded()) == {INT8, epoch[0]}
+    assert t.refusal(epoch[1]) is not None and epoch[1] not in t.coded()  # both codes hold blocks
+    with pytest.raises(TooManyFormats, match="2 formats in use"):
+        t.code_of(epoch[1])
+    t.update([("a", 1, None)], [], {5: "a"})  # the epoch[0] block is hot again (a revocation)
+    t.release_unused()
+    assert set(t.coded()) == {INT8}
+    prev: list[str] = []
+    for i, e in enumerate(epoch[1:]):  # every later epoch in turn: each takes the code the previous one left
+        t.update([], prev, {5: "a"})  # the request before is dropped: its code goes back
+        t.release_unused()
+        version = t.formats_version
+        assert t.refusal(e) is None and t.formats_version == version + 1
+        rid = f"r{i}"
+        t.update([(rid, 0, (e, 12 + i, 0))], [], {5: "a", 6 + i: rid})
+        t.release_unused()
+        assert set(t.coded()) == {INT8, e}
+        assert torch.equal(t.entries, expected_entries(t, {"a": {0: (INT8, 10, 0)}, rid: {0: (e, 12 + i, 0)}}))
+        assert t.refusal(epoch[0]) is not None  # while it holds its code, nothing else gets one
+        prev = [rid]
+    t.update([], ["a", *prev], {})  # dropped requests release their rows' codes
+    t.release_unused()
+    assert t.coded() == {}
+
+
+def test_a_code_given_before_the_write_is_kept_while_the_probe_judges_it() -> None:
+    """The worker asks for a code before compressing (`refusal`); the probe places the block
+    steps later: the code stays while the batch is in flight, and goes once it is not."""
+    t = DeviceBlockTable(4, NBLK, 64, "cpu", max_codes=1)
+    assert t.refusal(INT4) is None
+    t.update([], [], {5: "a"})
+    t.release_unused(in_flight=[INT4])
+    assert set(t.coded()) == {INT4} and t.refusal(FP8) is not None
+    t.release_unused()  # the probe refused the batch: nothing holds the code
+    assert t.coded() == {} and t.refusal(FP8) is None
+
+
+def test_switching_back_to_earlier_overrides_reuses_their_epoch() -> None:
+    """A policy switched back and forth (rollback, canary) makes no new stored formats."""
+    base = Policy(enabled=False)
+    other = Policy.model_validate({"enabled": False,
+                                   "layer_overrides": [{"layers": [0], "substitute": {"int8": "fp8"}}]})
+    lf = LayerFormats(base)
+    assert lf.adopt(other) and lf.epoch == 1
+    assert lf.adopt(base) and lf.epoch == 0 and lf.current(INT4) == INT4
+    assert lf.adopt(other) and lf.epoch == 1 and len(lf.tables) == 2
+    assert not lf.adopt(other)

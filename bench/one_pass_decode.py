@@ -14,6 +14,9 @@ torch.profiler on one eager call):
   formats' state costs every other format (the backend always compiles it in);
 * `one_pass, observed layer` (mixed only): the same with the block log-sum-exp and the device
   importance update (`update_block_importance`), the observed layer's two launches;
+* `[tiles]` / `[kernel]` (`--readers tiles kernel`): the compressed blocks read inside the kernel
+  (`mixed_slots._slot_tile`) or by a kernel of their own first (`mixed_comp.py`; `--comp-warps`,
+  `--comp-stages`: its num_warps / num_stages);
 * `split` (mixed only): what the backend ran before: vLLM's kernel on every row, then
   `paged_attention` over the compressed rows (eager: it plans on the host).
 
@@ -98,6 +101,13 @@ def main() -> None:
     ap.add_argument("--warps", nargs="*", type=int, default=[4], help="extra variants: num_warps")
     ap.add_argument("--comp-tiles", nargs="*", type=int, default=[],
                     help="extra rows per compressed case: these comp_tile (blocks of a compressed tile)")
+    ap.add_argument("--readers", nargs="+", default=["tiles"], choices=["tiles", "kernel"],
+                    help="compressed_reader of every one_pass row: 'tiles' (inside the kernel), 'kernel' (a kernel "
+                         "of their own, mixed_comp.py); with several, each row once per reader")
+    ap.add_argument("--comp-warps", nargs="*", type=int, default=[],
+                    help="extra rows per compressed case with the 'kernel' reader: these comp_warps")
+    ap.add_argument("--comp-stages", nargs="*", type=int, default=[],
+                    help="extra rows per compressed case with the 'kernel' reader: these comp_stages")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--iters", type=int, default=50)
     a = ap.parse_args()
@@ -147,11 +157,14 @@ def main() -> None:
     table.update([], [], key_blocks)
     empty_desc = pool_descriptors({}, bs, dev)
 
+    reader = a.readers[0]  # rows with nothing compressed: no compressed block, so the same work with either reader
+
     def one_pass(desc: torch.Tensor, splits: int | None = None, tb: int | None = None, nw: int | None = None,
-                 lean: bool = True, ct: int | None = None) -> None:
+                 lean: bool = True, ct: int | None = None, rd: str | None = None, cw: int | None = None,
+                 cs: int | None = None) -> None:
         mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc, sm_scale=scale,
                      splits=splits, tile_blocks=tb, num_warps=nw, key_group=DEFAULT_GROUP_SIZE, lean=lean,
-                     comp_tile=ct)
+                     comp_tile=ct, compressed_reader=rd or reader, comp_warps=cw, comp_stages=cs)
 
     def timed(name: str, case: str, fn, graph: bool = True) -> dict:  # type: ignore[no-untyped-def]
         row = {"row": name, "case": case, "ms": (_graph_ms if graph else _eager_ms)(fn, a.iters),
@@ -200,18 +213,27 @@ def main() -> None:
         for fraction in a.fractions:
             desc, pool, info = mixed_case(fmt, fraction)
             case = f"{info['ncomp']}/{nblk} blocks {fmt}"
-            rows += [timed(name, case, lambda sp=sp, tb=tb, nw=nw, desc=desc: one_pass(desc, sp, tb, nw))
-                     for name, sp, tb, nw in variants]
-            if fmt.quant not in LEAN_BITS:  # (a lean code needs the reader)
-                rows.append(timed(no_lean, case, lambda desc=desc: one_pass(desc, lean=False)))
-            rows += [timed(f"one_pass, comp_tile={ct}", case, lambda desc=desc, ct=ct: one_pass(desc, ct=ct))
+            for rd in a.readers:
+                tag = f" [{rd}]" if len(a.readers) > 1 else ""
+                rows += [timed(name + tag, case, lambda sp=sp, tb=tb, nw=nw, desc=desc, rd=rd: one_pass(desc, sp, tb,
+                                                                                                        nw, rd=rd))
+                         for name, sp, tb, nw in variants]
+                if fmt.quant not in LEAN_BITS:  # (a lean code needs the reader)
+                    rows.append(timed(no_lean + tag, case, lambda desc=desc, rd=rd: one_pass(desc, lean=False, rd=rd)))
+            rows += [timed(f"one_pass, comp_tile={ct}", case, lambda desc=desc, ct=ct: one_pass(desc, ct=ct,
+                                                                                                 rd="tiles"))
                      for ct in a.comp_tiles]
+            rows += [timed(f"one_pass [kernel], comp_warps={cw}", case,
+                           lambda desc=desc, cw=cw: one_pass(desc, rd="kernel", cw=cw)) for cw in a.comp_warps]
+            rows += [timed(f"one_pass [kernel], comp_stages={cs}", case,
+                           lambda desc=desc, cs=cs: one_pass(desc, rd="kernel", cs=cs)) for cs in a.comp_stages]
             if first:  # the observed layer and the old split path, once
                 first = False
 
-                def observed(desc: torch.Tensor = desc) -> None:
+                def observed(desc: torch.Tensor = desc, rd: str = a.readers[-1]) -> None:
                     mixed_decode(q, out, kv, tables, seq_lens, qsl, slots, table.owner, table.entries, desc,
-                                 sm_scale=scale, entry_lse=ent[:bsz], lse=lse[:bsz])
+                                 sm_scale=scale, entry_lse=ent[:bsz], lse=lse[:bsz], key_group=DEFAULT_GROUP_SIZE,
+                                 compressed_reader=rd)
                     update_block_importance(ent[:bsz], lse[:bsz], seq_lens, qsl, slots, table.owner,
                                             table.entries, table.imp_owner, table.importance, decay=0.9,
                                             aggregate="max", block_size=bs)
@@ -223,7 +245,7 @@ def main() -> None:
                     vllm()
                     paged_attention(q, plan, hot, {fmt: pool}, sm_scale=scale)
 
-                rows += [timed("one_pass, observed layer", case, observed),
+                rows += [timed(f"one_pass, observed layer [{a.readers[-1]}]", case, observed),
                          timed("split (eager)", case, split, graph=False)]
             table.update([(f"r{r}", j, None) for r in range(bsz) for j in range(info["ncomp"])], [], key_blocks)
     gpu = torch.cuda.get_device_name().replace(" ", "-").lower()

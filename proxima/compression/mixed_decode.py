@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from proxima.compression.mixed_comp import _comp_decode_kernel
 from proxima.compression.mixed_decode_lean import lean_block, merge_rotated, rotate_query
 from proxima.compression.mixed_decode_pools import MAX_CODES, READS_QUANTS, _desc, pool_descriptors
 from proxima.compression.mixed_slots import _dot_pv, _slot_tile
@@ -146,10 +147,12 @@ def _mixed_decode_kernel(
     ent_out_ptr, NB_OUT,  # [S, NB_OUT, Hq] float32 per-block log-sum-exp (OBSERVE only)
     lse_ptr,  # [S, Hq] float32 (OBSERVE only)
     part_ml_ptr, part_acc_ptr,  # [S, Hq, SPLITS, 2] / [S, Hq, SPLITS, BLOCK_D] float32 (PARTIAL only)
+    cml_ptr, cacc_ptr,  # the same, written by `mixed_comp._comp_decode_kernel` before (COMP_IN only)
     Hq, sm_scale_log2, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     OBSERVE: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, PARTIAL: tl.constexpr,
     TILE_BLOCKS: tl.constexpr, VG: tl.constexpr, LEAN: tl.constexpr, COMP_TILE: tl.constexpr,
+    TILES: tl.constexpr, COMP_IN: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -172,9 +175,15 @@ def _mixed_decode_kernel(
     first = tl.load(slot_ptr + tl.load(qsl_ptr + r))
     trow = tl.where(first >= 0, tl.load(owner_ptr + tl.maximum(first, 0) // BS), 0).to(tl.int64)
     seq_len = tl.load(seq_ptr + r)
-    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    if COMP_IN:  # start from the compressed blocks' state of this split (`mixed_comp.py`: TILES is off)
+        cpart = (r * Hq + qh) * SPLITS + sp
+        m_i = tl.load(cml_ptr + cpart * 2, mask=mg, other=float("-inf"))
+        l_i = tl.load(cml_ptr + cpart * 2 + 1, mask=mg, other=0.0)
+        acc = tl.load(cacc_ptr + cpart[:, None] * BLOCK_D + od[None, :], mask=mg[:, None], other=0.0)
+    else:
+        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
     m2 = md[None, :]
     # this program's share of the row's blocks: a contiguous run, as even as the split allows
     # (SPLITS is fixed per launch shape, so a CUDA graph replays it whatever the context length)
@@ -192,11 +201,14 @@ def _mixed_decode_kernel(
     # registers and 1.2-1.5 KB of spills.
     otb = tl.arange(0, TILE_BLOCKS)
     compressed = 0
+    lean_blocks = 0
     for jt in range(j_start, j_end, TILE_BLOCKS):
         jj = jt + otb
         codes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=1)
         hot = (codes == 0) & (jj < j_end)
         compressed += tl.sum(((codes != 0) & (jj < j_end)).to(tl.int32), axis=0)
+        if LEAN and not TILES:  # the only compressed blocks this kernel reads then: count them here
+            lean_blocks += tl.sum((_desc(desc_ptr, tl.where(jj < j_end, codes, 0), 0) >= 5).to(tl.int32), axis=0)
         if tl.max(hot.to(tl.int32), axis=0) > 0:
             hk, hv, hvalid = _load_hot_tile(kv_ptr, skv_b, skv_h, skv_t, bt_ptr, sbt, ent_ptr, trow, NB, r, h, jt,
                                             seq_len, od, m2, D, BS, TILE_BLOCKS)
@@ -218,22 +230,22 @@ def _mixed_decode_kernel(
         # The compressed blocks COMP_TILE at a time, one tile per quantization the tile holds
         # (`mixed_slots._slot_tile`: the quantization a constexpr, the pools run-time); lean blocks
         # are counted and left to the block-by-block loop below.
-        lean_blocks = 0
-        occ = tl.arange(0, COMP_TILE)
-        for jt in range(j_start, j_end, COMP_TILE):
-            jj = jt + occ
-            tcodes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
-            quants = _desc(desc_ptr, tcodes, 0)  # code 0 (pages, past the end) reads row 0: quant 0
-            lean_blocks += tl.sum((quants >= 5).to(tl.int32), axis=0)
-            for QK in tl.static_range(1, 5):
-                if tl.max((quants == QK).to(tl.int32), axis=0) > 0:
-                    cs, cv, cvcol, cread = _slot_tile(ent_ptr, desc_ptr, h, trow, NB, jt, j_end, seq_len, q16,
-                                                      slot_scale, od, md, QK, D, BS, BLOCK_D, COMP_TILE, VG, DOT,
-                                                      DOT_16BIT)
-                    m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
-                    if OBSERVE:
-                        _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, cp, cm, cread, G_PAD,
-                                         COMP_TILE, BS)
+        if TILES:  # (a constexpr: with the compressed kernel, `mixed_comp.py`, this tile reader is not compiled)
+            occ = tl.arange(0, COMP_TILE)
+            for jt in range(j_start, j_end, COMP_TILE):
+                jj = jt + occ
+                tcodes = tl.load(ent_ptr + (trow * NB + jj) * 2, mask=jj < j_end, other=0)
+                quants = _desc(desc_ptr, tcodes, 0)  # code 0 (pages, past the end) reads row 0: quant 0
+                lean_blocks += tl.sum((quants >= 5).to(tl.int32), axis=0)
+                for QK in tl.static_range(1, 5):
+                    if tl.max((quants == QK).to(tl.int32), axis=0) > 0:
+                        cs, cv, cvcol, cread = _slot_tile(ent_ptr, desc_ptr, h, trow, NB, jt, j_end, seq_len, q16,
+                                                          slot_scale, od, md, QK, D, BS, BLOCK_D, COMP_TILE, VG, DOT,
+                                                          DOT_16BIT)
+                        m_i, l_i, acc, cp, cm = _slot_step(cs, cv, cvcol, m_i, l_i, acc, DOT, DOT_16BIT)
+                        if OBSERVE:
+                            _store_block_lse(ent_out_ptr, NB_OUT, Hq, r, qh, mg, jt, j_end, cp, cm, cread, G_PAD,
+                                             COMP_TILE, BS)
         if LEAN:  # noqa: SIM102 (a constexpr, then a run-time test: without LEAN the reader is not compiled)
             if lean_blocks > 0:
                 for j in range(j_start, j_end):
@@ -314,6 +326,15 @@ COMP_TILE_TOKENS = 128
 """Rows of one compressed tile (`mixed_slots._slot_tile`), in tokens of vLLM's blocks."""
 NUM_WARPS = 4
 """Warps of one program (`num_warps=` overrides, for the benchmark's sweep)."""
+COMPRESSED_READER = "tiles"
+"""Who reads fp8 / int8 / int4 / int2 blocks: "tiles" (`mixed_slots._slot_tile`, inside the main
+kernel) or "kernel" (`mixed_comp.py`, a kernel of their own; `compressed_reader=` overrides)."""
+COMP_WARPS = 4
+"""Warps of one program of the compressed kernel (`comp_warps=` overrides)."""
+COMP_STAGES = 3
+"""Software-pipelining stages of the compressed kernel's block loop (`comp_stages=` overrides)."""
+COMP_SCAN = 64
+"""Codes the compressed kernel reads per step of its scan for the quantizations present."""
 MAX_SPLITS = 16
 MIN_BLOCKS_PER_SPLIT = 8
 """A split walks at least this many blocks of the longest row the block table can hold: below
@@ -327,6 +348,16 @@ WAVES = 8
 def _sm_count(index: int) -> int:
     """SMs of GPU `index`, asked once (auto_splits runs in every layer of every decode step)."""
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+@functools.cache
+def _anchor(device: torch.device) -> torch.Tensor:
+    """16 bytes the compressed kernel addresses its pools from (`mixed_comp._byte_rows`): a fresh
+    allocation, so 16-byte aligned (the kernel's arithmetic relies on it), kept for the process."""
+    t = torch.empty(16, dtype=torch.uint8, device=device)  # (never read: only its address)
+    if t.data_ptr() % 16:
+        raise RuntimeError("the compressed kernel's anchor is not 16-byte aligned")
+    return t
 
 
 def auto_splits(rows: int, kv_heads: int, table_blocks: int, device: torch.device) -> int:
@@ -356,6 +387,7 @@ def mixed_decode(
     descriptors: torch.Tensor, *, sm_scale: float, entry_lse: torch.Tensor | None = None,
     lse: torch.Tensor | None = None, splits: int | None = None, tile_blocks: int | None = None,
     num_warps: int | None = None, key_group: int | None = None, lean: bool = True, comp_tile: int | None = None,
+    compressed_reader: str | None = None, comp_warps: int | None = None, comp_stages: int | None = None,
 ) -> None:
     """Decode attention of S single-token rows over their mixed-format contexts, one launch.
 
@@ -378,7 +410,14 @@ def mixed_decode(
     KIVI codes). The backend always reads them (True). `comp_tile` (default: COMP_TILE_TOKENS'
     worth, at most `tile_blocks`; a power of two dividing it): compressed blocks of the fp8 / int8
     / int4 / int2 quantizations read as one tile per quantization (`mixed_slots._slot_tile`).
-    Lean blocks are read block by block."""
+    Lean blocks are read block by block. `compressed_reader` (default COMPRESSED_READER): "tiles",
+    the fp8 / int8 / int4 / int2 blocks read inside this kernel as above; "kernel", read first by a
+    kernel of their own (`mixed_comp.py`, `comp_warps` warps and `comp_stages` pipelining stages,
+    defaults COMP_WARPS and COMP_STAGES) whose partial
+    state this kernel starts from: one more launch where the descriptors name any pool."""
+    reader = COMPRESSED_READER if compressed_reader is None else compressed_reader
+    if reader not in ("tiles", "kernel"):
+        raise ValueError(f"mixed_decode's compressed_reader is 'tiles' or 'kernel', got {reader!r}")
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
     if d2 != 2 * d or hq % h or out.shape != q.shape:
@@ -413,17 +452,33 @@ def mixed_decode(
     # 16-bit operands on a GPU; the interpreter multiplies bf16 dots wrongly (numpy has no bf16: a
     # 16 x 16 bf16 tl.dot is off by 1e10 in Triton 3.x's interpreter), so there it dots in fp32.
     dot_16bit = os.environ.get("TRITON_INTERPRET") != "1"
+    g_pad = max(_p2(g, 1), 16) if dot else _p2(g, 1)
+    vg = _value_group(key_group, block_d)
+    # the compressed kernel only where a pool can be named (row 0 alone: nothing is compressed)
+    comp = reader == "kernel" and descriptors.shape[0] > 1
+    cml = torch.empty(s, hq, n_split, 2, dtype=torch.float32, device=q.device) if comp else dummy
+    cacc = torch.empty(s, hq, n_split, block_d, dtype=torch.float32, device=q.device) if comp else dummy
+    if comp:
+        _comp_decode_kernel[(s, h, n_split)](
+            q, q.stride(0), q.stride(1), seq_lens, query_start_loc, slot_mapping,
+            owner, entries, entries.shape[1], descriptors, _anchor(q.device),
+            entry_lse if observe else dummy, entry_lse.shape[1] if entry_lse is not None else 0, cml, cacc,
+            hq, sm_scale * LOG2E, n_split,
+            G=g, G_PAD=g_pad, D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe, DOT=dot, DOT_16BIT=dot_16bit,
+            TILE_BLOCKS=tb, VG=vg, KEY_ROW=key_group is not None and key_group >= bs, SCAN=COMP_SCAN,
+            ALIGN=d % 64 == 0, num_warps=comp_warps or COMP_WARPS, num_stages=comp_stages or COMP_STAGES,
+        )  # fmt: skip
     _mixed_decode_kernel[(s, h, n_split)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
         kv_cache, *kv_cache.stride()[:3],
         block_table, block_table.stride(0), seq_lens, query_start_loc, slot_mapping,
         owner, entries, entries.shape[1], descriptors,
         entry_lse if observe else dummy, entry_lse.shape[1] if entry_lse is not None else 0,
-        lse if lse is not None else dummy, part_ml, part_acc,
+        lse if lse is not None else dummy, part_ml, part_acc, cml, cacc,
         hq, sm_scale * LOG2E, n_split,
-        G=g, G_PAD=max(_p2(g, 1), 16) if dot else _p2(g, 1), D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
+        G=g, G_PAD=g_pad, D=d, BLOCK_D=block_d, BS=bs, OBSERVE=observe,
         DOT=dot, DOT_16BIT=dot_16bit, PARTIAL=partial, TILE_BLOCKS=tb, COMP_TILE=ct,
-        VG=_value_group(key_group, block_d), LEAN=lean,
+        VG=vg, LEAN=lean, TILES=reader == "tiles", COMP_IN=comp,
         num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     if partial:

@@ -69,6 +69,11 @@ def pool_descriptors(pools: Mapping[int, CompressedBlocks], block_size: int, dev
             raise ValueError(f"{p.fmt}: slot data must be [slots, C, H, P] with dense tokens, strides {k8.stride()}")
         if v8.stride()[:3] != k8.stride()[:3]:
             raise ValueError(f"{p.fmt}: keys and values must share strides, got {k8.stride()} and {v8.stride()}")
+        if q not in LEAN_BITS and p.head_dim % 64 == 0 and any(
+            x % 16 for x in (k8.data_ptr(), v8.data_ptr(), *k8.stride()[:3])
+        ):  # the compressed kernel reads such rows 16 bytes at a time, aligned (`mixed_comp._byte_rows`)
+            raise ValueError(f"{p.fmt}: slot data must be 16-byte aligned at head dim {p.head_dim}, got addresses "
+                             f"{k8.data_ptr() % 16}, {v8.data_ptr() % 16} mod 16 and strides {k8.stride()[:3]}")
         d[code, F_QUANT] = QUANT_CODE[q]
         d[code, F_TOKENS] = kept_count(p.fmt, block_size)
         d[code, F_REDUCED] = int(p.fmt.reduction is not None)

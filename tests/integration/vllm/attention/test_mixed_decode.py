@@ -142,13 +142,15 @@ def _pools(connector: ProximaConnector, store: WorkerStore) -> torch.Tensor:
     return pool_descriptors(pools, B, DEV)
 
 
-@pytest.mark.parametrize(("splits", "tiles", "group", "comp"),
-                         [(1, None, None, None), (1, 1, None, None), (2, 1, None, None), (3, 1, None, None),
-                          (2, 2, None, None), (1, 2, None, 1), (2, None, 8, None), (3, None, 8, 2),
-                          (1, 1, 8, 1), (2, 2, 8, 2)])
+@pytest.mark.parametrize(("splits", "tiles", "group", "comp", "reader"),
+                         [(1, None, None, None, "tiles"), (1, 1, None, None, "tiles"), (2, 1, None, None, "tiles"),
+                          (3, 1, None, None, "tiles"), (2, 2, None, None, "tiles"), (1, 2, None, 1, "tiles"),
+                          (2, None, 8, None, "tiles"), (3, None, 8, 2, "tiles"), (1, 1, 8, 1, "tiles"),
+                          (2, 2, 8, 2, "tiles"), (1, None, None, None, "kernel"), (3, 1, None, None, "kernel"),
+                          (2, None, 8, None, "kernel"), (3, 2, 8, None, "kernel"), (1, None, 32, None, "kernel")])
 def test_one_launch_equals_dense_attention_over_every_format(worker_connector: ProximaConnector, splits: int,
                                                              tiles: int | None, group: int | None,
-                                                             comp: int | None) -> None:
+                                                             comp: int | None, reader: str) -> None:
     """Whatever the split of the context over programs (3 over rows of 1-4 blocks: uneven runs,
     and splits with no block at all) and the tile (1 block: rows a and c read their last page as a
     tile of its own after their compressed blocks; 2 and the default 8: tiles mixing formats and
@@ -156,7 +158,9 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     compressed format) and the storage's group (8: two KIVI key groups per 16-token slot, read per
     token; the policy's 32: one scale row per slot) and the compressed tile (the default: as many
     blocks as the page tile; 1 and 2: tiles of mixed quantizations split by the tile's edges), the
-    merged result and the per-block mass are the same."""
+    merged result and the per-block mass are the same. Also with the compressed blocks read by a
+    kernel of their own (`reader` "kernel", `mixed_comp.py`), per token (group 8, and no group
+    given) and with one key-scale row per slot (group 32 given as the storage's)."""
     store, kv, meta = _world(worker_connector, group)
     if group is not None:  # the slots were written with it
         assert cb.slot_pool_of(store, LAYER, Format.parse("int4"), DEV).group_size == group
@@ -168,7 +172,8 @@ def test_one_launch_equals_dense_attention_over_every_format(worker_connector: P
     lse = torch.empty(len(REQUESTS), HQ, device=DEV)
     mixed_decode(q, out, kv, meta["block_table"], meta["seq_lens"], meta["query_start_loc"], meta["slot_mapping"],
                  t.owner, t.entries, _pools(worker_connector, store), sm_scale=D**-0.5, entry_lse=ent, lse=lse,
-                 splits=splits, tile_blocks=tiles, comp_tile=comp)
+                 splits=splits, tile_blocks=tiles, comp_tile=comp, compressed_reader=reader,
+                 key_group=group if reader == "kernel" else None)
     mass = block_mass(ent, lse)
     for r, rid in enumerate(REQUESTS):
         want, want_mass = _reference(store, kv, q[r], rid)
@@ -331,17 +336,23 @@ def no_parent_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TritonAttentionImpl, "forward", forward)
 
 
+@pytest.mark.parametrize("reader", ["tiles", "kernel"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_a_decode_batch_is_one_launch_per_layer_and_building_reads_nothing_back(
-    worker_connector: ProximaConnector, no_parent_kernel: None, monkeypatch: pytest.MonkeyPatch, layers: int
+    worker_connector: ProximaConnector, no_parent_kernel: None, monkeypatch: pytest.MonkeyPatch, layers: int,
+    reader: str
 ) -> None:
     """Item 6 of issue 38: one forward of the backend over a batch mixing bf16 pages and eight
     compressed formats (the lean ones among them) launches at most 2 kernels per layer (here 1: the observed layer's
     importance is still planned on the host, see `importance.py`), and building the step's
-    metadata reads nothing back to the host. Counted on the product's own launches."""
+    metadata reads nothing back to the host. Counted on the product's own launches. With the
+    compressed blocks read by a kernel of their own (`mixed_decode.COMPRESSED_READER` "kernel",
+    `mixed_comp.py`; docs/design-decisions.md says why): that kernel first, at most 3 per layer."""
+    import proxima.compression.mixed_decode as md
     from tests.integration.vllm.attention.test_cuda_backend import _builder
 
     monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
+    monkeypatch.setattr(md, "COMPRESSED_READER", reader)
     store, kv, meta = _world(worker_connector)
     store.observe_layer = None  # the non-observed layers (the observed one: test below)
     counter = _Counter(monkeypatch)
@@ -357,8 +368,9 @@ def test_a_decode_batch_is_one_launch_per_layer_and_building_reads_nothing_back(
     with counter:
         for out in outs:
             impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, m, out)
-    assert counter.triton == ["_mixed_decode_kernel"] * layers, counter.triton
-    assert counter.launches <= 2 * layers, (counter.triton, counter.torch_ops)
+    per_layer = ["_comp_decode_kernel", "_mixed_decode_kernel"] if reader == "kernel" else ["_mixed_decode_kernel"]
+    assert counter.triton == per_layer * layers, counter.triton
+    assert counter.launches <= (3 if reader == "kernel" else 2) * layers, (counter.triton, counter.torch_ops)
     assert counter.host_reads == [], counter.host_reads
     for r, rid in enumerate(REQUESTS):
         want, _ = _reference(store, kv, q[r], rid)
@@ -486,24 +498,30 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from proxima.compression import mixed_decode as md
+from proxima.compression import mixed_comp as mc, mixed_decode as md
 
-observe, partial, lean = sys.argv[1] == "1", sys.argv[2] == "1", sys.argv[3] == "1"
+observe, partial, lean, comp = (a == "1" for a in sys.argv[1:5])
 ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_ptr": "*i32",
         "qsl_ptr": "*i32", "slot_ptr": "*i64", "owner_ptr": "*i32", "ent_ptr": "*i32", "desc_ptr": "*i64",
         "ent_out_ptr": "*fp32", "lse_ptr": "*fp32", "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32",
-        "sm_scale_log2": "fp32"}
+        "cml_ptr": "*fp32", "cacc_ptr": "*fp32", "anchor_ptr": "*u8", "sm_scale_log2": "fp32"}
 kernels = [(md._mixed_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 16, "OBSERVE": observe,
                                       "DOT": True, "DOT_16BIT": True, "PARTIAL": partial,
                                       "TILE_BLOCKS": 4, "VG": 32, "LEAN": lean,
-                                      "COMP_TILE": 4 if observe else 2})]
+                                      "COMP_TILE": 4 if observe else 2, "TILES": not comp, "COMP_IN": comp})]
+if comp:  # the compressed blocks' own kernel at the 8B shape (block 32, one key-scale row per slot)
+    kernels.append((mc._comp_decode_kernel, {"G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128, "BS": 32,
+                                             "OBSERVE": observe, "DOT": True, "DOT_16BIT": True, "TILE_BLOCKS": 4,
+                                             "VG": 32, "KEY_ROW": True, "SCAN": 64, "ALIGN": True}))
 if partial:
     kernels.append((md._combine_splits_kernel, {"G": 4, "G_PAD": 4, "D": 128, "BLOCK_D": 128, "SPLITS_PAD": 16,
                                                 "OBSERVE": observe}))
 for fn, consts in kernels:
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    # pointers 16-byte aligned, as the launcher specializes them (the compressed kernel's vector loads)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     print(f".entry {fn.__name__}" in ptx)
     if fn is md._mixed_decode_kernel:  # whether the lean reader is in: its rotations are the only fp32 (tf32) dots
@@ -511,19 +529,23 @@ for fn, consts in kernels:
 """
 
 
-@pytest.mark.parametrize(("observe", "partial", "lean"),
-                         [(False, False, True), (True, False, True), (True, True, True), (False, False, False)])
-def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool, partial: bool, lean: bool) -> None:
+@pytest.mark.parametrize(("observe", "partial", "lean", "comp"),
+                         [(False, False, True, False), (True, False, True, False), (True, True, True, False),
+                          (False, False, False, False), (False, True, True, True), (True, True, True, True)])
+def test_the_kernel_compiles_for_the_h200_without_a_gpu(observe: bool, partial: bool, lean: bool, comp: bool) -> None:
     """The interpreter runs Python, so it accepts what the compiler refuses (e.g. a runtime `if`
     whose branches leave one name with two types). Compile the kernels (with a split context:
     also the merge) for sm_90 to PTX, in a process without TRITON_INTERPRET (this one's
     decorators built interpreter wrappers). The backend's variants hold the lean formats' reader
     (`mixed_decode_lean.py`): its query rotation and final un-rotation are in the PTX; `lean=False`
-    (the benchmark's variant without it) leaves them out."""
+    (the benchmark's variant without it) leaves them out. `comp`: the compressed blocks' own
+    kernel (`mixed_comp.py`) and the main kernel without its tile reader, starting from that
+    kernel's state."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE, str(int(observe)), str(int(partial)), str(int(lean))],
+    res = subprocess.run([sys.executable, "-c", COMPILE, *(str(int(x)) for x in (observe, partial, lean, comp))],
                          env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.split() == ["True", str(lean)] + ["True"] * partial, res.stderr[-2000:]
+    want = ["True", str(lean)] + ["True"] * comp + ["True"] * partial
+    assert res.returncode == 0 and res.stdout.split() == want, res.stderr[-2000:]

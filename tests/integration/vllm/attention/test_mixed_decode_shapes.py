@@ -93,15 +93,18 @@ def _case(bs: int) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor, torch.T
     return inputs, dense
 
 
+@pytest.mark.parametrize("reader", ["tiles", "kernel"])
 @pytest.mark.parametrize(("bs", "splits"), [(16, 1), (16, 3), (32, 1), (32, 3), (8, 2)])
-def test_one_pass_equals_dense_attention_at_the_engines_shapes(bs: int, splits: int) -> None:
-    """(Block 8: below tl.dot's 16, every product, the lean rotations included, is a broadcast sum.)"""
+def test_one_pass_equals_dense_attention_at_the_engines_shapes(bs: int, splits: int, reader: str) -> None:
+    """(Block 8: below tl.dot's 16, every product, the lean rotations included, is a broadcast sum.)
+    Both readers of the compressed blocks: inside the kernel ("tiles") and in a kernel of their
+    own ("kernel", `mixed_comp.py`, whose partial state the main kernel starts from)."""
     x, dense = _case(bs)
     q = torch.randn(len(ROWS), HQ, D, device=DEV).bfloat16()
     out = torch.full_like(q, float("nan"))
     t = x["table"]
     mixed_decode(q, out, x["kv"], x["tables"], x["seq_lens"], x["qsl"], x["slots"], t.owner, t.entries, x["desc"],
-                 sm_scale=D**-0.5, splits=splits, key_group=DEFAULT_GROUP_SIZE)
+                 sm_scale=D**-0.5, splits=splits, key_group=DEFAULT_GROUP_SIZE, compressed_reader=reader)
     for r, (k, v, lc) in enumerate(dense):
         kk = k.float().repeat_interleave(HQ // H, 1)
         vv = v.float().repeat_interleave(HQ // H, 1)

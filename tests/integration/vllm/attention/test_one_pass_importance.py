@@ -77,12 +77,18 @@ def _close(got: list[float], want: list[float]) -> bool:
     return all((g != g and w != w) or abs(g - w) < 2e-3 for g, w in pairs)
 
 
+@pytest.mark.parametrize("reader", ["tiles", "kernel"])
 def test_the_observed_layer_is_two_launches_reads_nothing_back_and_feeds_the_report(
-    worker_connector: ProximaConnector, no_parent_kernel: None, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    worker_connector: ProximaConnector, no_parent_kernel: None, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    reader: str
 ) -> None:
+    """(With the compressed blocks read by a kernel of their own, `mixed_comp.py`: that kernel
+    first, three launches; it writes the compressed blocks' log-sum-exp.)"""
+    import proxima.compression.mixed_decode as md
     from tests.integration.vllm.attention.test_cuda_backend import _builder
 
     monkeypatch.setenv(cb.ONE_PASS_ENV, "1")
+    monkeypatch.setattr(md, "COMPRESSED_READER", reader)
     store, kv, meta = _world(worker_connector)
     assert store.observe_layer == LAYER and store.aggregate == "max"
     impl = worker_connector._vllm_config.compilation_config.static_forward_context[LAYER].impl
@@ -95,8 +101,9 @@ def test_the_observed_layer_is_two_launches_reads_nothing_back_and_feeds_the_rep
         with counter:
             m = builder.build(0, cm)
             impl.forward(SimpleNamespace(layer_name=LAYER), q, None, None, kv, m, out)
-        assert counter.triton == ["_mixed_decode_kernel", "_block_importance_kernel"], counter.triton
-        assert counter.launches <= 2, (counter.triton, counter.torch_ops)
+        first = ["_comp_decode_kernel"] if reader == "kernel" else []
+        assert counter.triton == [*first, "_mixed_decode_kernel", "_block_importance_kernel"], counter.triton
+        assert counter.launches <= 2 + len(first), (counter.triton, counter.torch_ops)
         assert counter.host_reads == [], counter.host_reads
         assert m.px_obs is None  # no host observation plan
         rep = worker_connector.build_connector_worker_meta()

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from proxima.compression.mixed_decode_pools import _desc_row
-from proxima.compression.mixed_slots import _dot_pv, _dot_qk
+from proxima.compression.mixed_slots import _dot_pv, _dot_qk, _slot_query, _table_row
 from proxima.compression.triton_codes import _bytes_f16, _small_codes_f16
 
 
@@ -199,16 +199,11 @@ def _comp_decode_kernel(
     mg = og < G
     md = od < D
     qh = h * G + og
-    # the query as `_mixed_decode_kernel` scales it for compressed slots (a power of two into [-1, 1])
+    # the query as `_mixed_decode_kernel` scales it for compressed slots (`mixed_slots._slot_query`)
     qf = tl.load(q_ptr + r * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :],
                  other=0.0).to(tl.float32)
-    qmax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
-    qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
-    q16 = (qf * (1.0 / qn)).to(tl.float16)
-    score_scale = sm_scale_log2 * qn
-    first = tl.load(slot_ptr + tl.load(qsl_ptr + r))
-    trow = tl.where(first >= 0, tl.load(owner_ptr + tl.maximum(first, 0) // BS), 0).to(tl.int64)
-    seq_len = tl.load(seq_ptr + r)
+    q16, score_scale = _slot_query(qf, sm_scale_log2)
+    trow, seq_len = _table_row(slot_ptr, qsl_ptr, owner_ptr, seq_ptr, r, BS)
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)

@@ -48,7 +48,7 @@ import triton.language as tl
 from proxima.compression.mixed_comp import _comp_decode_kernel
 from proxima.compression.mixed_decode_lean import lean_block, merge_rotated, rotate_query
 from proxima.compression.mixed_decode_pools import MAX_CODES, READS_QUANTS, _desc, pool_descriptors
-from proxima.compression.mixed_slots import _dot_pv, _slot_tile
+from proxima.compression.mixed_slots import _dot_pv, _slot_query, _slot_tile, _table_row
 from proxima.compression.triton_ops import _p2
 
 LOG2E = 1.4426950408889634
@@ -164,17 +164,9 @@ def _mixed_decode_kernel(
     md = od < D
     qh = h * G + og
     q = tl.load(q_ptr + r * sq_s + qh[:, None] * sq_h + od[None, :], mask=mg[:, None] & md[None, :], other=0.0)
-    # the compressed slots' query (`mixed_slots`): scaled by a power of two into [-1, 1], float16
-    # (exact down to 2^-14 of its largest element); `slot_scale` undoes it in the scores
-    qf = q.to(tl.float32)
-    qmax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
-    qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
-    q16 = (qf * (1.0 / qn)).to(tl.float16)
-    slot_scale = sm_scale_log2 * qn
-    # the request's table row: its key block (first query token) -> row; padding rows read row 0
-    first = tl.load(slot_ptr + tl.load(qsl_ptr + r))
-    trow = tl.where(first >= 0, tl.load(owner_ptr + tl.maximum(first, 0) // BS), 0).to(tl.int64)
-    seq_len = tl.load(seq_ptr + r)
+    # the compressed slots' query (`mixed_slots._slot_query`); `slot_scale` undoes its scaling in the scores
+    q16, slot_scale = _slot_query(q.to(tl.float32), sm_scale_log2)
+    trow, seq_len = _table_row(slot_ptr, qsl_ptr, owner_ptr, seq_ptr, r, BS)
     if COMP_IN:  # start from the compressed blocks' state of this split (`mixed_comp.py`: TILES is off)
         cpart = (r * Hq + qh) * SPLITS + sp
         m_i = tl.load(cml_ptr + cpart * 2, mask=mg, other=float("-inf"))

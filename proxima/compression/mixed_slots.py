@@ -29,6 +29,25 @@ from proxima.compression.triton_codes import _bytes_f16
 
 
 @triton.jit
+def _slot_query(qf, sm_scale_log2):
+    """The compressed slots' query: `qf` (float32 [G_PAD, BLOCK_D]) scaled by a power of two into
+    [-1, 1] and rounded to float16 (exact down to 2^-14 of its largest element), and the factor
+    that undoes it in the scores (log2 units). Both decode kernels read slots with it."""
+    qmax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+    qn = tl.where(qmax > 0, tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1e-30)))), 1.0)
+    return (qf * (1.0 / qn)).to(tl.float16), sm_scale_log2 * qn
+
+
+@triton.jit
+def _table_row(slot_ptr, qsl_ptr, owner_ptr, seq_ptr, r, BS: tl.constexpr):
+    """Batch row `r`'s device block table row (its key block, the first query token's, -> row;
+    padding rows, slot -1, read row 0: all hot) and its context length."""
+    first = tl.load(slot_ptr + tl.load(qsl_ptr + r))
+    trow = tl.where(first >= 0, tl.load(owner_ptr + tl.maximum(first, 0) // BS), 0).to(tl.int64)
+    return trow, tl.load(seq_ptr + r)
+
+
+@triton.jit
 def _dot_qk(q16, k16, DOT: tl.constexpr, DOT_16BIT: tl.constexpr):
     """Scores [G_PAD, BS] float32 of query rows [G_PAD, BLOCK_D] against key rows [BS, BLOCK_D]."""
     if DOT:

@@ -249,8 +249,11 @@ class ProximaConnector(KVConnectorBase_V1):
         try:
             table.update(step_placements([*plan.revoked, *plan.actions, *settled], store.remap), plan.dropped,
                          plan.key_blocks)
-            # Codes no entry holds go back, except those of blocks the probe is still judging.
-            table.release_unused(b.stored for b in store.probing if b.stored is not None)
+            # Codes no entry holds go back, except those of blocks the probe is still judging and
+            # those a revocation may restore (`store.replaced`: the entry a recompression replaced).
+            keep = {b.stored for b in store.probing if b.stored is not None}
+            keep.update(old[0] for blocks in store.replaced.values() for _, old in blocks.values())
+            table.release_unused(keep)
         except Exception:
             logger.exception("proxima: the device block table could not follow this step; attention plans "
                              "from the host maps from now on")
@@ -269,6 +272,10 @@ class ProximaConnector(KVConnectorBase_V1):
         except Exception:
             logger.exception("proxima: the one-pass decode's pool descriptors could not be built; attention "
                              "plans from the host maps from now on")
+            # A code may already name a new format in the entries while its row still describes the
+            # old pool: zeroed, a replayed graph skips those blocks rather than read out of bounds.
+            for _, desc in self.block_table.descriptors.values():
+                desc.zero_()
             self._retire_block_table()
 
     def _retire_block_table(self) -> None:
@@ -277,7 +284,10 @@ class ProximaConnector(KVConnectorBase_V1):
         would be reused and the replay would read pointers out of other data. Eager batches plan
         from the host maps; but a replayed decode graph reads this table, which no longer follows
         the steps (on the H100 soak that ran out of format codes, 2026-12-06: NaN logprobs), so
-        with CUDA graphs nothing more is compressed (blocks already compressed stay as they are)."""
+        with full CUDA graphs nothing more is compressed. That limits the harm, it does not undo it:
+        the replays keep reading the stale table for the blocks already compressed. Retiring is
+        therefore logged as an error path; the format codes (`DeviceBlockTable.refusal`, codes
+        kept for in-flight and revocable blocks) keep the known cause from reaching it."""
         if self.block_table is not None:
             self._retired_tables.append(self.block_table)
             self.block_table = None
@@ -285,9 +295,10 @@ class ProximaConnector(KVConnectorBase_V1):
                 self.store.format_gate = None if not self._graphs_replay_decode() else _no_table
 
     def _graphs_replay_decode(self) -> bool:
-        """Whether this engine replays CUDA graphs (vLLM's `cudagraph_mode` other than NONE)."""
+        """Whether decode batches replay full CUDA graphs (vLLM's `cudagraph_mode` FULL, FULL_DECODE_ONLY
+        or FULL_AND_PIECEWISE): there attention is inside the graph; piecewise graphs run it eagerly."""
         mode = getattr(self._vllm_config.compilation_config, "cudagraph_mode", None)
-        return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+        return mode is not None and "FULL" in getattr(mode, "name", str(mode))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None

@@ -149,7 +149,7 @@ class DeviceBlockTable:
 
     def code_of(self, fmt: Format) -> int:
         """`fmt`'s code, assigned now if it has none (a freed code first); TooManyFormats when
-        every code holds a format in use (`admits` lets the worker refuse such a compression first)."""
+        every code holds a format in use (`refusal` lets the worker refuse such a compression first)."""
         if fmt.is_hot:
             return HOT_CODE
         code = self._codes.get(fmt)

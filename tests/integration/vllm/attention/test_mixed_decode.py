@@ -446,6 +446,33 @@ def test_a_format_without_a_free_code_is_refused_and_a_freed_code_serves_it(work
     assert t.descriptors[LAYER][1][code].any()  # the kernel's descriptor row for the reused code
 
 
+def test_a_recompressions_old_format_keeps_its_code_for_a_revocation(worker_connector: ProximaConnector) -> None:
+    """A recompression moves a block's last int8 entry to int4, but a revocation (another rank
+    failed it, tensor parallelism) may put it back: int8 keeps its code meanwhile, so the table
+    can follow the revocation, and a third format is refused instead of taking that code."""
+    store, _ = _registered(worker_connector)
+    t = worker_connector.block_table
+    assert t is not None
+    compression_probe_off(store)
+    t.max_codes = 2
+    int8, int4, fp8 = Format.parse("int8"), Format.parse("int4"), Format.parse("fp8")
+    first = CompressAction(0, "a", 0, src=1, dst=20, slot=0, fmt=int8)
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=[first], key_blocks={3: "a"}))
+    worker_connector.build_connector_worker_meta()
+    again = CompressAction(1, "a", 0, src=1, dst=21, slot=0, fmt=int4, from_fmt=int8, from_dst=20, from_slot=0)
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=[again], key_blocks={3: "a"}))
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and rep.ok == [1] and set(t.coded()) == {int8, int4}  # int8: no entry, still coded
+    worker_connector.bind_connector_metadata(ProximaPlan(actions=[CompressAction(2, "b", 0, src=4, dst=22, slot=0,
+                                                                                 fmt=fp8)], key_blocks={5: "b"}))
+    rep = worker_connector.build_connector_worker_meta()
+    assert rep is not None and rep.failed == [2]
+    worker_connector.bind_connector_metadata(ProximaPlan(revoked=[again], key_blocks={3: "a"}))
+    assert worker_connector.block_table is t  # followed, not retired
+    code, sid = t.entries[t.rows["a"], 0].tolist()
+    assert t.formats[code - 1] == int8 and sid == 20 * int8.pack_ratio
+
+
 def test_a_block_installed_by_a_late_probe_verdict_enters_the_device_table_at_the_next_plan(
     worker_connector: ProximaConnector,
 ) -> None:

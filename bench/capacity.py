@@ -245,6 +245,7 @@ def run_equal_bytes(args: argparse.Namespace) -> None:
     # `timeout` sends SIGTERM: leave through SystemExit so that run_row kills the engine
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logs = args.logs or Path(tempfile.mkdtemp(prefix="px-rows-"))
+    # a row may be a policy file's path: its log is named by the file's stem
     for k, (rep, pos, row) in enumerate(todo):
         elapsed = time.perf_counter() - t_call
         need = expected_run_s(doc, wl.deadline_s)
@@ -256,7 +257,7 @@ def run_equal_bytes(args: argparse.Namespace) -> None:
             f"{elapsed:.0f} s used)")
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         t_run = time.perf_counter()
-        raw = run_row(wl, row, row_pools[row], args.eager, timeout, logs / f"{args.workload}-{row}-rep{rep}.log",
+        raw = run_row(wl, row, row_pools[row], args.eager, timeout, logs / f"{args.workload}-{Path(row).stem}-rep{rep}.log",
                       time_split=not args.no_step_split)
         summary = summarize(row, raw, row_pools[row])
         record(doc, rep, pos, row, summary, time.perf_counter() - t_run, started)

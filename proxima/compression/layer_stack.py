@@ -230,7 +230,7 @@ def upload(rows: list[list[int]] | list[int] | torch.Tensor, device: torch.devic
     """Host-built step data on `device`: one pinned, non-blocking copy on a GPU, no sync (the
     stream orders it before its readers). A step makes one for its action table, and one per
     first merge for the blocks' token importance (kept on the host, `token_importance`).
-    `bench/op_counter.py` counts the worker's calls of it (`store._upload`) as uploads, apart from would-be syncs."""
+    `worker/step_counter.py` counts the worker's calls of it (`store._upload`) as uploads, apart from would-be syncs."""
     host = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)
     if device.type != "cuda":
         return host

@@ -154,3 +154,17 @@ def test_a_resumed_file_keeps_every_call() -> None:
                                                                                          "date": "d2"}]
     w = document([runs], "abc1234", "abc", "merge")["workloads"]["quality"]
     assert w["commands"] == ["call 1", "call 2"] and w["dates"] == ["d1", "d2"]
+
+
+def test_the_step_file_gives_a_reason_only_for_an_absent_counter() -> None:
+    from bench.step_report import policy_rows
+
+    counted = {"step_ms": {"compress_ms": 1.0},
+               "step_counters": {"launches_per_step": 5, "memcpys_per_step": 1, "syncs_per_step": 0,
+                                 "counted_steps": 3}}
+    rows = policy_rows({"balanced": counted, "aggressive": {"step_ms": {}}})
+    bal, agg = rows["balanced"], rows["aggressive"]
+    assert (bal["launches_per_step"], bal["memcpys_per_step"], bal["syncs_per_step"]) == (5, 1, 0)
+    assert bal["counted_steps"] == 3
+    assert not {"launches_per_step", "memcpys_per_step", "syncs_per_step"} & set(bal["missing"])
+    assert agg["launches_per_step"] is None and "sampled" in agg["missing"]["syncs_per_step"]

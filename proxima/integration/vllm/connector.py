@@ -221,9 +221,13 @@ class ProximaConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, ProximaPlan):
             store = self._worker_store()
-            with store.times.span("compress_s", store.device):
-                store.apply(connector_metadata)
-            self._update_block_table(connector_metadata)
+            # A sampled step counts what this step sends to the device (`step_counter.py`): the
+            # compression and the block table's update here, the row planning in the attention.
+            store.counter.start_step(bool(connector_metadata.actions))
+            with store.counter.region(store.device):
+                with store.times.span("compress_s", store.device):
+                    store.apply(connector_metadata)
+                self._update_block_table(connector_metadata)
             store.times.begin("forward_s", store.device)  # ends in build_connector_worker_meta
 
     def _make_block_table(self, kv_caches: dict[str, Any]) -> None:

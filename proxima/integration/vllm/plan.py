@@ -108,6 +108,10 @@ class ProximaReport(KVConnectorWorkerMetadata):
     """Seconds of this worker's step parts completed since the last report (`timing.py`; empty
     unless `PROXIMA_TIME_SPLIT=1`). Merged: the slowest rank's, per part (the ranks run a step's
     parts side by side, so the split stays a split of the step's wall time)."""
+    step_counts: list[dict[str, int]] = field(default_factory=list)
+    """Each step this worker measured since the last report (`worker/step_counter.py`; empty unless
+    the step split or `PROXIMA_STEP_COUNTERS=1`): its device kernels (`launches`), host-device
+    copies (`memcpys`) and host syncs (`syncs`). Merged: the busiest rank's, per step and count."""
     ranks: int = 1
     """Worker ranks merged into this report (tensor parallelism: `merge_reports`)."""
 
@@ -167,7 +171,8 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
       once, a block refused on any rank was refused once (the union of the ranks' action ids;
       `probe_refused <= probe_measured` holds, as the fallback ladder's refused fraction needs).
     * Compute (`kernel_seconds`, `probe_seconds`) is summed over ranks; the step split
-      (`timings`) is the slowest rank's per part.
+      (`timings`) is the slowest rank's per part, and so are the sampled step counts
+      (`step_counts`: per step, each count's maximum over the ranks).
     * Drift samples are the first rank's that has any: they come from the sampled tokens' logits,
       which are the engine's, not a rank's (every rank that sees logits sees the same ones).
     * Importance is merged by the reports' `importance_fold` (`_merge_importance`): fold "max"
@@ -187,7 +192,7 @@ def merge_reports(a: ProximaReport, b: ProximaReport) -> ProximaReport:
     return ProximaReport(ok=sorted(ok), failed=sorted(failed), errors=errors,
                          kernel_seconds=a.kernel_seconds + b.kernel_seconds, importance=importance,
                          importance_fold=fold, importance_ranks=importance_ranks, timings=timings,
-                         ranks=a.ranks + b.ranks, rejected=rejected,
+                         ranks=a.ranks + b.ranks, rejected=rejected, step_counts=_merge_counts(a, b),
                          probe_errors=a.probe_errors + b.probe_errors,
                          probe_measured_ids=sorted(set(a.probe_measured_ids) | set(b.probe_measured_ids)),
                          probe_refused_ids=sorted(set(a.probe_refused_ids) | set(b.probe_refused_ids)),
@@ -255,6 +260,16 @@ def _nanmean_lists(a: tuple[list[float], list[int]], b: tuple[list[float], list[
             out.append((x * n + y * m) / (n + m))
         weights.append(n + m)
     return out, weights
+
+
+def _merge_counts(a: ProximaReport, b: ProximaReport) -> list[dict[str, int]]:
+    """The ranks sample the same steps (they see the same plans): per step, each count of the
+    busiest rank, as the step waits for it (a rank that measured more steps adds its extra ones)."""
+    longer, shorter = (a.step_counts, b.step_counts) if len(a.step_counts) >= len(b.step_counts) \
+        else (b.step_counts, a.step_counts)
+    merged = [{k: max(x.get(k, 0), y.get(k, 0)) for k in x.keys() | y.keys()}
+              for x, y in zip(longer, shorter, strict=False)]
+    return merged + [dict(x) for x in longer[len(shorter):]]
 
 
 def _mildest(a: Format | None, b: Format | None) -> Format:

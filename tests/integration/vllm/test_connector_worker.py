@@ -96,3 +96,39 @@ def test_proximas_backend_on_the_layers_is_a_reader(worker_connector: ProximaCon
     rep = _compress_one(worker_connector, 8)
     assert rep.ok == [8] and not rep.failed
     assert store.remap["r"][0][1:] == (10, 0)
+
+
+def test_a_sampled_step_counts_the_connectors_step(worker_connector: ProximaConnector) -> None:
+    """The connector's step (`bind_connector_metadata`: the apply and the device table's update)
+    under the step counter (`worker/step_counter.py`): its report carries what `OpCounter` counts
+    around the same step of the same shape; the first compressing step is never sampled."""
+    from proxima.integration.vllm.worker.step_counter import OpCounter, StepCounter
+
+    caches = _caches()
+    _build_layers(worker_connector, ProximaTritonAttentionImpl, list(caches))
+    worker_connector.register_kv_caches(caches)
+    store = worker_connector.store
+    assert store is not None
+    compression_probe_off(store)
+
+    def bind(aid: int) -> None:  # one block of request "r" into int4, as vLLM binds a step's plan
+        act = CompressAction(aid, "r", aid, src=aid, dst=10 + aid // 4, slot=aid % 4, fmt=Format.parse("int4"))
+        worker_connector.bind_connector_metadata(ProximaPlan(actions=[act]))
+
+    def report(aid: int) -> ProximaReport:
+        rep = worker_connector.build_connector_worker_meta()
+        assert isinstance(rep, ProximaReport) and rep.ok == [aid], rep
+        return rep
+
+    store.counter = StepCounter(enabled=True, every=2)  # the 2nd compressing step, then every other
+    bind(1)
+    assert report(1).step_counts == []
+    bind(2)
+    sampled = report(2).step_counts
+    store.counter = StepCounter(enabled=False)
+    with OpCounter() as c:
+        bind(3)
+    report(3)
+    assert sampled == [{"launches": c.counts.device_kernels, "memcpys": c.counts.uploads,
+                        "syncs": c.counts.total_syncs}]
+    assert c.counts.uploads >= 1 and c.counts.device_kernels >= 1

@@ -8,7 +8,8 @@
   reached here, `test_scratch.py` reads them through vLLM's kernel), a pool of 24 blocks of 32 tokens
   (memory pressure, preemptions), the accounting invariant asserted at every step inside the
   engine (PROXIMA_CHECK_ACCOUNTING=1) and a failure injected into every third compression batch;
-  it also serves the runtime API (PROXIMA_API_PORT), through which one scenario changes the policy.
+  it also serves the runtime API (PROXIMA_API_PORT), through which one scenario changes the policy,
+  and samples its compressing steps' kernels and syncs (PROXIMA_STEP_COUNTERS=1).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def runs() -> dict[str, dict]:
             "PROXIMA_FAULT_INJECT": "compress@3",
             "PROXIMA_API_PORT": str(_free_port()),
             "PROXIMA_API_TOKEN": API_TOKEN,
+            "PROXIMA_STEP_COUNTERS": "1",  # the sampled step counters (`worker/step_counter.py`)
         }, churn=CHURN),
     }
 
@@ -146,3 +148,13 @@ def test_prompt_chunks_are_compressed_during_chunked_prefill(runs: dict[str, dic
     # multi-token rows), and every request above still ran to its full length.
     px = runs["mixed"]["proxima"]
     assert px["committed_in_prefill"] > 0 and px["planned_in_prefill"] >= px["committed_in_prefill"]
+
+
+def test_the_sampled_step_counters_reach_the_stats_file(runs: dict[str, dict]) -> None:
+    """With the switch, the worker measures one compressing step in 64 (`worker/step_counter.py`;
+    on CPU the would-be device kernels, uploads and syncs) and the stats file has their medians;
+    without it (`off`) nothing is measured and the keys are absent."""
+    px = runs["mixed"]["proxima"]
+    assert px["counted_steps"] >= 1 and px["launches_per_step"] >= 1 and px["memcpys_per_step"] >= 1, px
+    assert px["syncs_per_step"] >= 0
+    assert not {"counted_steps", "launches_per_step", "syncs_per_step"} & set(runs["off"]["proxima"])

@@ -163,10 +163,11 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         m = attn_metadata
-        if m.px_builder is not None:
-            m.px_builder.resolve(m)
         store = m.px_store
         assert store is not None  # set by build() together with the metadata's type
+        if m.px_builder is not None:
+            with store.counter.region(kv_cache.device):  # the step's row planning, counted in a sampled step
+                m.px_builder.resolve(m)
         if m.px_obs is not None and layer.layer_name == store.observe_layer:
             observe_safely(store, kv_cache, query, m.px_obs, self.scale)
         if m.px_comp is None or m.px_plan is None:

@@ -270,7 +270,8 @@ class ProximaTritonAttentionImpl(TritonAttentionImpl, SlotReader):
         if m.px_table is not None and layer.layer_name == store.observe_layer:
             m.px_table.observed = None  # observed on the host below: the device importance was not updated
         if m.px_builder is not None:
-            with times.span("row_plan_s"):  # host work (and its small device-to-host copies)
+            # host work (and its small device-to-host copies), counted in a sampled step
+            with times.span("row_plan_s"), store.counter.region(dev):
                 m.px_builder.resolve(m)
         if m.px_obs is not None and layer.layer_name == store.observe_layer:
             with times.span("importance_s", dev):

@@ -339,6 +339,7 @@ class ProximaKVCacheManager(KVCacheManager):
         t0 = time.perf_counter()
         for name, seconds in report.timings.items():
             px.stats.add_time(name, seconds)
+        px.stats.record_counts(report.step_counts)
         # (the backoff keys formats by name: its events become log lines and metric labels)
         fmt = {a.action_id: a.fmt.name for a in px.in_flight}  # before the commits below take them
         for ev in px.backoff.observe(px.stats.steps, [fmt[a] for a in report.ok if a in fmt],

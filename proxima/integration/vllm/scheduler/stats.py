@@ -4,6 +4,7 @@ record, side-table bytes and the summary, as functions of the ledger and the blo
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from proxima.policy.schema import Storage
 
 TARGETS_KEPT = 4096
 """Requests whose reached target ratio the stats keep (the oldest go first)."""
+COUNTED_STEPS_KEPT = 4096
+"""Sampled step counts the stats keep (the oldest go first): the medians are of the recent ones."""
 
 
 @dataclass
@@ -55,6 +58,10 @@ class ProximaStats:
     (`plan_s`) and commit (`commit_s`), and what the worker reports (forward, compression,
     attention: with `PROXIMA_TIME_SPLIT=1`)."""
 
+    step_counts: list[dict[str, int]] = field(default_factory=list)
+    """The worker's sampled steps (`worker/step_counter.py`, one compressing step in 64 with the
+    step split): device kernels, host-device copies and host syncs of Proxima's part of each."""
+
     targets: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Request -> (asked, reached) bytes ratio of its prompt, for requests that set a target
     (`targets.py`; the last `TARGETS_KEPT`)."""
@@ -63,6 +70,10 @@ class ProximaStats:
         self.targets[req_id] = (asked, reached)
         while len(self.targets) > TARGETS_KEPT:
             self.targets.pop(next(iter(self.targets)))
+
+    def record_counts(self, samples: list[dict[str, int]]) -> None:
+        self.step_counts.extend(samples)
+        del self.step_counts[:-COUNTED_STEPS_KEPT]
 
     def add_time(self, name: str, seconds: float) -> None:
         self.time_s[name] = self.time_s.get(name, 0.0) + seconds
@@ -149,8 +160,20 @@ def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool
         "free_blocks": pool.get_num_free_blocks(), "total_blocks": total_blocks(pool),
         "errors": s.errors[-3:],
         "time_split_s": {k: round(v, 4) for k, v in sorted(s.time_s.items())},
+        **step_counters(s.step_counts),
         "side_tables_in_pool": charge is not None,  # (always charged when the manager runs)
         "side_table_held_peak_blocks": charge.peak_blocks if charge else 0,
         "side_table_shortfall_peak_bytes": charge.shortfall_peak_bytes if charge else 0,
         "targets": {rid: {"asked": a, "reached": round(r, 4)} for rid, (a, r) in s.targets.items()},
     }
+
+
+def step_counters(samples: list[dict[str, int]]) -> dict[str, float | int]:
+    """Medians over the sampled steps (`launches_per_step`, `memcpys_per_step`, `syncs_per_step`)
+    and how many there were; nothing when no step was sampled (a reader then says why)."""
+    if not samples:
+        return {}
+    out: dict[str, float | int] = {f"{k}_per_step": statistics.median(x.get(k, 0) for x in samples)
+                                   for k in ("launches", "memcpys", "syncs")}
+    out["counted_steps"] = len(samples)
+    return out

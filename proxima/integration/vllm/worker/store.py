@@ -34,6 +34,7 @@ from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
 from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.worker.probe import ProbeBatch, RecentQueries, measure_batch, record
 from proxima.integration.vllm.worker.ranks import check_remap
+from proxima.integration.vllm.worker.step_counter import StepCounter
 from proxima.integration.vllm.worker.timing import StepTimes
 from proxima.integration.vllm.worker.token_importance import block_mass, fold_observation
 from proxima.observation import observed_layer
@@ -162,6 +163,9 @@ class WorkerStore:
         """read-sources diagnostics (`debug.py`), CUDA backend."""
         self.times = StepTimes()
         """This worker's step split (`timing.py`; off unless `PROXIMA_TIME_SPLIT=1`)."""
+        self.counter = StepCounter()
+        """Kernels, copies and host syncs of one sampled compressing step (`step_counter.py`; with
+        the step split or `PROXIMA_STEP_COUNTERS=1`)."""
         self.observe_layer: str | None = None
         """The layer whose attention is observed (the middle one: early layers attend broadly, late
         ones sharply; one layer keeps the cost at ~1/L of attention)."""
@@ -557,7 +561,9 @@ class WorkerStore:
         self.settle_probes()  # the step's verdicts, if their errors arrived during the forward
         rep, self.report = self.report, ProximaReport()
         rep.timings = self.times.take()
+        rep.step_counts = self.counter.take()
         return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings or rep.drift
+                       or rep.step_counts
                        or rep.revoke_mismatches or rep.drift_seconds) else None
 
     # --- importance -------------------------------------------------------------------------

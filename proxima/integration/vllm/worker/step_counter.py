@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -244,11 +245,17 @@ on host tensors, then one `_upload`): on a GPU their ops launch nothing. On CPU 
 a host tensor, so they are named here: counted as torch ops, not as device kernels."""
 
 
+def _store_module() -> Any:
+    """The worker's store module if it is loaded. Looked up, not imported: the store imports this
+    module (its sampler), and when the store is not loaded nothing can call what is hooked."""
+    return sys.modules.get("proxima.integration.vllm.worker.store")
+
+
 def _host_work_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
-    try:
-        from proxima.integration.vllm.worker.store import WorkerStore
-    except ImportError:
+    store = _store_module()
+    if store is None:
         return
+    WorkerStore = store.WorkerStore
     for name in HOST_WORK:
         original = getattr(WorkerStore, name)
 
@@ -263,9 +270,8 @@ def _host_work_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
 
 
 def _upload_hooks(stack: contextlib.ExitStack, counts: Counts) -> None:
-    try:
-        from proxima.integration.vllm.worker import store
-    except ImportError:
+    store = _store_module()
+    if store is None:
         return
     original = store._upload
 

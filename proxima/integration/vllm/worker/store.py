@@ -105,24 +105,20 @@ class WorkerStore:
         self.remap: dict[str, dict[int, tuple[Format, int, int]]] = {}
         """request -> logical block index -> (format, destination block, slot)."""
         self.replaced: dict[str, dict[int, tuple[ActionId, tuple[Format, int, int]]]] = {}
-        """request -> logical block index -> (the last recompression this rank wrote of it, the
-        `remap` entry it replaced): what a revocation restores. The entry keeps its `StoredFormat`
-        epoch, which the action (plain format names) cannot carry. One per recompressed block,
-        replaced by the block's next recompression, dropped with the request."""
+        """request -> block index -> (this rank's last recompression of it, the `remap` entry it
+        replaced, with its epoch, which plain format names cannot carry): what a revocation
+        restores. One per recompressed block, until its next recompression or the request ends."""
         self.key_blocks: dict[int, str] = {}
         self.storage = Storage()
-        """The quantization groups of the slots this worker writes (`group_for`): the start-up
-        policy's `storage` (set in `register`; fixed while serving, as the slots' layout is)."""
+        """Quantization groups of the slots written (`group_for`): the start-up policy's, fixed."""
         self.report = ProximaReport()
         self.cpu_kernels: Literal["torch", "triton"] = "torch"
-        """The compression kernels on a CPU device: the torch reference (serving), or the Triton
-        kernels under TRITON_INTERPRET=1 (benchmarks and tests that count what a GPU would launch)."""
+        """CPU compression kernels: the torch reference (serving) or Triton (interpreted: counts)."""
         self.faults = FaultInjector(rank=rank)
         """Tests and benchmarks: failures injected into compression batches (`faults`)."""
         self.dtypes: dict[Format, tuple[torch.dtype, torch.dtype]] = {}
         self.policy: Policy | None = None
-        """The live policy, as the scheduler last sent it (`ProximaPlan.policy`): its importance
-        settings, compression probe and `layer_overrides` apply here."""
+        """The live policy (`ProximaPlan.policy`): its importance, probe and `layer_overrides`."""
         self.policy_version = 0
         """The version of `policy` (0: the startup policy, before any change was sent)."""
         self.formats = LayerFormats()
@@ -164,8 +160,7 @@ class WorkerStore:
         self.times = StepTimes()
         """This worker's step split (`timing.py`; off unless `PROXIMA_TIME_SPLIT=1`)."""
         self.counter = StepCounter()
-        """Kernels, copies and host syncs of one sampled compressing step (`step_counter.py`; with
-        the step split or `PROXIMA_STEP_COUNTERS=1`)."""
+        """Kernels, copies and syncs of sampled compressing steps (`step_counter.py`)."""
         self.observe_layer: str | None = None
         """The layer whose attention is observed (the middle one: early layers attend broadly, late
         ones sharply; one layer keeps the cost at ~1/L of attention)."""
@@ -562,9 +557,8 @@ class WorkerStore:
         rep, self.report = self.report, ProximaReport()
         rep.timings = self.times.take()
         rep.step_counts = self.counter.take()
-        return rep if (rep.ok or rep.failed or rep.rejected or rep.importance or rep.timings or rep.drift
-                       or rep.step_counts
-                       or rep.revoke_mismatches or rep.drift_seconds) else None
+        return rep if any((rep.ok, rep.failed, rep.rejected, rep.importance, rep.timings, rep.drift,
+                           rep.step_counts, rep.revoke_mismatches, rep.drift_seconds)) else None
 
     # --- importance -------------------------------------------------------------------------
 

@@ -235,6 +235,8 @@ def tabulate(results: dict[str, dict]) -> dict[str, dict]:
             "side_table_peak_blocks": round(px.get("side_table_peak_bytes", 0) / px["block_bytes"], 2)
             if px.get("block_bytes") else 0.0,
         }
+        if px.get("time_split_s"):  # PROXIMA_TIME_SPLIT=1: where the run's step time went (stats.py)
+            table[cfg]["time_split_s"] = px["time_split_s"]
     return table
 
 

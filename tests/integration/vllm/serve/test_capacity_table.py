@@ -27,13 +27,17 @@ def test_table_compares_each_config_with_vanilla() -> None:
                            "proxima": {"peak_resident": 2, "mean_resident": 1.5, "preemptions": 0}},
         "balanced": base | {"outputs": [[1, 2, 9], [7, 5]], "prompt_nll": [3.0, float("nan")], "prompt_top1": [0.25],
                             "proxima": {"peak_resident": 8, "mean_resident": 6.0, "preemptions": 1,
-                                        "committed_by_format": {"int4": 3}}},
+                                        "committed_by_format": {"int4": 3},
+                                        "time_split_s": {"forward_s": 9.0, "compress_s": 0.5}}},
         "vanilla_fp8": {"error": "not measurable here"},
     }
     t = tabulate(results)
     assert t["vanilla"]["greedy_prefix_tokens"] == 2.5 and t["balanced"]["greedy_prefix_tokens"] == 1.0
     assert t["vanilla"]["prompt_nll"] == 3.0 and t["balanced"]["prompt_nll"] == 3.0  # NaN skipped
     assert t["balanced"]["peak_running"] == 8 and t["balanced"]["prompt_top1"] == 0.25
+    # PROXIMA_TIME_SPLIT=1 runs carry where their time went; runs without it have no such key
+    assert t["balanced"]["time_split_s"] == {"forward_s": 9.0, "compress_s": 0.5}
+    assert "time_split_s" not in t["vanilla"]
     md = table_markdown(t)
     assert "| balanced | 72 | 8 | 6.0 | 1 |" in md and "int4 3" in md and "not measurable here" in md
     assert common_prefix([1, 2], [1, 2, 3]) == 2

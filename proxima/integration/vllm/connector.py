@@ -188,6 +188,7 @@ class ProximaConnector(KVConnectorBase_V1):
 
         store = self._worker_store()
         store.register(kv_caches)
+        self._check_side_table_budget(store, kv_caches)
         from proxima.integration.vllm.worker.block_table import one_pass_decode
 
         device = next(iter(kv_caches.values())).device if kv_caches else None
@@ -214,6 +215,23 @@ class ProximaConnector(KVConnectorBase_V1):
         if readers and kv_caches:  # the kernel that reads the pages says how they are ordered
             store.use_layout(readers[0].page_layout(next(iter(kv_caches.values()))))
             readers[0].warm_up(store)
+
+    def _check_side_table_budget(self, store: WorkerStore, kv_caches: dict[str, Any]) -> None:
+        """On CUDA, with a pool vLLM sized from `gpu_memory_utilization` (no override): warn at
+        start-up when the side tables can outgrow the memory vLLM leaves outside its budget
+        (`worker/side_table_budget.py`). CPU pages commit where written: nothing to say there."""
+        import torch
+
+        from proxima.integration.vllm.worker.side_table_budget import check_at_startup
+
+        first = next(iter(kv_caches.values()), None)
+        cache = self._vllm_config.cache_config
+        if first is None or first.device.type != "cuda" or cache.num_gpu_blocks_override:
+            return
+        _free, total = torch.cuda.mem_get_info(first.device)
+        pool = sum(t.numel() * t.element_size() for t in kv_caches.values())
+        check_at_startup(store.policy, len(kv_caches), tuple(first.shape), pool, total,
+                         float(cache.gpu_memory_utilization))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls start_load_kv *after* the forward when no sync load is pending, but binds

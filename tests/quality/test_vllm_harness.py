@@ -223,3 +223,27 @@ def test_an_engine_past_its_timeout_keeps_its_log(tmp_path: Path) -> None:
     log = tmp_path / "engines" / "off.log"
     with pytest.raises(RuntimeError, match=r"ran past 2s and was killed \(log: .*off\.log\)"):
         vllm_harness.run_engine(job, timeout_s=2.0, log=lambda m: None, keep_log=log)
+
+
+def test_the_suites_longest_passkeys_fit_smollm2s_window() -> None:
+    """Issue 40 item 5: the full suite's 8k passkeys, as the vLLM harness sends them (both
+    settings, the answer's tokens, and the block it adds to `max_model_len`), stay inside
+    SmolLM2's 8,192 positions; the key is in the context at every depth."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from bench import quality_suite as suite
+    from proxima.models import prepare
+
+    model = str(prepare("smollm2", progress=lambda *_: None))
+    window = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
+    lengths = [int(x) for x in suite.FULL["passkey_lengths"].split(",")]
+    assert max(lengths) == suite.WINDOW_PASSKEY and len(lengths) == 4
+    tok = AutoTokenizer.from_pretrained(model)
+    needles = suite.needle_suite(tok, [suite.WINDOW_PASSKEY], [0.1, 0.9], 1)
+    assert all(n.answer in tok.decode(n.context_ids) for n in needles)
+    job = vllm_harness.job_for("off", [], [], needles, ["after", "inside"], model)
+    longest = max(len(p) + sp["max_tokens"] for _, p, sp in vllm_harness._requests(job))
+    assert longest > suite.WINDOW_PASSKEY and longest + job.block_size <= window

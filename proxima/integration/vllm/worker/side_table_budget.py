@@ -1,16 +1,17 @@
 """How much GPU memory the side tables may take beyond vLLM's KV pool, said at start-up.
 
 The worker allocates each stored format's side table (scales, zero points, log-counts) for every
-slot of the pool (`compression/layer_stack.py`) the first time a block is written in that
-format, outside vLLM's KV tensor. The scheduler charges the *live* side tables to the pool
-(`scheduler/side_tables.py`), so admission is honest, but the physical tables are full-size: per
-pool block, in bytes of the pool, the shipped policies' tables reach 0.33x (conservative), 1.23x
-(balanced) and 2.47x (aggressive) at the 8B shape with block 32 (int4h-based ladders about half
-that). vLLM sizes its pool to `gpu_memory_utilization` and expects the rest of its budget for
-activations and CUDA graphs, so tables that outgrow the memory vLLM leaves outside its budget
-run the GPU out of memory under load (the 0.9 out-of-memory of issue 41). Until the tables live
-in the pool's own blocks (a slot -> row indirection through every reader), the worker says so at
-start-up, with the numbers and the setting that fits, instead of failing mid-run.
+slot of the pool (`compression/layer_stack.py`) when the format is first met (the attention
+backend's warm-up meets every format of the start-up policy), outside vLLM's KV tensor. The
+scheduler charges the *live* side tables to the pool (`scheduler/side_tables.py`), so admission
+is honest, but the physical tables are full-size: per pool block, in bytes of the pool, the
+shipped policies' tables reach 0.33x (conservative), 1.23x (balanced) and 2.47x (aggressive) at
+the 8B shape with block 32 (int4h-based ladders about half that). vLLM sizes its pool to
+`gpu_memory_utilization` and expects the rest of its budget for activations and CUDA graphs, so
+tables that outgrow the memory vLLM leaves outside its budget run the GPU out of memory under
+load (the 0.9 out-of-memory of issue 41). Until the tables live in the pool's own blocks (a
+slot -> row indirection through every reader), the worker says so at start-up, with the numbers
+and the setting that fits, instead of failing mid-run.
 """
 
 from __future__ import annotations

@@ -112,3 +112,20 @@ def test_the_connector_checks_cuda_pools_vllm_sized_itself(monkeypatch: pytest.M
             cache_config=SimpleNamespace(num_gpu_blocks_override=None, gpu_memory_utilization=0.9))
         conn._check_side_table_budget(store, {"l0": torch.zeros(4, H, B, 2 * D)})  # type: ignore[arg-type]
     assert caplog.text == "" and len(seen) == 1
+
+
+def test_the_check_never_stops_the_engine(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Advice only: a device that cannot be asked (or any other failure) is logged, not raised."""
+    from proxima.integration.vllm.connector import ProximaConnector
+
+    def broken(dev: object = None) -> tuple[int, int]:
+        raise RuntimeError("no device here")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    conn = object.__new__(ProximaConnector)
+    conn._vllm_config = SimpleNamespace(  # type: ignore[attr-defined]
+        cache_config=SimpleNamespace(num_gpu_blocks_override=None, gpu_memory_utilization=0.9))
+    layer = SimpleNamespace(device=torch.device("cuda", 0), shape=(8, H, B, 2 * D))
+    with caplog.at_level(logging.INFO, logger="proxima.vllm"):
+        conn._check_side_table_budget(SimpleNamespace(policy=load_named("aggressive")), {"l0": layer})  # type: ignore[arg-type]
+    assert "side-table budget not checked: no device here" in caplog.text

@@ -438,14 +438,12 @@ class Policy(_Model):
             raise ValueError(f"band names must be unique, got {names}")
         if self.enabled and not self.bands:
             raise ValueError("an enabled policy needs at least one band (or set enabled: false)")
-        if self.protect.merged_tokens and self.enabled:
-            stored = {self.layer_format(f, li) for f in self.all_formats()
-                      for li in {0, *(i for ov in self.layer_overrides for i in ov.layers)}}
-            if not any(f.reduction == "cluster" for f in stored):
-                raise ValueError(
-                    f"protect.merged_tokens: {self.protect.merged_tokens} protects tokens inside merged blocks, "
-                    "but no band's ladder merges (a cluster(R) format); set it to 0 or add a cluster rung"
-                )
+        merges = any(f.reduction == "cluster" for f in self.stored_formats())
+        if self.protect.merged_tokens and self.enabled and not merges:
+            raise ValueError(
+                f"protect.merged_tokens: {self.protect.merged_tokens} protects tokens inside merged blocks, "
+                "but no band's ladder merges (a cluster(R) format); set it to 0 or add a cluster rung"
+            )
         return self
 
     @property
@@ -458,6 +456,13 @@ class Policy(_Model):
             if layer in ov.layers and fmt.name in ov.substitute:
                 return ov.substitute[fmt.name]
         return fmt
+
+    def stored_formats(self, layers: int | None = None) -> set[Format]:
+        """Every format a layer can store under this policy (its ladders after `layer_format`): in
+        layers 0..layers-1, or, without a count, in any layer (layer 0 standing for the layers no
+        override names)."""
+        where = range(layers) if layers is not None else {0, *(i for ov in self.layer_overrides for i in ov.layers)}
+        return {self.layer_format(f, li) for f in self.all_formats() for li in where}
 
     def can_recompress(self, src: Format, dst: Format) -> bool:
         """A block the engine put in `src` can move to `dst` in every layer (`proxima.formats.

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 
 from proxima.compression.spec import SlotSpec
+from proxima.formats import HOT
 from proxima.policy.schema import Policy
 
 logger = logging.getLogger("proxima.vllm")
@@ -31,14 +32,11 @@ def worst_case_bytes(policy: Policy, layers: int, num_blocks: int, heads: int, b
                      head_dim: int) -> int:
     """Bytes of every side table `policy`'s formats can allocate: each stored format's table
     covers every slot of every pool block in every layer (`LayerStack.pool`)."""
-    total = 0
-    stored = {policy.layer_format(f, li) for f in policy.all_formats() for li in range(layers)}
-    for f in stored:
-        if f.name == "hot":
-            continue
-        spec = SlotSpec(f, block_size, head_dim, heads, policy.storage.group_for(f))
-        total += layers * num_blocks * f.pack_ratio * spec.meta_bytes_per_slot
-    return total
+    return sum(
+        layers * num_blocks * f.pack_ratio * SlotSpec(f, block_size, head_dim, heads, policy.storage.group_for(f))
+        .meta_bytes_per_slot
+        for f in policy.stored_formats(layers) if f != HOT
+    )
 
 
 @dataclass(frozen=True)
@@ -81,10 +79,10 @@ class Budget:
 
 
 def check_at_startup(policy: Policy | None, layers: int, shape: tuple[int, ...], pool_bytes: int,
-                     total_bytes: int, utilization: float | None) -> Budget | None:
+                     total_bytes: int, utilization: float) -> Budget | None:
     """Warn (once, at registration) when the worst-case side tables do not fit outside vLLM's
-    budget; return the budget measured (None when there is nothing to check)."""
-    if policy is None or not policy.enabled or utilization is None or not layers:
+    budget; return the budget measured (None without a policy that compresses)."""
+    if policy is None or not policy.enabled:
         return None
     n, h, b, d2 = shape
     budget = Budget(worst_case_bytes(policy, layers, n, h, b, d2 // 2), pool_bytes, total_bytes, utilization)

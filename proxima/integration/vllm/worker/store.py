@@ -182,7 +182,7 @@ class WorkerStore:
         policy = policy if policy is not None else _startup_policy()
         if policy is not None:
             self.storage = policy.storage
-            stored = {policy.layer_format(f, li) for f in policy.all_formats() for li in range(len(kv_caches))}
+            stored = policy.stored_formats(len(kv_caches))
             for kv in kv_caches.values():
                 # A group that cannot hold the ladder's formats fails here, once, with its field named.
                 for f in sorted(stored, key=lambda f: f.name):

@@ -1,14 +1,18 @@
 """Attention over compressed blocks on CPU: a subclass of vLLM's CPU_ATTN backend.
 
-Rows (requests) of the batch split in two once per step, in the metadata builder:
+Rows (requests) of the batch split in three once per step, at the first layer (`resolve`):
 
 * rows without compressed blocks: vLLM's kernel on vLLM's cache, exactly as vanilla (and when no
   row has compressed blocks the parent's path runs untouched);
-* rows with compressed blocks (found by their *key block*, see `plan.ProximaPlan`; decode rows,
-  or prefill chunks of a long prompt whose earlier chunks were compressed): per layer, a
-  transient bf16 scratch cache holds their tokens (`scratch.py`: hot blocks copied, compressed
-  ones decompressed in one batched call per format, sparse blocks' kept tokens packed, cluster
-  centroids repeated by count) and vLLM's own kernel reads it through a scratch block table.
+* decode rows with compressed blocks (found by their *key block*, see `plan.ProximaPlan`): per
+  layer, each stored entry (hot token, quantized token, centroid) decoded once into a dense
+  buffer and attended with a count-weighted softmax (`cpu_compact.py`);
+* prefill chunks of a long prompt whose earlier chunks were compressed (and every compressed row
+  of a model whose attention needs more than that softmax: ALiBi, a window, a soft cap, sinks):
+  per layer, a transient bf16 scratch cache holds their tokens (`cpu_scratch.py`: hot blocks
+  copied, compressed ones decompressed in one batched call per format, sparse blocks' kept tokens
+  packed, cluster centroids repeated by count) and vLLM's own kernel reads it through a scratch
+  block table, causal mask included.
 
 The worker's maps and slot pools are the `WorkerStore` of Proxima's KV connector
 (`connector.worker_store()`); without that connector (or with Proxima not configured in it) every
@@ -22,6 +26,7 @@ token importance (sparse and cluster use it) and, per block, the scheduler's pol
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +39,14 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from proxima.formats import Format
+from proxima.integration.vllm.attention.cpu_compact import (
+    CompactPlan,
+    attend_compact,
+    fill_compact,
+    new_buffer,
+    plan_compact,
+)
 from proxima.integration.vllm.attention.cpu_scratch import (
     ScratchPlan,
     ScratchRow,
@@ -72,6 +85,9 @@ class ProximaCPUMetadata(CPUAttentionMetadata):
     px_num_reqs: int = 0
     px_store: WorkerStore | None = None
     """The worker's store (an active one: metadata of this type is built only then)."""
+    px_compact: CompactPlan | None = None
+    px_compact_tokens: torch.Tensor | None = None  # long [R]: token row of each compact row's query
+    px_entries: torch.Tensor | None = None
 
 
 class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -106,8 +122,10 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         px.px_num_reqs = common_attn_metadata.num_reqs
         return px
 
-    def resolve(self, m: ProximaCPUMetadata) -> None:
-        """Split the batch for this step's plan (once per step, at the first layer)."""
+    def resolve(self, m: ProximaCPUMetadata, compact_ok: bool) -> None:
+        """Split the batch for this step's plan (once per step, at the first layer). `compact_ok`:
+        the layers need nothing the count-weighted softmax leaves out, so decode rows may take
+        `cpu_compact`."""
         m.px_builder = None
         store = m.px_store
         if store is None or not store.key_blocks:
@@ -126,22 +144,49 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if not comp_rows:
             return
         debug_hot = reads_sources()
-        rows = [ScratchRow(bt[r, : nblk[r]].tolist(), seq_lens[r], {} if debug_hot else remaps[r],
-                           qsl[r + 1] - qsl[r]) for r in comp_rows]
-        plan = plan_scratch(rows, b)
+        rows = {r: ScratchRow(bt[r, : nblk[r]].tolist(), seq_lens[r], {} if debug_hot else remaps[r],
+                              qsl[r + 1] - qsl[r]) for r in comp_rows}
+        # Decode rows read their entries once (`cpu_compact`); prefill chunks, and any row when the
+        # layer needs what the count-weighted softmax does not do, take the scratch and vLLM's kernel.
+        compact = [r for r in comp_rows if rows[r].query_len == 1 and compact_ok and not debug_hot]
+        if compact:
+            entries = _entries_of(store, b)
+            m.px_compact = plan_compact([rows[r] for r in compact], b, entries)
+            m.px_compact_tokens = torch.tensor([qsl[r] for r in compact], dtype=torch.long)
+        scratch = [r for r in comp_rows if r not in set(compact)]
         causal = bool(m.causal)
-        m.px_plan = plan
-        m.px_comp = self._subset_meta(comp_rows, qsl, plan.seq_lens, plan.block_table.to(bt.dtype), causal)
+        if scratch:
+            plan = plan_scratch([rows[r] for r in scratch], b)
+            m.px_plan = plan
+            m.px_comp = self._subset_meta(scratch, qsl, plan.seq_lens, plan.block_table.to(bt.dtype), causal)
         comp_set = set(comp_rows)
         rest_rows = [r for r in range(n) if r not in comp_set]
         if rest_rows:
             m.px_rest = self._subset_meta(rest_rows, qsl, m.seq_lens[rest_rows], bt[rest_rows], causal)
 
 
+def _entries_of(store: WorkerStore, block_size: int):  # type: ignore[no-untyped-def]
+    """fmt -> the most entries a slot of `fmt` holds in any layer (layer overrides may store
+    another format of the same pack ratio), asked once per format per step."""
+
+    @functools.cache
+    def entries(fmt: Format) -> int:
+        return max(store.layer_format(layer, fmt).kept_tokens(block_size) for layer in store.kv_caches)
+
+    return entries
+
+
 class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
     def page_layout(self, kv: torch.Tensor) -> PageLayout:
         # The CPU kernel's page order depends on its ISA: asked of vLLM's own cache writer.
         return probe_layout(kv.shape[2], kv.shape[3] // 2, kv.dtype)
+
+    @functools.cached_property
+    def compact_ok(self) -> bool:
+        """Nothing `cpu_compact` leaves out: ALiBi (entries have no positions), a sliding window, a
+        soft cap, sinks, a quantized vLLM cache. Else every compressed row takes the scratch."""
+        return (self.alibi_slopes is None and self.sliding_window in (None, -1) and not self.logits_soft_cap
+                and self.sinks is None and self.kv_cache_dtype == "auto")
 
     def _run(self, layer, query, key_cache, value_cache, output, sub: _Subset, causal: bool) -> None:  # type: ignore[no-untyped-def]
         q = query.index_select(0, sub.tokens)
@@ -167,10 +212,10 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
         assert store is not None  # set by build() together with the metadata's type
         if m.px_builder is not None:
             with store.counter.region(kv_cache.device):  # the step's row planning, counted in a sampled step
-                m.px_builder.resolve(m)
+                m.px_builder.resolve(m, self.compact_ok)
         if m.px_obs is not None and layer.layer_name == store.observe_layer:
             observe_safely(store, kv_cache, query, m.px_obs, self.scale)
-        if m.px_comp is None or m.px_plan is None:
+        if m.px_comp is None and m.px_compact is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         nb, h, b, d2 = kv_cache.shape
@@ -179,13 +224,22 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
         if m.px_rest is not None:
             kc, vc = kv_cache.view(nb, h, 2 * b, d).chunk(2, dim=2)
             self._run(layer, query, kc, vc, output, m.px_rest, causal)
-        if m.px_scratch is None:  # first layer of the step: one buffer for every layer
-            m.px_scratch = kv_cache.new_empty((m.px_plan.num_blocks, h, 2 * b, d))
         name = layer.layer_name
-        fill_scratch(m.px_plan, kv_cache, lambda f, dst, slot: store.read_with_counts(name, f, dst, slot),
-                     m.px_scratch, raw=store_reader(store, name), layout=store.page_layout(kv_cache))
-        kc, vc = m.px_scratch.chunk(2, dim=2)
-        self._run(layer, query, kc, vc, output, m.px_comp, causal)
+        read = functools.partial(store.read_with_counts, name)
+        layout = store.page_layout(kv_cache)
+        if m.px_comp is not None and m.px_plan is not None:
+            if m.px_scratch is None:  # first layer of the step: one buffer for every layer
+                m.px_scratch = kv_cache.new_empty((m.px_plan.num_blocks, h, 2 * b, d))
+            fill_scratch(m.px_plan, kv_cache, read, m.px_scratch, raw=store_reader(store, name), layout=layout)
+            kc, vc = m.px_scratch.chunk(2, dim=2)
+            self._run(layer, query, kc, vc, output, m.px_comp, causal)
+        if m.px_compact is not None:
+            if m.px_entries is None:  # first layer of the step: one buffer for every layer
+                m.px_entries = new_buffer(m.px_compact, kv_cache)
+            log_w = fill_compact(m.px_compact, kv_cache, read, m.px_entries, layout, raw=store_reader(store, name))
+            q = query.index_select(0, m.px_compact_tokens)
+            out = attend_compact(q, m.px_entries, log_w, m.px_compact, self.scale)
+            output.index_copy_(0, m.px_compact_tokens, out.to(output.dtype))
         return output
 
 

@@ -206,8 +206,8 @@ class FormatBackoff:
         if self._formats:
             self._trusted |= committed
         gone = [(f, "committed") for f in sorted(committed) if f in self._formats]
-        if active is not None:
-            gone += [(f, "left the policy") for f in sorted(self._formats) if f not in active]
+        if active is not None:  # (each format once: one that committed *and* left goes as committed)
+            gone += [(f, "left the policy") for f in sorted(self._formats) if f not in active and f not in committed]
         for fmt, why in gone:
             st = self._formats.pop(fmt)
             events.append(BackoffEvent("resumed", fmt, step, st.failures, 0, why, episode_start=False,

@@ -92,6 +92,16 @@ def test_a_format_that_left_the_policy_is_forgotten() -> None:
     assert bo.backing_off() == frozenset()
 
 
+def test_a_format_that_commits_as_it_leaves_the_policy_resumes_once() -> None:
+    """A block planned under the old policy commits in the report that follows a live change
+    dropping its format: one resume, not two (the H100 soak of 2026-12-07 died on a KeyError here)."""
+    bo = FormatBackoff()
+    bo.observe(0, [], ["int4"], "x", ALL)
+    (ev,) = bo.observe(1, ["int4"], [], "", {"int8"})
+    assert ev.kind == "resumed" and ev.reason == "committed" and ev.episode_end
+    assert bo.backing_off() == frozenset()
+
+
 def test_events_are_queued_for_a_consumer_and_bounded() -> None:
     bo = FormatBackoff(max_queued=3)
     for s in range(5):
@@ -129,14 +139,15 @@ def test_restricted_policy_plans_around_a_paused_format() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sets(st.sampled_from(sorted(ALL))), st.sets(st.sampled_from(sorted(ALL)))),
-                max_size=60))
-def test_invariants_under_any_report_sequence(reports: list[tuple[set[str], set[str]]]) -> None:
+@given(st.lists(st.tuples(st.sets(st.sampled_from(sorted(ALL))), st.sets(st.sampled_from(sorted(ALL))),
+                          st.sets(st.sampled_from(sorted(ALL)), min_size=1)), max_size=60))
+def test_invariants_under_any_report_sequence(reports: list[tuple[set[str], set[str], set[str]]]) -> None:
+    """Any reports, under a live policy whose formats (`active`) change at every step."""
     sch = BackoffSchedule(first_pause_steps=1, max_pause_steps=8)
     bo = FormatBackoff(sch)
     starts = ends = 0
-    for s, (ok, failed) in enumerate(reports):
-        events = bo.observe(s, sorted(ok), sorted(failed), "e", ALL)
+    for s, (ok, failed, active) in enumerate(reports):
+        events = bo.observe(s, sorted(ok), sorted(failed), "e", active)
         for ev in events:
             starts += ev.episode_start
             ends += ev.episode_end
@@ -144,7 +155,8 @@ def test_invariants_under_any_report_sequence(reports: list[tuple[set[str], set[
         assert not events or events[-1].backing_off == len(bo.backing_off())  # what a gauge would show
         assert bo.paused(s) <= bo.backing_off()
         assert all(fmt not in bo.backing_off() for fmt in ok - failed)  # a clean commit always resumes
-        assert all(fmt in bo.paused(s) for fmt in failed)
+        assert all(fmt in bo.paused(s) for fmt in failed & active)  # (one that left is forgotten at once)
+        assert bo.backing_off() <= active
         assert not any(bo.paused(s + sch.max_pause_steps + 1))  # no pause outlasts the cap
     # Episodes alternate: every end follows a start, and one is open exactly when a format backs off.
     assert starts - ends == (1 if bo.backing_off() else 0) and starts == bo.episodes

@@ -342,9 +342,14 @@ class ProximaKVCacheManager(KVCacheManager):
         px.stats.record_counts(report.step_counts)
         # (the backoff keys formats by name: its events become log lines and metric labels)
         fmt = {a.action_id: a.fmt.name for a in px.in_flight}  # before the commits below take them
-        for ev in px.backoff.observe(px.stats.steps, [fmt[a] for a in report.ok if a in fmt],
-                                     [fmt[a] for a in report.failed if a in fmt], (report.errors or [""])[-1],
-                                     {f.name for f in px.formats}):
+        try:
+            events = px.backoff.observe(px.stats.steps, [fmt[a] for a in report.ok if a in fmt],
+                                        [fmt[a] for a in report.failed if a in fmt], (report.errors or [""])[-1],
+                                        {f.name for f in px.formats})
+        except Exception:  # the backoff only advises the planner: its bookkeeping never stops the engine
+            logger.exception("proxima: the format backoff failed to take a report; formats keep their state")
+            events = []
+        for ev in events:
             logger.warning("proxima: %s", ev.message)  # one line per pause: growing intervals, not every step
         for rid, imp in report.importance.items():
             entry = px.ledger.get(rid)

@@ -39,14 +39,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from proxima.formats import Format
-from proxima.integration.vllm.attention.cpu_compact import (
-    CompactPlan,
-    attend_compact,
-    fill_compact,
-    new_buffer,
-    plan_compact,
-)
+from proxima.integration.vllm.attention import cpu_compact
+from proxima.integration.vllm.attention.cpu_compact import CompactPlan, attend_compact, plan_compact
 from proxima.integration.vllm.attention.cpu_scratch import (
     ScratchPlan,
     ScratchRow,
@@ -87,7 +81,6 @@ class ProximaCPUMetadata(CPUAttentionMetadata):
     """The worker's store (an active one: metadata of this type is built only then)."""
     px_compact: CompactPlan | None = None
     px_compact_tokens: torch.Tensor | None = None  # long [R]: token row of each compact row's query
-    px_entries: torch.Tensor | None = None
 
 
 class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -150,8 +143,7 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         # layer needs what the count-weighted softmax does not do, take the scratch and vLLM's kernel.
         compact = [r for r in comp_rows if rows[r].query_len == 1 and compact_ok and not debug_hot]
         if compact:
-            entries = _entries_of(store, b)
-            m.px_compact = plan_compact([rows[r] for r in compact], b, entries)
+            m.px_compact = plan_compact([rows[r] for r in compact], b)
             m.px_compact_tokens = torch.tensor([qsl[r] for r in compact], dtype=torch.long)
         scratch = [r for r in comp_rows if r not in set(compact)]
         causal = bool(m.causal)
@@ -165,17 +157,6 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             m.px_rest = self._subset_meta(rest_rows, qsl, m.seq_lens[rest_rows], bt[rest_rows], causal)
 
 
-def _entries_of(store: WorkerStore, block_size: int):  # type: ignore[no-untyped-def]
-    """fmt -> the most entries a slot of `fmt` holds in any layer (layer overrides may store
-    another format of the same pack ratio), asked once per format per step."""
-
-    @functools.cache
-    def entries(fmt: Format) -> int:
-        return max(store.layer_format(layer, fmt).kept_tokens(block_size) for layer in store.kv_caches)
-
-    return entries
-
-
 class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
     def page_layout(self, kv: torch.Tensor) -> PageLayout:
         # The CPU kernel's page order depends on its ISA: asked of vLLM's own cache writer.
@@ -183,10 +164,11 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
 
     @functools.cached_property
     def compact_ok(self) -> bool:
-        """Nothing `cpu_compact` leaves out: ALiBi (entries have no positions), a sliding window, a
-        soft cap, sinks, a quantized vLLM cache. Else every compressed row takes the scratch."""
-        return (self.alibi_slopes is None and self.sliding_window in (None, -1) and not self.logits_soft_cap
-                and self.sinks is None and self.kv_cache_dtype == "auto")
+        """numba is there, and the layer needs nothing `cpu_compact` leaves out: ALiBi (entries have
+        no positions), a sliding window, a soft cap, sinks, a quantized vLLM cache. With these (or a
+        cache other than bf16, which the kernels read as bf16) every compressed row takes the scratch."""
+        return (cpu_compact.AVAILABLE and self.alibi_slopes is None and self.sliding_window in (None, -1)
+                and not self.logits_soft_cap and self.sinks is None and self.kv_cache_dtype == "auto")
 
     def _run(self, layer, query, key_cache, value_cache, output, sub: _Subset, causal: bool) -> None:  # type: ignore[no-untyped-def]
         q = query.index_select(0, sub.tokens)
@@ -212,7 +194,7 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
         assert store is not None  # set by build() together with the metadata's type
         if m.px_builder is not None:
             with store.counter.region(kv_cache.device):  # the step's row planning, counted in a sampled step
-                m.px_builder.resolve(m, self.compact_ok)
+                m.px_builder.resolve(m, self.compact_ok and kv_cache.dtype == torch.bfloat16)
         if m.px_obs is not None and layer.layer_name == store.observe_layer:
             observe_safely(store, kv_cache, query, m.px_obs, self.scale)
         if m.px_comp is None and m.px_compact is None:
@@ -234,11 +216,9 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
             kc, vc = m.px_scratch.chunk(2, dim=2)
             self._run(layer, query, kc, vc, output, m.px_comp, causal)
         if m.px_compact is not None:
-            if m.px_entries is None:  # first layer of the step: one buffer for every layer
-                m.px_entries = new_buffer(m.px_compact, kv_cache)
-            log_w = fill_compact(m.px_compact, kv_cache, read, m.px_entries, layout, raw=store_reader(store, name))
+            assert m.px_compact_tokens is not None  # set with px_compact
             q = query.index_select(0, m.px_compact_tokens)
-            out = attend_compact(q, m.px_entries, log_w, m.px_compact, self.scale)
+            out = attend_compact(m.px_compact, q, kv_cache, layout, read, store_reader(store, name), self.scale)
             output.index_copy_(0, m.px_compact_tokens, out.to(output.dtype))
         return output
 

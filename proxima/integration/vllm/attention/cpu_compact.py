@@ -1,4 +1,4 @@
-"""Decode rows with compressed blocks on CPU: every stored entry attended once, weighted by its count.
+"""Decode rows with compressed blocks on CPU: every stored entry attended once, where it lies.
 
 The scratch (`cpu_scratch.py`) rebuilds a row as vLLM's kernel wants it: whole bf16 blocks, each
 cluster centroid repeated by its count. Its work grows with the row's *tokens*, not with what is
@@ -7,189 +7,173 @@ reads 32. On the CPU capacity workload that made the scratch fill 27% and Proxim
 of the aggressive process (py-spy, `bench/results/capacity-cpu.md`, 2026-12-07).
 
 A decode row has one query, which sees every token before it: no causal mask inside the row, so
-the order of its entries does not matter. This module packs the decode rows' entries into a dense
-buffer `[R * L, H, 2, D]` (row r at `[r * L, r * L + len_r)`, zero padding after it): hot blocks
-and the tail's tokens copied from vLLM's pages, each compressed slot's stored tokens or centroids
-decoded once (the same numba kernels as the scratch, or the torch reference). Next to it a
-log-weight per entry and head: log(count) for centroids, 0 for exact tokens, -inf for padding and
-for slot positions a layer's format leaves unused (a layer override may store fewer centroids
-than another layer). Attention is then a count-weighted softmax, two batched matmuls per layer in
-float32 for all the rows: the repetition's math (n copies of a key add n * exp(q.k) =
-exp(q.k + log n)) at the cost of the stored entries.
+the order of its entries does not matter. Per layer, numba kernels (`cpu_attend_kernels.py`) fold
+a row's entries into one online softmax per query head: its hot blocks and tail read in vLLM's
+pages, then each format group's slots decoded once per entry in the pool, each centroid's logit
+plus log(count) (n copies of a key add n * exp(q.k) = exp(q.k + log n): the repetition's math at
+the cost of the stored entries). No buffer, no copy of the hot blocks. Formats the kernels do not
+decode (lean, rotated keys) go through the torch reference first and are attended as float32.
 
-Prefill chunks over compressed blocks (causal within the chunk) keep the scratch.
+Prefill chunks over compressed blocks (causal within the chunk), and every row when numba is
+missing, keep the scratch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
-from proxima.compression.spec import LEAN_BITS
+from proxima.compression.spec import KIVI_KEYS, LEAN_BITS
 from proxima.formats import Format
-from proxima.integration.vllm.attention.cpu_scratch import (
-    NO_TOKEN_MAP,
-    RawReader,
-    Reader,
-    ScratchRow,
-    decode_slots,
-    fused_kernels,
-    identity_positions,
-)
+from proxima.integration.vllm.attention.cpu_scratch import RawReader, RawSlots, Reader, ScratchRow, byte_lut
 from proxima.integration.vllm.worker.page_layout import PageLayout
 
-L = torch.long
+try:  # numba is in the `cpu` extra; without it the scratch serves every row
+    from proxima.integration.vllm.attention import cpu_attend_kernels as kernels
+    from proxima.integration.vllm.worker.cpu_kernels import HALF_TO_FLOAT
+except ImportError:  # pragma: no cover - exercised only where numba is absent
+    kernels = None  # type: ignore[assignment]
+
+AVAILABLE = kernels is not None
 
 
 @dataclass(frozen=True)
 class CompactGroup:
-    """The compressed blocks of one (scheduler's) format, all rows together."""
+    """The compressed slots of one (scheduler's) format, all rows together, ordered by row."""
 
     fmt: Format
     dst: torch.Tensor  # long [N]
     slot: torch.Tensor  # long [N]
-    target: torch.Tensor
-    """long [N, C]: buffer positions of each slot's entries; C is the most entries any layer stores
-    for `fmt` (a layer storing fewer leaves the rest at log-weight -inf)."""
+    slot_ptr: np.ndarray  # int64 [R + 1]: row r's slots are [slot_ptr[r], slot_ptr[r + 1])
 
 
 @dataclass
 class CompactPlan:
     rows: int
-    width: int
-    """Entries per row in the buffer (the longest row's; shorter rows are padded)."""
-    hot_src: torch.Tensor  # long [Nh]: hot physical blocks, copied whole
-    hot_dst: torch.Tensor  # long [Nh * B]: buffer position of each of their tokens
-    tok_src: torch.Tensor  # long [Nt]: flat cache positions (block * B + offset) of the tails' tokens
-    tok_dst: torch.Tensor  # long [Nt]
-    log_weight: torch.Tensor
-    """float32 [R * L, 1]: 0 for a position that holds an entry, -inf for padding."""
+    blk_ptr: np.ndarray  # int64 [R + 1]: row r's bf16 blocks in vLLM's pages, [blk_ptr[r], blk_ptr[r + 1])
+    blk_ids: np.ndarray  # int64: physical blocks (hot ones, then the tail's)
+    blk_len: np.ndarray  # int64: tokens read from each (B, and the tail's count)
     groups: list[CompactGroup] = field(default_factory=list)
 
-    @property
-    def positions(self) -> int:
-        return self.rows * self.width
 
-
-def plan_compact(rows: list[ScratchRow], block_size: int, entries: Callable[[Format], int]) -> CompactPlan:
-    """Lay out decode rows (query_len 1) entry by entry. `entries(fmt)`: the most entries (tokens
-    or centroids) a slot of `fmt` holds in any layer."""
+def plan_compact(rows: list[ScratchRow], block_size: int) -> CompactPlan:
+    """Lay out decode rows (query_len 1): their bf16 blocks and their slots by format."""
     b = block_size
-    sizes: dict[Format, int] = {}
-    lengths: list[int] = []
-    for row in rows:
+    blk_ids: list[int] = []
+    blk_len: list[int] = []
+    blk_ptr = [0]
+    groups: dict[Format, tuple[list[int], list[int], list[int]]] = {}  # fmt -> (dst, slot, row of each)
+    for r, row in enumerate(rows):
         if row.query_len != 1:
             raise ValueError(f"compact attention serves decode rows (1 query token), got {row.query_len}")
         last = (row.seq_len - 1) // b  # the block holding the query, and the tail
         bad = [j for j in row.remap if j >= last]
         if bad:  # the engine never compresses a block that receives queries (the hot tail)
             raise ValueError(f"blocks {bad} of a row are compressed but hold its query token: they must stay hot")
-        n = row.seq_len - last * b
         for j in range(last):
             hit = row.remap.get(j)
             if hit is None:
-                n += b
-            else:
-                if hit[0] not in sizes:
-                    sizes[hit[0]] = entries(hit[0])
-                n += sizes[hit[0]]
-        lengths.append(n)
-    width = max(lengths, default=1)
-    hot_src: list[int] = []
-    hot_dst: list[int] = []
-    tok_src: list[torch.Tensor] = []
-    tok_dst: list[torch.Tensor] = []
-    groups: dict[Format, tuple[list[int], list[int], list[int]]] = {}
-    for r, row in enumerate(rows):
-        pos = r * width
-        last = (row.seq_len - 1) // b
-        for j in range(last):
-            hit = row.remap.get(j)
-            if hit is None:
-                hot_src.append(row.blocks[j])
-                hot_dst.append(pos)
-                pos += b
+                blk_ids.append(row.blocks[j])
+                blk_len.append(b)
             else:
                 g = groups.setdefault(hit[0], ([], [], []))
                 g[0].append(hit[1])
                 g[1].append(hit[2])
-                g[2].append(pos)
-                pos += sizes[hit[0]]
-        tail = row.seq_len - last * b
-        tok_src.append(row.blocks[last] * b + torch.arange(tail))
-        tok_dst.append(torch.arange(pos, pos + tail))
-    log_weight = torch.full((len(rows), width), float("-inf"))
-    log_weight[torch.arange(width).view(1, -1) < torch.tensor(lengths, dtype=L).view(-1, 1)] = 0.0
-    empty = torch.zeros(0, dtype=L)
-    plan = CompactPlan(
-        rows=len(rows), width=width,
-        hot_src=torch.tensor(hot_src, dtype=L),
-        hot_dst=(torch.tensor(hot_dst, dtype=L).view(-1, 1) + torch.arange(b)).flatten(),
-        tok_src=torch.cat(tok_src) if tok_src else empty,
-        tok_dst=torch.cat(tok_dst) if tok_dst else empty,
-        log_weight=log_weight.view(-1, 1),
-    )  # fmt: skip
-    for fmt, (dsts, slots, starts) in groups.items():
-        target = torch.tensor(starts, dtype=L).view(-1, 1) + torch.arange(sizes[fmt])
-        plan.groups.append(CompactGroup(fmt, torch.tensor(dsts, dtype=L), torch.tensor(slots, dtype=L), target))
+                g[2].append(r)
+        blk_ids.append(row.blocks[last])
+        blk_len.append(row.seq_len - last * b)
+        blk_ptr.append(len(blk_ids))
+    i64 = np.int64
+    plan = CompactPlan(len(rows), np.array(blk_ptr, i64), np.array(blk_ids, i64), np.array(blk_len, i64))
+    for fmt, (dsts, slots, owner) in groups.items():
+        ptr = np.zeros(len(rows) + 1, i64)
+        np.cumsum(np.bincount(np.array(owner, i64), minlength=len(rows)), out=ptr[1:])
+        plan.groups.append(CompactGroup(fmt, torch.tensor(dsts, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
+                                        ptr))
     return plan
 
 
-def new_buffer(plan: CompactPlan, kv: torch.Tensor) -> torch.Tensor:
-    """The step's entry buffer [R * L, H, 2, D], reused by every layer. Zeroed: padding is read
-    (with weight 0) by the matmuls, and 0 * NaN would poison a row."""
-    h, d = kv.shape[1], kv.shape[3] // 2
-    return kv.new_zeros((plan.positions, h, 2, d))
+class _Unused:
+    """Placeholders for a `Half`'s unused arrays, made per call. Writable like the real ones: numba
+    types a read-only array apart, and every mix would compile its own kernel (20 s each)."""
+
+    def __init__(self) -> None:
+        self.u8 = np.zeros((1, 1, 1, 1), np.uint8)
+        self.u16 = np.zeros((1, 1, 1, 1), np.uint16)
+        self.f32 = np.zeros((1, 1, 1, 1), np.float32)
+        self.lut = np.zeros(256, np.float32)
+        self.s32 = np.zeros((1, 1, 1), np.float32)
 
 
-def fill_compact(plan: CompactPlan, kv: torch.Tensor, read: Reader, buf: torch.Tensor,
-                 layout: PageLayout, raw: RawReader | None = None) -> torch.Tensor:
-    """Fill `buf` from one layer's cache `kv` [N, H, B, 2D]; returns the layer's log-weights
-    float32 [R * L, H]. Compressed slots go through the fused numba kernels when `raw` is given
-    (and the slot format is one they read), else through `read` (the torch reference)."""
-    h, b, d = kv.shape[1], kv.shape[2], kv.shape[3] // 2
-    if len(plan.hot_src):
-        k, v = layout.read_blocks(kv, plan.hot_src)  # [Nh, B, H, D], canonical
-        buf[plan.hot_dst, :, 0] = k.reshape(-1, h, d)
-        buf[plan.hot_dst, :, 1] = v.reshape(-1, h, d)
-    if len(plan.tok_src):
-        buf[plan.tok_dst] = layout.read_tokens(kv, plan.tok_src)
-    log_w = plan.log_weight.expand(-1, h).clone()
-    kernels = fused_kernels(buf, raw)
-    # The kernels see the buffer as pages of one token: uint16 [R * L, H, 2D], canonical order.
-    out = buf.view(buf.shape[0], h, 2 * d).view(torch.int16).numpy().view("uint16") if kernels is not None else None
+def no_counts() -> np.ndarray:
+    """`attend_slots`' log-counts of slots without counts (float32, empty)."""
+    return np.zeros((0, 1, 1), np.float32)
+
+
+def _halves(slots: RawSlots) -> tuple[Any, Any]:
+    """The kernels' `Half` tuples of a slot group as stored (see `cpu_attend_kernels`)."""
+    q = slots.fmt.quant
+    k, v = slots.k.numpy(), slots.v.numpy()
+    _u = _Unused()
+    _U8, _U16, _F32, _LUT, _S32 = _u.u8, _u.u16, _u.f32, _u.lut, _u.s32
+
+    def meta(name: str) -> np.ndarray:  # float16 tables as their bit patterns (numba has no float16)
+        t = slots.meta[name]
+        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.float16 else t.numpy()
+
+    if q == "bf16":
+        return ((kernels.BF16, _U8, k.view(np.uint16), _F32, _LUT, _S32, _U16, _U16, 16),
+                (kernels.BF16, _U8, v.view(np.uint16), _F32, _LUT, _S32, _U16, _U16, 16))
+    if q == "fp8":
+        kh = (kernels.LUT, k, _U16, _F32, byte_lut(torch.float8_e4m3fn).copy(), meta("k_scale"), _U16, _U16, 8)
+    else:  # int8 / int4 / int2 keys: KIVI, per channel over token groups
+        kh = (kernels.KIVI_CHANNEL, k, _U16, _F32, _LUT, _S32, meta("k_scale"), meta("k_zero"), KIVI_KEYS[q])
+    if q in ("fp8", "int8"):  # per-token values
+        lut = byte_lut(torch.float8_e4m3fn if q == "fp8" else torch.int8).copy()  # (writable: see _Unused)
+        vh = (kernels.LUT, v, _U16, _F32, lut, meta("v_scale"), _U16, _U16, 8)
+    else:
+        vh = (kernels.KIVI_GROUP, v, _U16, _F32, _LUT, _S32, meta("v_scale"), meta("v_zero"), KIVI_KEYS[q])
+    return kh, vh
+
+
+def _decoded(kh: torch.Tensor, vh: torch.Tensor) -> tuple[Any, Any]:
+    """`Half` tuples of slots decoded by the torch reference: float32 [N, C, H, D]."""
+    k = kh.float().contiguous().numpy()
+    v = vh.float().contiguous().numpy()
+    _u = _Unused()
+    _U8, _U16, _LUT, _S32 = _u.u8, _u.u16, _u.lut, _u.s32
+    return ((kernels.F32, _U8, _U16, k, _LUT, _S32, _U16, _U16, 32),
+            (kernels.F32, _U8, _U16, v, _LUT, _S32, _U16, _U16, 32))
+
+
+def attend_compact(plan: CompactPlan, q: torch.Tensor, kv: torch.Tensor, layout: PageLayout, read: Reader,
+                   raw: RawReader, scale: float) -> torch.Tensor:
+    """Count-weighted attention of each decode row's query q [R, HQ, D] over its entries in one
+    layer (cache `kv` [N, H, B, 2D] bf16): float32 [R, HQ, D]. Query head i reads KV head
+    i // (HQ / H), as vLLM's kernels do."""
+    h, b = kv.shape[1], kv.shape[2]
+    qs = (q.float() * scale).contiguous().numpy()
+    r, hq, d = qs.shape
+    m = np.full((r, hq), -np.inf, np.float32)
+    l = np.zeros((r, hq), np.float32)  # noqa: E741 - the softmax normaliser, as the kernels name it
+    acc = np.zeros((r, hq, d), np.float32)
+    pages = kv.view(kv.shape[0], h, -1).view(torch.int16).numpy().view(np.uint16)
+    kernels.attend_pages(qs, pages, layout.key_pos.numpy(), layout.value_pos.numpy(), plan.blk_ptr, plan.blk_ids,
+                         plan.blk_len, m, l, acc)
     for g in plan.groups:
-        slots = raw(g.fmt, g.dst, g.slot) if kernels is not None and raw is not None else None
-        counts: torch.Tensor | None
-        if slots is not None and out is not None and slots.fmt.quant not in LEAN_BITS:  # (no lean slots in numba)
-            c = slots.fmt.kept_tokens(b)
-            decode_slots(kernels, slots, NO_TOKEN_MAP, g.target[:, :c].contiguous().numpy(), out,
-                         identity_positions(2 * d))
-            counts = slots.meta["log_count"][slots.rows] if slots.fmt.attention_uses_counts else None
+        slots = raw(g.fmt, g.dst, g.slot)  # this layer's format (a layer override may store another)
+        if slots.fmt.quant in LEAN_BITS:  # rotated keys: decoded by the torch reference
+            kd, vd, counts = read(g.fmt, g.dst, g.slot)
+            kh, vh = _decoded(kd, vd)
+            rows = np.arange(len(g.dst), dtype=np.int64)
+            lc = counts.float().contiguous().numpy() if slots.fmt.attention_uses_counts else no_counts()
         else:
-            kh, vh, counts = read(g.fmt, g.dst, g.slot)  # [N, C, H, D], log-counts [N, C, H]
-            c = kh.shape[1]
-            flat = g.target[:, :c].reshape(-1)
-            buf[flat, :, 0] = kh.reshape(-1, h, d)
-            buf[flat, :, 1] = vh.reshape(-1, h, d)
-        if c < g.target.shape[1]:  # this layer's format stores fewer entries than another layer's
-            log_w[g.target[:, c:].reshape(-1)] = float("-inf")
-        if counts is not None:
-            log_w[g.target[:, :c].reshape(-1)] = counts.reshape(-1, h).float()
-    return log_w
-
-
-def attend_compact(q: torch.Tensor, buf: torch.Tensor, log_w: torch.Tensor, plan: CompactPlan,
-                   scale: float) -> torch.Tensor:
-    """Count-weighted attention of each decode row's query q [R, Hq, D] over its entries:
-    [R, Hq, D] float32. Query head i reads KV head i // (Hq / H), as vLLM's kernels do."""
-    r, w = plan.rows, plan.width
-    h, d = buf.shape[1], buf.shape[3]
-    x = buf.view(r, w, h, 2, d)
-    k = x[:, :, :, 0].permute(0, 2, 3, 1).float()  # [R, H, D, L]
-    v = x[:, :, :, 1].permute(0, 2, 1, 3).float()  # [R, H, L, D]
-    qh = q.float().view(r, h, -1, d)  # [R, H, G, D]
-    s = torch.matmul(qh, k).mul_(scale).add_(log_w.view(r, w, h).permute(0, 2, 1).unsqueeze(2))
-    return torch.matmul(torch.softmax(s, -1), v).view(r, -1, d)
+            kh, vh = _halves(slots)
+            rows = slots.rows.numpy()
+            lc = slots.meta["log_count"].numpy() if slots.fmt.attention_uses_counts else no_counts()
+        kernels.attend_slots(qs, h, rows, g.slot_ptr, slots.fmt.kept_tokens(b), lc, kh, vh, slots.group_size,
+                             HALF_TO_FLOAT, m, l, acc)
+    return torch.from_numpy(acc / l[:, :, None])

@@ -294,7 +294,7 @@ def identity_positions(n: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4)
-def _byte_lut(dtype: torch.dtype) -> np.ndarray:
+def byte_lut(dtype: torch.dtype) -> np.ndarray:
     """float32 [256] (read-only): the exact value of each byte read as `dtype` (float8_e4m3fn or int8)."""
     out = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
     out.flags.writeable = False
@@ -345,12 +345,12 @@ def decode_slots(kernels: Any, slots: RawSlots, src: np.ndarray, dst: np.ndarray
         kernels.copy_bf16(v.view(np.uint16), rows, src, dst, 1, out, pos)
         return
     if q == "fp8":
-        kernels.dequant_per_token(k, rows, _byte_lut(torch.float8_e4m3fn), meta("k_scale"), src, dst, 0, out, pos)
+        kernels.dequant_per_token(k, rows, byte_lut(torch.float8_e4m3fn), meta("k_scale"), src, dst, 0, out, pos)
     else:  # int8 / int4 / int2 keys: KIVI, per channel over token groups
         kernels.dequant_kivi(k, rows, meta("k_scale"), meta("k_zero"), f16, KIVI_KEYS[q], gs, True, src, dst, 0,
                              out, pos)
     if q in ("fp8", "int8"):  # per-token values
-        lut = _byte_lut(torch.float8_e4m3fn if q == "fp8" else torch.int8)
+        lut = byte_lut(torch.float8_e4m3fn if q == "fp8" else torch.int8)
         kernels.dequant_per_token(v, rows, lut, meta("v_scale"), src, dst, 1, out, pos)
     else:
         kernels.dequant_kivi(v, rows, meta("v_scale"), meta("v_zero"), f16, KIVI_KEYS[q], gs, False, src, dst, 1,

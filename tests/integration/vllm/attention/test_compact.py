@@ -1,70 +1,84 @@
 """Decode rows attended entry by entry (`cpu_compact.py`): each stored token or centroid once,
-weighted by its count, must give the formats' attention, on the fused and the torch fill alike."""
+where it lies, weighted by its count, must give the formats' attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from proxima.formats import Format
-from proxima.integration.vllm.attention.cpu_compact import attend_compact, fill_compact, new_buffer, plan_compact
+from proxima.integration.vllm.attention.cpu_compact import attend_compact, plan_compact
 from proxima.integration.vllm.attention.cpu_scratch import ScratchRow, store_reader
 from tests.integration.vllm.attention.test_scratch import HQ, LAYER, B, D, _reference, _scenario
 
 
-def _entries(fmt: Format) -> int:
-    return fmt.kept_tokens(B)
+def _attend(formats: list[list[str | None]], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(compact attention of one random query per row, the formats' reference) [R, HQ, D]."""
+    st, kv, rows = _scenario(formats, seed)
+    assert st.layout is not None
+    plan = plan_compact([ScratchRow(blocks, seq_len, st.remap.get(rid, {})) for rid, blocks, seq_len in rows], B)
+    q = torch.randn(len(rows), HQ, D).to(torch.bfloat16)
+    got = attend_compact(plan, q, kv, st.layout, lambda f, d, s: st.read_with_counts(LAYER, f, d, s),
+                         store_reader(st, LAYER), D**-0.5)
+    want = torch.stack([_reference(st, kv, rid, blocks, seq_len, q[i].float())
+                        for i, (rid, blocks, seq_len) in enumerate(rows)])
+    return got, want
 
 
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("formats", [
     [["int4", "int8", None, None]],
     [["cluster(2)+int4", None, "int4", None], [None, "cluster(4)", None]],
     [["sparse(4)+int4", "sparse(2)", None, "int2", None], ["int8", "sparse(4)", "cluster(2)+int4", None, None]],
     [["fp8", "cluster(8)+int4", "cluster(4)+int2", None], [None, None]],
-    [["int4h", "int4", None, "cluster(2)+int4h", None], [None, "int2h", None]],  # lean: the torch fill
+    [["int4h", "int4", None, "cluster(2)+int4h", None], [None, "int2h", None]],  # lean: decoded by torch first
 ])
-def test_compact_attention_equals_the_formats_attention(formats: list[list[str | None]], fused: bool) -> None:
-    st, kv, rows = _scenario(formats)
-    assert st.layout is not None
-    plan = plan_compact([ScratchRow(blocks, seq_len, st.remap.get(rid, {})) for rid, blocks, seq_len in rows],
-                        B, _entries)
-    buf = new_buffer(plan, kv)
-    log_w = fill_compact(plan, kv, lambda f, d, s: st.read_with_counts(LAYER, f, d, s), buf, st.layout,
-                         raw=store_reader(st, LAYER) if fused else None)
-    q = torch.randn(len(rows), HQ, D).to(torch.bfloat16)
-    got = attend_compact(q, buf, log_w, plan, D**-0.5)
-    for i, (rid, blocks, seq_len) in enumerate(rows):
-        want = _reference(st, kv, rid, blocks, seq_len, q[i].float())
-        torch.testing.assert_close(got[i], want, atol=2e-3, rtol=2e-3)
+def test_compact_attention_equals_the_formats_attention(formats: list[list[str | None]]) -> None:
+    got, want = _attend(formats)
+    # The reference rounds decoded values to bf16 (the cache dtype); the kernels keep float32.
+    torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
 
 
-def test_a_layer_storing_fewer_centroids_masks_the_rest() -> None:
-    """Entries planned for the largest layer format: a layer storing fewer leaves its spare
-    positions at weight 0, so the answer is still that layer's formats' attention."""
-    st, kv, rows = _scenario([["cluster(4)", None, "int4", None]])
-    assert st.layout is not None
-    plan = plan_compact([ScratchRow(b, n, st.remap.get(rid, {})) for rid, b, n in rows], B, lambda f: B)
-    buf = new_buffer(plan, kv)
-    log_w = fill_compact(plan, kv, lambda f, d, s: st.read_with_counts(LAYER, f, d, s), buf, st.layout,
-                         raw=store_reader(st, LAYER))
-    spare = plan.groups[[str(g.fmt) for g in plan.groups].index("cluster(4)")].target[:, B // 4:]
-    assert torch.isinf(log_w[spare.reshape(-1)]).all()
-    q = torch.randn(1, HQ, D).to(torch.bfloat16)
-    rid, blocks, seq_len = rows[0]
-    want = _reference(st, kv, rid, blocks, seq_len, q[0].float())
-    torch.testing.assert_close(attend_compact(q, buf, log_w, plan, D**-0.5)[0], want, atol=2e-3, rtol=2e-3)
+def test_a_row_of_hot_blocks_only_is_plain_attention() -> None:
+    got, want = _attend([[None, None, None]])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_each_centroid_takes_one_position() -> None:
-    """The point of the module: a row's width is its stored entries, not its tokens."""
-    st, _kv, rows = _scenario([["cluster(8)+int4", "cluster(4)", "int4", None, None]])
-    rid, blocks, seq_len = rows[0]
-    plan = plan_compact([ScratchRow(blocks, seq_len, st.remap.get(rid, {}))], B, _entries)
-    assert seq_len == 4 * B + 5
-    assert plan.width == B // 8 + B // 4 + B + B + 5
+def test_counts_weigh_the_centroids() -> None:
+    """Without the log-count term a cluster row's answer moves: the weighting is what is tested."""
+    from proxima.integration.vllm.attention import cpu_compact
+
+    got, want = _attend([["cluster(4)", "cluster(8)+int4", None, None]], seed=3)
+    torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
+    counts = cpu_compact.no_counts()
+    orig = cpu_compact.attend_compact.__globals__["kernels"].attend_slots
+
+    def uncounted(q, heads, rows, ptr, entries, lc, *rest):  # type: ignore[no-untyped-def]
+        return orig(q, heads, rows, ptr, entries, counts, *rest)
+
+    cpu_compact.kernels.attend_slots = uncounted
+    try:
+        wrong, _ = _attend([["cluster(4)", "cluster(8)+int4", None, None]], seed=3)
+    finally:
+        cpu_compact.kernels.attend_slots = orig
+    assert (wrong - want).abs().max() > 1e-2
+
+
+def test_the_plan_keeps_slots_by_row_and_hot_blocks_in_place() -> None:
+    st, _kv, rows = _scenario([["cluster(8)+int4", None, "int4", None], ["int4", None]])
+    plan = plan_compact([ScratchRow(b, n, st.remap.get(rid, {})) for rid, b, n in rows], B)
+    (_r0, blocks0, n0), (_r1, blocks1, n1) = rows
+    assert plan.blk_ids.tolist() == [blocks0[1], blocks0[3], blocks1[1]]  # hot block, then each tail
+    assert plan.blk_len.tolist() == [B, n0 - 3 * B, n1 - B]
+    by_fmt = {str(g.fmt): g.slot_ptr.tolist() for g in plan.groups}
+    assert by_fmt == {"cluster(8)+int4": [0, 1, 1], "int4": [0, 1, 2]}
 
 
 def test_a_prefill_chunk_is_refused() -> None:
     with pytest.raises(ValueError, match="decode rows"):
-        plan_compact([ScratchRow([1, 2], 2 * B, {}, query_len=3)], B, _entries)
+        plan_compact([ScratchRow([1, 2], 2 * B, {}, query_len=3)], B)
+
+
+def test_a_compressed_tail_is_refused() -> None:
+    from proxima.formats import Format
+
+    with pytest.raises(ValueError, match="must stay hot"):
+        plan_compact([ScratchRow([1, 2], 2 * B, {1: (Format.parse("int4"), 9, 0)})], B)

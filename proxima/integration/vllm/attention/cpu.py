@@ -27,6 +27,7 @@ token importance (sparse and cluster use it) and, per block, the scheduler's pol
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,8 @@ from proxima.integration.vllm.worker.debug import reads_sources
 from proxima.integration.vllm.worker.importance import Observation, observe_safely, plan_observation
 from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout
 from proxima.integration.vllm.worker.store import SlotReader, WorkerStore
+
+logger = logging.getLogger("proxima.vllm")
 
 
 @dataclass
@@ -169,6 +172,23 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
         cache other than bf16, which the kernels read as bf16) every compressed row takes the scratch."""
         return (cpu_compact.AVAILABLE and self.alibi_slopes is None and self.sliding_window in (None, -1)
                 and not self.logits_soft_cap and self.sinks is None and self.kv_cache_dtype == "auto")
+
+    def warm_up(self, store: WorkerStore) -> None:
+        """The compact kernels of every format the policy can store, compiled (or loaded from
+        numba's cache) before the engine serves, on the real pools (same array types)."""
+        if not self.compact_ok or not store.kv_caches:
+            return
+        import time
+
+        t0 = time.perf_counter()
+        kv = next(iter(store.kv_caches.values()))
+        if kv.dtype != torch.bfloat16:
+            return
+        one = torch.zeros(1, dtype=torch.long)
+        stored = [store_reader(store, layer)(chosen, one, one) for chosen, layer in store.stored_formats().values()]
+        cpu_compact.warm_up(kv, store.page_layout(kv), stored)
+        logger.info("proxima: CPU decode kernels ready for %d stored formats in %.1f s", len(stored),
+                    time.perf_counter() - t0)
 
     def _run(self, layer, query, key_cache, value_cache, output, sub: _Subset, causal: bool) -> None:  # type: ignore[no-untyped-def]
         q = query.index_select(0, sub.tokens)

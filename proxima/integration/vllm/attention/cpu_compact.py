@@ -91,8 +91,8 @@ def plan_compact(rows: list[ScratchRow], block_size: int) -> CompactPlan:
     for fmt, (dsts, slots, owner) in groups.items():
         ptr = np.zeros(len(rows) + 1, i64)
         np.cumsum(np.bincount(np.array(owner, i64), minlength=len(rows)), out=ptr[1:])
-        plan.groups.append(CompactGroup(fmt, torch.tensor(dsts, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
-                                        ptr))
+        long = torch.long
+        plan.groups.append(CompactGroup(fmt, torch.tensor(dsts, dtype=long), torch.tensor(slots, dtype=long), ptr))
     return plan
 
 
@@ -158,11 +158,11 @@ def attend_compact(plan: CompactPlan, q: torch.Tensor, kv: torch.Tensor, layout:
     qs = (q.float() * scale).contiguous().numpy()
     r, hq, d = qs.shape
     m = np.full((r, hq), -np.inf, np.float32)
-    l = np.zeros((r, hq), np.float32)  # noqa: E741 - the softmax normaliser, as the kernels name it
+    norm = np.zeros((r, hq), np.float32)
     acc = np.zeros((r, hq, d), np.float32)
     pages = kv.view(kv.shape[0], h, -1).view(torch.int16).numpy().view(np.uint16)
     kernels.attend_pages(qs, pages, layout.key_pos.numpy(), layout.value_pos.numpy(), plan.blk_ptr, plan.blk_ids,
-                         plan.blk_len, m, l, acc)
+                         plan.blk_len, m, norm, acc)
     for g in plan.groups:
         slots = raw(g.fmt, g.dst, g.slot)  # this layer's format (a layer override may store another)
         if slots.fmt.quant in LEAN_BITS:  # rotated keys: decoded by the torch reference
@@ -175,5 +175,28 @@ def attend_compact(plan: CompactPlan, q: torch.Tensor, kv: torch.Tensor, layout:
             rows = slots.rows.numpy()
             lc = slots.meta["log_count"].numpy() if slots.fmt.attention_uses_counts else no_counts()
         kernels.attend_slots(qs, h, rows, g.slot_ptr, slots.fmt.kept_tokens(b), lc, kh, vh, slots.group_size,
-                             HALF_TO_FLOAT, m, l, acc)
-    return torch.from_numpy(acc / l[:, :, None])
+                             HALF_TO_FLOAT, m, norm, acc)
+    return torch.from_numpy(acc / norm[:, :, None])
+
+
+def warm_up(kv: torch.Tensor, layout: PageLayout, stored: list[RawSlots]) -> None:
+    """Compile, or load from numba's disk cache, the kernel variants a step will call, before the
+    engine serves: a first compile takes 10-20 s, otherwise inside a step. `stored`: slot row 0
+    of each stored format's pool (as `store_reader` returns it). Reads block 0 and those rows
+    (whatever they hold) and drops the results."""
+    h, d = kv.shape[1], kv.shape[3] // 2
+    q = np.zeros((1, h, d), np.float32)
+    m, norm, acc = np.full((1, h), -np.inf, np.float32), np.zeros((1, h), np.float32), np.zeros((1, h, d), np.float32)
+    pages = kv.view(kv.shape[0], h, -1).view(torch.int16).numpy().view(np.uint16)
+    ptr, first, one = np.array([0, 1], np.int64), np.zeros(1, np.int64), np.ones(1, np.int64)
+    kernels.attend_pages(q, pages, layout.key_pos.numpy(), layout.value_pos.numpy(), ptr, first, one, m, norm, acc)
+    zeros = torch.zeros(1, 1, h, d)
+    kd, vd = _decoded(zeros, zeros)  # what a lean group becomes, with and without counts
+    calls = [(kd, vd, first, counts, 1) for counts in (no_counts(), np.zeros((1, 1, h), np.float32))]
+    for slots in stored:
+        if slots.fmt.quant not in LEAN_BITS:
+            kh, vh = _halves(slots)
+            counts = slots.meta["log_count"].numpy() if slots.fmt.attention_uses_counts else no_counts()
+            calls.append((kh, vh, slots.rows.numpy(), counts, slots.group_size))
+    for kh, vh, rows, counts, group in calls:
+        kernels.attend_slots(q, h, rows, ptr, 1, counts, kh, vh, group, HALF_TO_FLOAT, m, norm, acc)

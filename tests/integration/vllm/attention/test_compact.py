@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from proxima.formats import Format
 from proxima.integration.vllm.attention.cpu_compact import attend_compact, plan_compact
 from proxima.integration.vllm.attention.cpu_scratch import ScratchRow, store_reader
 from tests.integration.vllm.attention.test_scratch import HQ, LAYER, B, D, _reference, _scenario
@@ -78,7 +79,22 @@ def test_a_prefill_chunk_is_refused() -> None:
 
 
 def test_a_compressed_tail_is_refused() -> None:
-    from proxima.formats import Format
-
     with pytest.raises(ValueError, match="must stay hot"):
         plan_compact([ScratchRow([1, 2], 2 * B, {1: (Format.parse("int4"), 9, 0)})], B)
+
+
+def test_warm_up_compiles_every_variant_a_step_calls() -> None:
+    """After `warm_up` over the stored formats' pools, a real step compiles nothing new (a first
+    compile takes 10-20 s: inside a step it would stall every request)."""
+    from proxima.integration.vllm.attention import cpu_compact
+
+    formats = [["int4", "cluster(8)+int4", "fp8", None, None], ["int8", "cluster(4)", "int4h", None]]
+    st, kv, _rows = _scenario(formats)
+    assert st.layout is not None
+    one = torch.zeros(1, dtype=torch.long)
+    names = sorted({f for fs in formats for f in fs if f is not None})
+    cpu_compact.warm_up(kv, st.layout, [store_reader(st, LAYER)(Format.parse(f), one, one) for f in names])
+    k = cpu_compact.kernels
+    before = (len(k.attend_pages.signatures), len(k.attend_slots.signatures))
+    _attend(formats)
+    assert (len(k.attend_pages.signatures), len(k.attend_slots.signatures)) == before

@@ -68,12 +68,16 @@ def stacked_caches(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat1
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(s.layers)}
 
 
-def transitions(policy: Policy) -> list[tuple[Format, Format]]:
-    """(source, target) of every step the policy's ladders take, first compressions first."""
+def transitions(policy: Policy, direct: bool = False) -> list[tuple[Format, Format]]:
+    """(source, target) of every step the policy's ladders take, first compressions first.
+    `direct`: also a hot block straight to every rung, as the planner writes a cold block once,
+    on the rung it would end on (on the CPU capacity workload most of aggressive's blocks go
+    bf16 -> cluster(8)+int4 in one step)."""
     out: list[tuple[Format, Format]] = []
     for band in policy.bands:
         ladder = band.ladder
-        steps = [(HOT, ladder[0])] + [(a, b) for a, b in itertools.pairwise(ladder) if recompressible(a, b)]
+        firsts = ladder if direct else ladder[:1]
+        steps = [(HOT, f) for f in firsts] + [(a, b) for a, b in itertools.pairwise(ladder) if recompressible(a, b)]
         for t in steps:
             if t not in out:
                 out.append(t)
@@ -110,7 +114,7 @@ class Workload:
     """A store over stacked caches and, per group, one plan of `per_group` actions ready to apply."""
 
     def __init__(self, policy: Policy, shape: Shape, device: str, per_group: int,
-                 kernels: Literal["torch", "triton"] = "torch") -> None:
+                 kernels: Literal["torch", "triton"] = "torch", direct: bool = False) -> None:
         self.store = WorkerStore()
         self.store.cpu_kernels = kernels  # (CUDA always runs the Triton kernels)
         self.caches = stacked_caches(shape, device)
@@ -120,7 +124,7 @@ class Workload:
         # stored format's pool before the first step: a step's count does not include it.
         for stored in self.store.stored_formats():
             self.store.slot_pool(stored)
-        self.groups = transitions(policy)
+        self.groups = transitions(policy, direct)
         n_src = len(self.groups) * per_group
         self.slots = _Slots(first_free=n_src, limit=shape.blocks)
         self._aid = 0
@@ -154,7 +158,15 @@ class Workload:
         """One uncounted apply of group g (warm-up: Triton compiles and autotunes on first use)."""
         self.reset()
         self.store.apply(self.plans[g])
+        self._settle()
         self.store.take_report()
+
+    def _settle(self) -> None:
+        """Wait for the device (outside any count): the compression probe's verdicts are read when
+        their errors have arrived (`WorkerStore.settle_probes` never waits), so on a GPU a report
+        taken at once can miss them, and they would land in the next group's report."""
+        if next(iter(self.caches.values())).is_cuda:
+            torch.cuda.synchronize()
 
     def _action(self, rid: str, fmt: Format, src: int = -1, from_: CompressAction | None = None) -> CompressAction:
         blk, slot = self.slots.take(fmt)
@@ -167,6 +179,7 @@ class Workload:
 
     def _apply_all(self, actions: list[CompressAction]) -> None:
         self.store.apply(ProximaPlan(actions=actions))
+        self._settle()
         rep = self.store.take_report()
         if actions and (rep is None or rep.failed or len(rep.ok) != len(actions)):
             raise RuntimeError(f"step_ops: the setup compressions did not all commit: {rep}")
@@ -175,6 +188,7 @@ class Workload:
         self.reset()
         with OpCounter() as c:
             self.store.apply(self.plans[g])
+        self._settle()
         rep = self.store.take_report()
         if rep is None or rep.failed or len(rep.ok) + len(rep.rejected) != len(self.plans[g].actions):
             raise RuntimeError(f"step_ops: group {g} did not run as planned: {rep}")
@@ -212,6 +226,7 @@ def cuda_extras(work: Workload, g: int) -> dict[str, Any]:
         sync_error = str(e).splitlines()[0]
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()  # (the probe's verdicts of this apply belong to its own report)
     rep = work.store.take_report()
     if rep is not None and rep.errors and not sync_error:
         sync_error = rep.errors[-1]  # apply catches kernel errors and reports them
@@ -225,9 +240,10 @@ def without_probe(policy: Policy) -> Policy:
 
 
 def measure(policy_name: str, shape: Shape, device: str, per_group: int, probe: bool = True,
-            kernels: Literal["torch", "triton"] = "torch") -> list[dict[str, Any]]:
+            kernels: Literal["torch", "triton"] = "torch", direct: bool = False) -> list[dict[str, Any]]:
     policy = load_policy(policy_name)
-    work = Workload(accepting_probe(policy) if probe else without_probe(policy), shape, device, per_group, kernels)
+    work = Workload(accepting_probe(policy) if probe else without_probe(policy), shape, device, per_group, kernels,
+                    direct)
     rows = []
     for g, (src, dst) in enumerate(work.groups):
         if device == "cuda":
@@ -315,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the compression-time probe: on (every block accepted), off, or a row of each")
     ap.add_argument("--kernels", choices=["torch", "triton"], default="torch",
                     help="compression kernels on CPU: the torch reference, or Triton (needs TRITON_INTERPRET=1)")
+    ap.add_argument("--direct", action="store_true",
+                    help="also a hot block straight to every rung (the planner's write-once path)")
     ap.add_argument("--name", default=None, help="write bench/results/NAME.{json,md}")
     args = ap.parse_args(argv)
     if args.device == "cpu" and args.kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -324,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         for layers in args.layers:
             shape = Shape(layers, args.heads, args.block_size, args.head_dim, args.blocks)
             for probe in ([True, False] if args.probe == "both" else [args.probe == "on"]):
-                rows.extend(measure(name, shape, args.device, args.per_group, probe, args.kernels))
+                rows.extend(measure(name, shape, args.device, args.per_group, probe, args.kernels, args.direct))
     md = table(rows) + "\n## Device kernels by op\n\n" + breakdown(rows)
     print(md)
     if args.name:

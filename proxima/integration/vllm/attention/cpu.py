@@ -5,8 +5,8 @@ Rows (requests) of the batch split in three once per step, at the first layer (`
 * rows without compressed blocks: vLLM's kernel on vLLM's cache, exactly as vanilla (and when no
   row has compressed blocks the parent's path runs untouched);
 * decode rows with compressed blocks (found by their *key block*, see `plan.ProximaPlan`): per
-  layer, each stored entry (hot token, quantized token, centroid) decoded once into a dense
-  buffer and attended with a count-weighted softmax (`cpu_compact.py`);
+  layer, numba kernels fold every stored entry (hot token, quantized token, centroid) into one
+  count-weighted online softmax, reading each where it lies (`cpu_compact.py`);
 * prefill chunks of a long prompt whose earlier chunks were compressed (and every compressed row
   of a model whose attention needs more than that softmax: ALiBi, a window, a soft cap, sinks):
   per layer, a transient bf16 scratch cache holds their tokens (`cpu_scratch.py`: hot blocks
@@ -148,7 +148,8 @@ class ProximaCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if compact:
             m.px_compact = plan_compact([rows[r] for r in compact], b)
             m.px_compact_tokens = torch.tensor([qsl[r] for r in compact], dtype=torch.long)
-        scratch = [r for r in comp_rows if r not in set(compact)]
+        compact_set = set(compact)
+        scratch = [r for r in comp_rows if r not in compact_set]
         causal = bool(m.causal)
         if scratch:
             plan = plan_scratch([rows[r] for r in scratch], b)
@@ -186,6 +187,8 @@ class ProximaCPUAttentionBackendImpl(CPUAttentionBackendImpl, SlotReader):
             return
         one = torch.zeros(1, dtype=torch.long)
         stored = [store_reader(store, layer)(chosen, one, one) for chosen, layer in store.stored_formats().values()]
+        if not stored:  # a policy that stores nothing (off): no row will take the kernels
+            return
         cpu_compact.warm_up(kv, store.page_layout(kv), stored)
         logger.info("proxima: CPU decode kernels ready for %d stored formats in %.1f s", len(stored),
                     time.perf_counter() - t0)

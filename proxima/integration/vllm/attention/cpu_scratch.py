@@ -219,7 +219,7 @@ def expand_centroids(k: torch.Tensor, v: torch.Tensor, log_count: torch.Tensor, 
     return k.gather(1, gidx), v.gather(1, gidx)
 
 
-def fused_kernels(scratch: torch.Tensor, raw: RawReader | None) -> Any:
+def _fast_kernels(scratch: torch.Tensor, raw: RawReader | None) -> Any:
     """The numba kernels module when they apply (CPU bf16 scratch, a raw reader), else None."""
     if raw is None or scratch.dtype != torch.bfloat16 or scratch.device.type != "cpu":
         return None
@@ -253,14 +253,14 @@ def fill_scratch(plan: ScratchPlan, kv: torch.Tensor, read: Reader, scratch: tor
 def _fill_groups(plan: ScratchPlan, read: Reader, raw: RawReader | None, s5: torch.Tensor, scratch: torch.Tensor,
                  b: int, h: int, d: int, layout: PageLayout) -> bool:
     """Decompress every format group into the scratch; True if the fused kernels did it."""
-    kernels = fused_kernels(scratch, raw)
+    kernels = _fast_kernels(scratch, raw)
     if any(g.fmt.quant in LEAN_BITS for g in plan.groups):
         kernels = None  # the numba kernels do not read lean slots (rotated keys): the reference does
     if kernels is not None:
         assert raw is not None
         # numba has no bf16: write the bit patterns, into pages [B', H, 2bD]
         out = scratch.view(scratch.shape[0], h, -1).view(torch.int16).numpy().view(np.uint16)
-        kernel_order, canonical = layout.page_pos.numpy(), identity_positions(2 * b * d)
+        kernel_order, canonical = layout.page_pos.numpy(), _identity(2 * b * d)
         for g in plan.groups:  # block-aligned formats straight into the kernel's page order
             pos = canonical if g.fmt.reduction == "sparse" else kernel_order
             _fill_group_fast(kernels, g, raw(g.fmt, g.dst, g.slot), b, out, pos)
@@ -286,7 +286,7 @@ def _fill_groups(plan: ScratchPlan, read: Reader, raw: RawReader | None, s5: tor
 
 
 @functools.lru_cache(maxsize=16)
-def identity_positions(n: int) -> np.ndarray:
+def _identity(n: int) -> np.ndarray:
     """int64 [n] (read-only): page positions of the canonical order."""
     out = np.arange(n, dtype=np.int64)
     out.flags.writeable = False
@@ -305,12 +305,13 @@ def _token_map(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int) -> tuple[
     """(src [N, T, H]: the slot token written at output token t, empty for the identity;
     dst [N, T]: the flat scratch position of output token t)."""
     n = len(g.dst)
+    none = np.zeros((0, 0, 0), np.int64)
     if slots.fmt.reduction == "sparse":  # kept token t -> its packed position
-        return NO_TOKEN_MAP, g.target.reshape(n, -1).numpy()
+        return none, g.target.reshape(n, -1).numpy()
     dst = (g.target.view(n, 1) * b + torch.arange(b)).numpy()
     if slots.fmt.reduction == "cluster":  # position t -> the centroid its cumulative count reaches
         return kernels.centroid_of_position(slots.meta["log_count"].numpy(), slots.rows.numpy(), b), dst
-    return NO_TOKEN_MAP, dst
+    return none, dst
 
 
 def _fill_group_fast(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int, out: np.ndarray,
@@ -318,19 +319,6 @@ def _fill_group_fast(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int, out
     """Decompress one format group's slots into `out` (the scratch's pages, uint16 [B', H, 2bD]),
     element (half, token, channel) at page position `pos[(half * b + token) * D + channel]`."""
     src, dst = _token_map(kernels, g, slots, b)
-    decode_slots(kernels, slots, src, dst, out, pos)
-
-
-NO_TOKEN_MAP = np.zeros((0, 0, 0), np.int64)
-"""`decode_slots`'s `src` when output token t is slot token t (no centroid repetition)."""
-NO_TOKEN_MAP.flags.writeable = False
-
-
-def decode_slots(kernels: Any, slots: RawSlots, src: np.ndarray, dst: np.ndarray, out: np.ndarray,
-                 pos: np.ndarray) -> None:
-    """The fused kernels' one entry: slot n's token `src[n, t, h]` (t itself when `src` is
-    empty) decoded to bf16 at flat position `dst[n, t]` of `out` (uint16 pages [B', H, 2bD], b
-    from its shape), element (half, token, channel) at `pos[(half * b + token) * D + channel]`."""
     rows = slots.rows.numpy()
     q, gs = slots.fmt.quant, slots.group_size
     k, v = slots.k.numpy(), slots.v.numpy()

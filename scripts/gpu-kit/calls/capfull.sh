@@ -4,7 +4,7 @@ source .gpu/p2/env.sh 2>/dev/null || source /tmp/gpu-kit/env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mkdir -p /tmp/pxb
 timeout ${CT:-575} python3 bench/capacity.py --mode equal-bytes --workload throughput --reps 1 \
-  --rows ${ROWS:-vllm_int4_pth,balanced,bench/policies/balanced-lean.yaml,aggressive,off} \
+  --rows ${ROWS:-vanilla,vllm_int4_pth,balanced,bench/policies/balanced-lean.yaml,aggressive,off} \
   --budget-s ${BUDGET:-560} --resume /tmp/pxb/throughput.json --logs /tmp/pxb/logs > $OUT/cap.log 2>&1
 echo "cap rc $?"; grep "^\[" $OUT/cap.log | tail -14 | cut -c1-300
 cp /tmp/pxb/*.json /tmp/pxb/*.md $OUT/ 2>/dev/null; mkdir -p $OUT/logs; cp /tmp/pxb/logs/* $OUT/logs/ 2>/dev/null

@@ -28,7 +28,14 @@ import torch
 
 from proxima.compression.spec import KIVI_KEYS, LEAN_BITS
 from proxima.formats import Format
-from proxima.integration.vllm.attention.cpu_scratch import RawReader, RawSlots, Reader, ScratchRow, byte_lut
+from proxima.integration.vllm.attention.cpu_scratch import (
+    RawReader,
+    RawSlots,
+    Reader,
+    ScratchRow,
+    byte_lut,
+    side_table,
+)
 from proxima.integration.vllm.worker.page_layout import PageLayout
 
 try:  # numba is in the `cpu` extra; without it the scratch serves every row
@@ -96,57 +103,66 @@ def plan_compact(rows: list[ScratchRow], block_size: int) -> CompactPlan:
     return plan
 
 
-class _Unused:
-    """Placeholders for a `Half`'s unused arrays, made per call. Writable like the real ones: numba
-    types a read-only array apart, and every mix would compile its own kernel (20 s each)."""
-
-    def __init__(self) -> None:
-        self.u8 = np.zeros((1, 1, 1, 1), np.uint8)
-        self.u16 = np.zeros((1, 1, 1, 1), np.uint16)
-        self.f32 = np.zeros((1, 1, 1, 1), np.float32)
-        self.lut = np.zeros(256, np.float32)
-        self.s32 = np.zeros((1, 1, 1), np.float32)
-
-
 def no_counts() -> np.ndarray:
     """`attend_slots`' log-counts of slots without counts (float32, empty)."""
     return np.zeros((0, 1, 1), np.float32)
+
+
+def _half(mode: int, bits: int, u8: np.ndarray | None = None, u16: np.ndarray | None = None,
+          f32: np.ndarray | None = None, lut: np.ndarray | None = None, s32: np.ndarray | None = None,
+          s16: np.ndarray | None = None, z16: np.ndarray | None = None) -> tuple[Any, ...]:
+    """A `Half` tuple (see `cpu_attend_kernels`); the arrays its mode does not read are fresh
+    placeholders, writable like the real ones: numba types a read-only array apart, and every mix
+    would compile a kernel of its own (10-20 s each)."""
+
+    def unused(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return np.zeros(shape, dtype)
+
+    return (mode,
+            u8 if u8 is not None else unused((1, 1, 1, 1), np.uint8),
+            u16 if u16 is not None else unused((1, 1, 1, 1), np.uint16),
+            f32 if f32 is not None else unused((1, 1, 1, 1), np.float32),
+            lut if lut is not None else unused((256,), np.float32),
+            s32 if s32 is not None else unused((1, 1, 1), np.float32),
+            s16 if s16 is not None else unused((1, 1, 1, 1), np.uint16),
+            z16 if z16 is not None else unused((1, 1, 1, 1), np.uint16),
+            bits)
 
 
 def _halves(slots: RawSlots) -> tuple[Any, Any]:
     """The kernels' `Half` tuples of a slot group as stored (see `cpu_attend_kernels`)."""
     q = slots.fmt.quant
     k, v = slots.k.numpy(), slots.v.numpy()
-    _u = _Unused()
-    _U8, _U16, _F32, _LUT, _S32 = _u.u8, _u.u16, _u.f32, _u.lut, _u.s32
-
-    def meta(name: str) -> np.ndarray:  # float16 tables as their bit patterns (numba has no float16)
-        t = slots.meta[name]
-        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.float16 else t.numpy()
-
     if q == "bf16":
-        return ((kernels.BF16, _U8, k.view(np.uint16), _F32, _LUT, _S32, _U16, _U16, 16),
-                (kernels.BF16, _U8, v.view(np.uint16), _F32, _LUT, _S32, _U16, _U16, 16))
-    if q == "fp8":
-        kh = (kernels.LUT, k, _U16, _F32, byte_lut(torch.float8_e4m3fn).copy(), meta("k_scale"), _U16, _U16, 8)
+        return _half(kernels.BF16, 16, u16=k.view(np.uint16)), _half(kernels.BF16, 16, u16=v.view(np.uint16))
+    if q == "fp8":  # (the byte tables copied: writable, see `_half`)
+        kh = _half(kernels.LUT, 8, u8=k, lut=byte_lut(torch.float8_e4m3fn).copy(), s32=side_table(slots, "k_scale"))
     else:  # int8 / int4 / int2 keys: KIVI, per channel over token groups
-        kh = (kernels.KIVI_CHANNEL, k, _U16, _F32, _LUT, _S32, meta("k_scale"), meta("k_zero"), KIVI_KEYS[q])
+        kh = _half(kernels.KIVI_CHANNEL, KIVI_KEYS[q], u8=k, s16=side_table(slots, "k_scale"),
+                   z16=side_table(slots, "k_zero"))
     if q in ("fp8", "int8"):  # per-token values
-        lut = byte_lut(torch.float8_e4m3fn if q == "fp8" else torch.int8).copy()  # (writable: see _Unused)
-        vh = (kernels.LUT, v, _U16, _F32, lut, meta("v_scale"), _U16, _U16, 8)
+        lut = byte_lut(torch.float8_e4m3fn if q == "fp8" else torch.int8).copy()
+        vh = _half(kernels.LUT, 8, u8=v, lut=lut, s32=side_table(slots, "v_scale"))
     else:
-        vh = (kernels.KIVI_GROUP, v, _U16, _F32, _LUT, _S32, meta("v_scale"), meta("v_zero"), KIVI_KEYS[q])
+        vh = _half(kernels.KIVI_GROUP, KIVI_KEYS[q], u8=v, s16=side_table(slots, "v_scale"),
+                   z16=side_table(slots, "v_zero"))
     return kh, vh
 
 
 def _decoded(kh: torch.Tensor, vh: torch.Tensor) -> tuple[Any, Any]:
     """`Half` tuples of slots decoded by the torch reference: float32 [N, C, H, D]."""
-    k = kh.float().contiguous().numpy()
-    v = vh.float().contiguous().numpy()
-    _u = _Unused()
-    _U8, _U16, _LUT, _S32 = _u.u8, _u.u16, _u.lut, _u.s32
-    return ((kernels.F32, _U8, _U16, k, _LUT, _S32, _U16, _U16, 32),
-            (kernels.F32, _U8, _U16, v, _LUT, _S32, _U16, _U16, 32))
+    return (_half(kernels.F32, 32, f32=kh.float().contiguous().numpy()),
+            _half(kernels.F32, 32, f32=vh.float().contiguous().numpy()))
+
+
+def _counts(slots: RawSlots) -> np.ndarray:
+    """The group's log-counts side table (cluster slots), else `no_counts()`."""
+    return slots.meta["log_count"].numpy() if slots.fmt.attention_uses_counts else no_counts()
+
+
+def _pages(kv: torch.Tensor) -> np.ndarray:
+    """vLLM's cache [N, H, B, 2D] bf16 as the kernels read it: uint16 pages [N, H, 2BD]."""
+    return kv.view(kv.shape[0], kv.shape[1], -1).view(torch.int16).numpy().view(np.uint16)
 
 
 def attend_compact(plan: CompactPlan, q: torch.Tensor, kv: torch.Tensor, layout: PageLayout, read: Reader,
@@ -160,8 +176,7 @@ def attend_compact(plan: CompactPlan, q: torch.Tensor, kv: torch.Tensor, layout:
     m = np.full((r, hq), -np.inf, np.float32)
     norm = np.zeros((r, hq), np.float32)
     acc = np.zeros((r, hq, d), np.float32)
-    pages = kv.view(kv.shape[0], h, -1).view(torch.int16).numpy().view(np.uint16)
-    kernels.attend_pages(qs, pages, layout.key_pos.numpy(), layout.value_pos.numpy(), plan.blk_ptr, plan.blk_ids,
+    kernels.attend_pages(qs, _pages(kv), layout.key_pos.numpy(), layout.value_pos.numpy(), plan.blk_ptr, plan.blk_ids,
                          plan.blk_len, m, norm, acc)
     for g in plan.groups:
         slots = raw(g.fmt, g.dst, g.slot)  # this layer's format (a layer override may store another)
@@ -173,7 +188,7 @@ def attend_compact(plan: CompactPlan, q: torch.Tensor, kv: torch.Tensor, layout:
         else:
             kh, vh = _halves(slots)
             rows = slots.rows.numpy()
-            lc = slots.meta["log_count"].numpy() if slots.fmt.attention_uses_counts else no_counts()
+            lc = _counts(slots)
         kernels.attend_slots(qs, h, rows, g.slot_ptr, slots.fmt.kept_tokens(b), lc, kh, vh, slots.group_size,
                              HALF_TO_FLOAT, m, norm, acc)
     return torch.from_numpy(acc / norm[:, :, None])
@@ -187,16 +202,14 @@ def warm_up(kv: torch.Tensor, layout: PageLayout, stored: list[RawSlots]) -> Non
     h, d = kv.shape[1], kv.shape[3] // 2
     q = np.zeros((1, h, d), np.float32)
     m, norm, acc = np.full((1, h), -np.inf, np.float32), np.zeros((1, h), np.float32), np.zeros((1, h, d), np.float32)
-    pages = kv.view(kv.shape[0], h, -1).view(torch.int16).numpy().view(np.uint16)
     ptr, first, one = np.array([0, 1], np.int64), np.zeros(1, np.int64), np.ones(1, np.int64)
-    kernels.attend_pages(q, pages, layout.key_pos.numpy(), layout.value_pos.numpy(), ptr, first, one, m, norm, acc)
+    kernels.attend_pages(q, _pages(kv), layout.key_pos.numpy(), layout.value_pos.numpy(), ptr, first, one, m, norm, acc)
     zeros = torch.zeros(1, 1, h, d)
     kd, vd = _decoded(zeros, zeros)  # what a lean group becomes, with and without counts
     calls = [(kd, vd, first, counts, 1) for counts in (no_counts(), np.zeros((1, 1, h), np.float32))]
     for slots in stored:
         if slots.fmt.quant not in LEAN_BITS:
             kh, vh = _halves(slots)
-            counts = slots.meta["log_count"].numpy() if slots.fmt.attention_uses_counts else no_counts()
-            calls.append((kh, vh, slots.rows.numpy(), counts, slots.group_size))
+            calls.append((kh, vh, slots.rows.numpy(), _counts(slots), slots.group_size))
     for kh, vh, rows, counts, group in calls:
         kernels.attend_slots(q, h, rows, ptr, 1, counts, kh, vh, group, HALF_TO_FLOAT, m, norm, acc)

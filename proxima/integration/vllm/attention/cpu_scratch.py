@@ -301,6 +301,13 @@ def byte_lut(dtype: torch.dtype) -> np.ndarray:
     return out
 
 
+def side_table(slots: RawSlots, name: str) -> np.ndarray:
+    """A whole side table of `slots` for the numba kernels: float16 ones as their bit patterns
+    (numba has no float16)."""
+    t = slots.meta[name]
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.float16 else t.numpy()
+
+
 def _token_map(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int) -> tuple[np.ndarray, np.ndarray]:
     """(src [N, T, H]: the slot token written at output token t, empty for the identity;
     dst [N, T]: the flat scratch position of output token t)."""
@@ -324,9 +331,8 @@ def _fill_group_fast(kernels: Any, g: ScratchGroup, slots: RawSlots, b: int, out
     k, v = slots.k.numpy(), slots.v.numpy()
     f16 = kernels.HALF_TO_FLOAT
 
-    def meta(name: str) -> np.ndarray:  # the whole side table; float16 ones as their bit patterns
-        t = slots.meta[name]
-        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.float16 else t.numpy()
+    def meta(name: str) -> np.ndarray:
+        return side_table(slots, name)
 
     if q == "bf16":
         kernels.copy_bf16(k.view(np.uint16), rows, src, dst, 0, out, pos)

@@ -31,8 +31,16 @@ from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, QUANT_CODE, VALUES_
 STEP_QUANTS = ("fp8", "int8", "int4", "int2")
 """Quantizations the step kernels read and write (the lean ones and bf16 take the batch path)."""
 
+STEP_VARYING = ["A"]
+"""Arguments that change from step to step and must not pick a compiled variant: Triton
+specializes an integer equal to 1 or divisible by 16, so a step of 1, 5 or 16 actions would each
+compile the kernel again, inside the step (`worker/step_warm_up.py` compiles one of each)."""
+STEP_TABLE = ["tbl_ptr"]
+"""Pointers whose 16-byte alignment changes from step to step: a group's rows of the step table
+start at 24 bytes per action before it."""
 
-@triton.jit
+
+@triton.jit(do_not_specialize=STEP_VARYING, do_not_specialize_on_alignment=STEP_TABLE)
 def _quant_step_kernel(
     xk_ptr, xv_ptr,  # source keys / values: the KV pages (PAGES) or [N, T, H, D] contiguous
     kpos_ptr, vpos_ptr,  # PAGES: page position of canonical element t * D + d, keys / values
@@ -75,7 +83,7 @@ def _quant_step_kernel(
                          QMAX_V, HW_CVT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING, do_not_specialize_on_alignment=STEP_TABLE)
 def _dequant_step_kernel(
     dk_ptr, dv_ptr, d_layer, d_slot,  # source codes: slot pools [L, S, T, H, P], strides
     ks_ptr, kz_ptr, km_layer, km_slot,  # key scale / zero side tables

@@ -116,6 +116,12 @@ class ProximaConnector(KVConnectorBase_V1):
             logger.warning("proxima: pipeline_parallel_size %d is not supported; Proxima stays inactive", pp)
             return
         self.manager = install(kv_cache_manager, self.policy, ranks=self.ranks)
+        if self.manager is not None:
+            from proxima.integration.vllm._patches import binding_scheduler
+            from proxima.integration.vllm.scheduler.queue_demand import QueueDemand
+
+            scheduler = binding_scheduler()  # patch 4: the queue the engine prices in
+            self.manager.px.queue = QueueDemand(scheduler) if scheduler is not None else None
         if self.manager is not None and os.environ.get(STATS_ENV):
             self.manager.px.on_change = self.dump_stats
         if self.manager is not None:
@@ -215,6 +221,9 @@ class ProximaConnector(KVConnectorBase_V1):
         if readers and kv_caches:  # the kernel that reads the pages says how they are ordered
             store.use_layout(readers[0].page_layout(next(iter(kv_caches.values()))))
             readers[0].warm_up(store)
+            from proxima.integration.vllm.worker.step_warm_up import warm_up_step_groups
+
+            warm_up_step_groups(store)  # the executor's own groups: no compile inside a step
 
     def _check_side_table_budget(self, store: WorkerStore, kv_caches: dict[str, Any]) -> None:
         """On CUDA, with a pool vLLM sized from `gpu_memory_utilization` (no override): warn at

@@ -158,3 +158,11 @@ def test_the_sampled_step_counters_reach_the_stats_file(runs: dict[str, dict]) -
     assert px["counted_steps"] >= 1 and px["launches_per_step"] >= 1 and px["memcpys_per_step"] >= 1, px
     assert px["syncs_per_step"] >= 0
     assert not {"counted_steps", "launches_per_step", "syncs_per_step"} & set(runs["off"]["proxima"])
+
+
+def test_the_waiting_queue_is_priced_in(runs: dict[str, dict]) -> None:
+    """The pressure scenario queues 8 prompts of 150 tokens (5 blocks each) against a pool of
+    24 blocks: vLLM's own scheduler queue, found through the connector's binding (`_patches`
+    patch 4), reaches the policy engine as queued demand (`scheduler/queue_demand.py`)."""
+    px = runs["mixed"]["proxima"]
+    assert px["queued_blocks_peak"] >= 5, px["queued_blocks_peak"]

@@ -188,8 +188,12 @@ class ProximaKVCacheManager(KVCacheManager):
         # the drift probe's holdout (`drift.py`).
         special = (canary.special_requests(px.ledger) if px.probes.canaries else set()) | px.probes.holdout
         restricted = px.backoff.restrict(px.policy, px.stats.steps)
+        total = pool_usage.total_blocks(self.block_pool)
+        queued = px.queue.blocks(self.block_size, len(px.ledger), total, head_counted=px.waiting_need > 0) \
+            if px.queue is not None else 0
+        px.stats.queued_blocks_peak = max(px.stats.queued_blocks_peak, queued)
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,
-                              pending_blocks, set(finishing) | special, px.probes.status)
+                              pending_blocks, set(finishing) | special, px.probes.status, queued_blocks=queued)
         decision = decide(snap, restricted, px.engine)
         px.engine = decision.state
         actions = decision.actions

@@ -23,9 +23,10 @@ from proxima.policy.snapshot import ProbeStatus, RequestBlocks, Snapshot
 
 def build_snapshot(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool, block_size: int,
                    pending_blocks: int = 0, finishing: AbstractSet[str] = frozenset(),
-                   probe_status: ProbeStatus = "ok") -> Snapshot:
+                   probe_status: ProbeStatus = "ok", queued_blocks: int = 0) -> Snapshot:
     """The pool and every resident request's blocks for the policy engine; requests in
-    `finishing` are left out (none of their blocks is eligible)."""
+    `finishing` are left out (none of their blocks is eligible). `queued_blocks`: what the
+    waiting queue will ask for (`queue_demand.py`)."""
     reqs: list[RequestBlocks] = []
     for rid, entry in ledger.items():
         blocks = blocks_of.get(rid)
@@ -38,6 +39,7 @@ def build_snapshot(ledger: RequestLedger, blocks_of: BlockLists, pool: BlockPool
         block_size=block_size,
         requests=reqs,
         pending_blocks=pending_blocks,
+        queued_blocks=queued_blocks,
         probe_status=probe_status,
     )
 

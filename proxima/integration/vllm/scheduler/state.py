@@ -18,6 +18,7 @@ from proxima.integration.vllm.scheduler.block_source import VllmBlockSource
 from proxima.integration.vllm.scheduler.in_flight import InFlight
 from proxima.integration.vllm.scheduler.ledger import RequestLedger
 from proxima.integration.vllm.scheduler.probe_state import ProbeState
+from proxima.integration.vllm.scheduler.queue_demand import QueueDemand
 from proxima.integration.vllm.scheduler.side_tables import SideTableCharge
 from proxima.integration.vllm.scheduler.stats import MetaSizes, ProximaStats
 from proxima.placement import BlockId, SlotPacker
@@ -54,6 +55,8 @@ class ProximaState:
     """An emergency compression is in flight: admit no new request until it commits."""
     waiting_need: int = 0
     """Blocks the largest waiting request needed this step (counted as pressure)."""
+    queue: QueueDemand | None = None
+    """vLLM's waiting queue, read for the blocks it will ask for (`queue_demand.py`; None: unknown)."""
     backoff: FormatBackoff = field(default_factory=FormatBackoff)
     """Formats whose batches failed are left out of planning for a growing number of steps."""
     policy_version: int = 0

@@ -49,6 +49,9 @@ class ProximaStats:
     blocks_compressed: int = 0
     """Commits that compressed a hot block (a block's first compression; the rest of `committed`
     are recompressions): `committed / blocks_compressed` is the compressions per compressed block."""
+    queued_blocks_peak: int = 0
+    """The most blocks vLLM's waiting queue asked for at a planning step (`queue_demand.py`): the
+    demand the engine priced in; 0 throughout when the scheduler's queue was not found."""
     pool_at_peak: dict[str, float] = field(default_factory=dict)
     """Where the pool went at the (first) step of peak residency: hot blocks, destination
     blocks and their filled fraction, free blocks (what bounds the next resident request)."""
@@ -150,6 +153,7 @@ def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool
         "committed_by_format": dict(s.committed_by_format),
         "blocks_compressed": s.blocks_compressed,
         "compressions_per_block": round(s.committed / s.blocks_compressed, 3) if s.blocks_compressed else 0.0,
+        "queued_blocks_peak": s.queued_blocks_peak,
         "peak_resident": s.peak_running, "pool_at_peak": dict(s.pool_at_peak),
         "mean_resident": s.running_sum / max(1, s.steps), "preemptions": s.preemptions,
         "resident_now": len(ledger),

@@ -1,0 +1,58 @@
+"""The blocks vLLM's waiting queue will ask for: the demand the policy engine prices in.
+
+The engine settles a cold block's rung once, at the depth this episode's demand will push the
+pool to (`policy.engine.settled_price`): the blocks freed now, this step's need, and the blocks
+still queued (`Snapshot.queued_blocks`). Without the queue, a burst of arrivals is met one
+admission at a time and every rung of the ladder is written in turn as the pool fills (the H100
+throughput run, 2026-12-07: 2.87 compressions per compressed block under aggressive; the
+simulator, which counts its queue, 1.0 on the same shape: `bench/results/write-once-sim.md`).
+
+vLLM's KV manager sees only the head of the queue (the scheduler stops at the first request
+that does not fit), so this reads the scheduler's own waiting queue. The scheduler is the
+object that binds the connector (`Scheduler.__init__` calls `bind_kv_cache_manager`); no vLLM
+hook hands it over, so `_patches.binding_scheduler` takes it from that call (read only, never
+changed; see patch 4 there). Without it (another scheduler, another vLLM) the demand is 0:
+the engine then plans as before, on the present need alone.
+
+Bounded per step: at most the free request slots (`max_num_seqs` minus the resident requests)
+are read, and the sum stops at the pool's size (a deeper queue cannot raise the price further:
+no episode frees more than the pool).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+from proxima.integration.vllm.scheduler.admission import blocks_for
+
+
+class QueueDemand:
+    """Reads a scheduler's waiting queue; holds it weakly (the engine owns the scheduler)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = weakref.ref(scheduler)
+
+    def blocks(self, block_size: int, resident: int, pool_blocks: int, head_counted: bool) -> int:
+        """Uncompressed blocks of the waiting requests' prompts that can still be admitted.
+
+        `resident`: requests holding blocks now (they use request slots); `head_counted`: the
+        queue's head already counts as this step's pending need (`ProximaState.waiting_need`),
+        so it is skipped, as the simulator does."""
+        sched = self._scheduler()
+        queue = getattr(sched, "waiting", None) if sched is not None else None
+        if queue is None:
+            return 0
+        slots = int(getattr(sched, "max_num_running_reqs", 0) or 0) - resident
+        if slots <= 0:
+            return 0
+        total = 0
+        for req in itertools.islice(iter(queue), int(head_counted), slots):  # the head takes a slot too
+            total += blocks_for(int(req.num_tokens), block_size)
+            if total >= pool_blocks:
+                return pool_blocks
+        return total
+
+
+__all__ = ["QueueDemand"]

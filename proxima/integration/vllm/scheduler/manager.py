@@ -189,7 +189,9 @@ class ProximaKVCacheManager(KVCacheManager):
         special = (canary.special_requests(px.ledger) if px.probes.canaries else set()) | px.probes.holdout
         restricted = px.backoff.restrict(px.policy, px.stats.steps)
         total = pool_usage.total_blocks(self.block_pool)
-        queued = px.queue.blocks(self.block_size, len(px.ledger), total, head_counted=px.waiting_need > 0) \
+        # (no queue asks the pool for more than it holds at the harshest format: the sum stops there)
+        held = int(total * max((f.pack_ratio for f in px.formats), default=1))
+        queued = px.queue.blocks(self.block_size, len(px.ledger), held, head_counted=px.waiting_need > 0) \
             if px.queue is not None else 0
         px.stats.queued_blocks_peak = max(px.stats.queued_blocks_peak, queued)
         snap = build_snapshot(px.ledger, self._stm.req_to_blocks, self.block_pool, self.block_size,

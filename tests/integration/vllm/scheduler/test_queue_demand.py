@@ -28,33 +28,33 @@ class _Sched:
 def test_sums_the_prompts_blocks_behind_the_head() -> None:
     s = _Sched([_Req(100), _Req(64), _Req(1)])  # 4 + 2 + 1 blocks of 32
     q = QueueDemand(s)
-    assert q.blocks(32, resident=0, pool_blocks=1000, head_counted=False) == 7
-    assert q.blocks(32, resident=0, pool_blocks=1000, head_counted=True) == 3  # the head is in the pending need
+    assert q.blocks(32, resident=0, limit=1000, head_counted=False) == 7
+    assert q.blocks(32, resident=0, limit=1000, head_counted=True) == 3  # the head is in the pending need
 
 
 def test_only_requests_that_can_still_get_a_slot_count() -> None:
     s = _Sched([_Req(32)] * 10, max_num_running_reqs=8)
     q = QueueDemand(s)
-    assert q.blocks(32, resident=5, pool_blocks=1000, head_counted=False) == 3
-    assert q.blocks(32, resident=5, pool_blocks=1000, head_counted=True) == 2  # the head takes one of the 3
-    assert q.blocks(32, resident=8, pool_blocks=1000, head_counted=False) == 0
+    assert q.blocks(32, resident=5, limit=1000, head_counted=False) == 3
+    assert q.blocks(32, resident=5, limit=1000, head_counted=True) == 2  # the head takes one of the 3
+    assert q.blocks(32, resident=8, limit=1000, head_counted=False) == 0
 
 
-def test_the_sum_stops_at_the_pool() -> None:
+def test_the_sum_stops_at_the_limit() -> None:
     s = _Sched([_Req(32 * 50)] * 1000, max_num_running_reqs=10**6)
-    assert QueueDemand(s).blocks(32, resident=0, pool_blocks=120, head_counted=False) == 120
+    assert QueueDemand(s).blocks(32, resident=0, limit=120, head_counted=False) == 120
 
 
 def test_a_scheduler_gone_or_without_a_queue_asks_nothing() -> None:
     q = QueueDemand(_Sched([_Req(320)]))
     gc.collect()  # the only reference was the argument: held weakly, it is gone
-    assert q.blocks(32, resident=0, pool_blocks=100, head_counted=False) == 0
+    assert q.blocks(32, resident=0, limit=100, head_counted=False) == 0
 
     class _NoQueue:
         pass
 
     keep = _NoQueue()
-    assert QueueDemand(keep).blocks(32, resident=0, pool_blocks=100, head_counted=False) == 0
+    assert QueueDemand(keep).blocks(32, resident=0, limit=100, head_counted=False) == 0
 
 
 def test_binding_scheduler_accepts_only_a_vllm_scheduler() -> None:

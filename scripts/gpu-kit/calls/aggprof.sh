@@ -6,7 +6,8 @@
 #   1. aggressive at a baseline checkout (carry .gpu/base: `git archive <rev> proxima bench scripts
 #      pyproject.toml` unpacked there), unless BASE=0;
 #   2. ROWS (default aggressive,balanced) at this checkout.
-# Output per part P (base, new): $OUT/P.cap.log, P.raw (py-spy, raw), P.compiles.txt, P.json, logs.
+# Output per part P (base, new): $OUT/P.json (the runs file), P.tgz (cap.log, py-spy raw, compiles.txt),
+# P.logs.tgz (the rows' logs and stats files).
 source .gpu/p2/env.sh 2>/dev/null || source /tmp/gpu-kit/env.sh || exit 1
 PS=$PWD/.gpu/s/bin/py-spy; chmod +x $PS
 part() {  # part NAME DIR ROWS TIMEOUT
@@ -23,7 +24,10 @@ part() {  # part NAME DIR ROWS TIMEOUT
   grep -v "^INFO\|^(EngineCore" $OUT/$name.cap.log | grep "^\[" | tail -4 | cut -c1-300; tail -2 $OUT/$name.pyspy.log
   find $TRITON_CACHE_DIR -name "*.json" ! -name "__grp*" -printf "%T@ %f\n" | sort -n > $OUT/$name.compiles.txt
   wc -l < $OUT/$name.compiles.txt
-  cp /tmp/pxb-$name/throughput.json $OUT/$name.json 2>/dev/null; mkdir -p $OUT/$name.logs; cp /tmp/pxb-$name/logs/* $OUT/$name.logs/ 2>/dev/null
+  cp /tmp/pxb-$name/throughput.json $OUT/$name.json 2>/dev/null
+  # (a call brings back at most 8 files: everything else of the part in one archive)
+  tar czf $OUT/$name.tgz -C $OUT --remove-files $name.cap.log $name.raw $name.pyspy.log $name.compiles.txt $name.t0 2>/dev/null
+  tar czf $OUT/$name.logs.tgz -C /tmp/pxb-$name logs 2>/dev/null
 }
 [ "${BASE:-1}" = 1 ] && part base $PWD/.gpu/base aggressive ${BT:-170}
 part new $PWD ${ROWS:-aggressive,balanced} ${NT:-330}

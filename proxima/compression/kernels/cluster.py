@@ -6,7 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
-from proxima.compression.kernels.common import INTERPRET, _p2, _ranks_of, _step_slot, _to_out
+from proxima.compression.kernels.common import (
+    INTERPRET,
+    STEP_TABLE,
+    STEP_VARYING,
+    _p2,
+    _ranks_of,
+    _step_slot,
+    _to_out,
+)
 from proxima.compression.reference import PIN_BY
 
 
@@ -74,7 +82,7 @@ def _dot_bf16x3(a, b, A16: tl.constexpr, INTERPRET_: tl.constexpr):
         return _mma16(hi, b, _mma16(mid, b, _mma16(lo, b, None, INTERPRET_), INTERPRET_), INTERPRET_)
 
 
-@triton.jit(do_not_specialize=["A"], do_not_specialize_on_alignment=["tbl_ptr", "rows_ptr", "A"])  # kernels/step.py
+@triton.jit(do_not_specialize=STEP_VARYING, do_not_specialize_on_alignment=STEP_TABLE)
 def _cluster_kernel(
     k_ptr,
     v_ptr,  # [N, T, H, D] source, contiguous

@@ -17,6 +17,18 @@ from triton.language.extra.cuda import libdevice
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Kernels that work around interpreter-only bugs check this (it is read once, like triton does)."""
 
+STEP_VARYING = ["A"]
+"""Arguments that change from step to step and must not pick a compiled variant: Triton
+specializes an integer equal to 1 or divisible by 16, so a step of 1, 5 or 16 actions would each
+compile the kernel again, inside the step (`worker/step_warm_up.py` compiles one of each). Used
+by the step kernels (`step.py`) and the k-means (`cluster.py`)."""
+STEP_TABLE = ["tbl_ptr", "rows_ptr", "A"]
+"""Arguments whose 16-divisibility (an integer) or 16-byte alignment (a pointer) changes from step
+to step: the action count, and the step table, whose group rows start 24 bytes per action in
+(`rows_ptr` is the table too when every layer is in the group). The H100 run of 2026-12-07 with
+only `tbl_ptr` here compiled 3-4 more variants inside the serving window, one per group at an odd
+offset (aggressive 718 tokens/s on a fresh Triton cache, 1,000 on a warm one)."""
+
 
 def _p2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))

@@ -23,25 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from proxima.compression.kernels.common import INTERPRET, ROW_TILE, _kivi, _p2, _step_slot
+from proxima.compression.kernels.common import INTERPRET, ROW_TILE, STEP_TABLE, STEP_VARYING, _kivi, _p2, _step_slot
 from proxima.compression.kernels.dequantize import _dequant_keys_tile, _dequant_rows_tile
 from proxima.compression.kernels.quantize import KEY_ROWS, KEY_TILE_W, _quant_keys_tile, _quant_rows_tile
 from proxima.compression.spec import FP8_E4M3_MAX, INT8_MAX, QUANT_CODE, VALUES_PER_BYTE
 
 STEP_QUANTS = ("fp8", "int8", "int4", "int2")
 """Quantizations the step kernels read and write (the lean ones and bf16 take the batch path)."""
-
-STEP_VARYING = ["A"]
-"""Arguments that change from step to step and must not pick a compiled variant: Triton
-specializes an integer equal to 1 or divisible by 16, so a step of 1, 5 or 16 actions would each
-compile the kernel again, inside the step (`worker/step_warm_up.py` compiles one of each)."""
-STEP_TABLE = ["tbl_ptr", "rows_ptr", "A"]
-"""Arguments whose 16-divisibility (an integer) or 16-byte alignment (a pointer) changes from step
-to step: the action count, and the step table, whose group rows start 24 bytes per action in
-(`rows_ptr` is the table too when every layer is in the group). The H100 run of 2026-12-07 with
-only `tbl_ptr` here compiled 3-4 more variants inside the serving window, one per group at an odd
-offset (aggressive 718 tokens/s on a fresh Triton cache, 1,000 on a warm one)."""
-
 
 @triton.jit(do_not_specialize=STEP_VARYING, do_not_specialize_on_alignment=STEP_TABLE)
 def _quant_step_kernel(

@@ -191,7 +191,7 @@ async def send(client: httpx.AsyncClient, spec: Spec, tally: Tally) -> None:
         tally.cancelled += 1  # abandoned mid-flight: the server sees the connection close
         return
     except httpx.HTTPError as e:
-        tally.fail(spec, f"{type(e).__name__}: {e}")
+        tally.fail(spec, f"{type(e).__name__} (plain request): {e!r}")
         return
     tally.cancel_missed += spec.cancel_after_s is not None
     if r.status_code != 200:
@@ -210,9 +210,10 @@ async def send(client: httpx.AsyncClient, spec: Spec, tally: Tally) -> None:
 
 
 async def _streamed(client: httpx.AsyncClient, spec: Spec, path: str, payload: dict[str, Any], tally: Tally) -> None:
-    tokens, usage, finish, done = 0, None, None, False
+    tokens, usage, finish, done, answered = 0, None, None, False, False
     try:
         async with client.stream("POST", path, json=payload) as r:
+            answered = True
             if r.status_code != 200:
                 tally.fail(spec, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                 return
@@ -234,7 +235,8 @@ async def _streamed(client: httpx.AsyncClient, spec: Spec, path: str, payload: d
                     tally.cancelled += 1  # leaving the block closes the connection: vLLM aborts the request
                     return
     except httpx.HTTPError as e:
-        tally.fail(spec, f"{type(e).__name__}: {e}")
+        where = f"mid-stream after {tokens} tokens" if answered else "before the response headers"
+        tally.fail(spec, f"{type(e).__name__} {where}: {e!r}")
         return
     if not done or tokens != spec.max_tokens or usage != spec.max_tokens or finish != "length":
         tally.fail(spec, f"stream: [DONE] {done}, {tokens} tokens (usage {usage}), finish {finish!r}, "
@@ -508,7 +510,12 @@ async def soak(args: argparse.Namespace, srv: Server) -> dict[str, Any]:
     gpu_mb: list[dict[str, Any]] = [{"at_request": 0, "mb": gpu_memory_mb()}] if args.gpu else []
     stop = asyncio.Event()
     rng = random.Random(args.seed + 1)
-    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency)
+    # vLLM's server closes a keep-alive connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), and
+    # httpx's pool keeps one for 5 s too: a request sent on a connection the server is closing that
+    # instant dies with ReadError (a client-server race, not a lost request; CI saw it once in the
+    # first wave). The client lets idle connections go well before the server does.
+    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency,
+                          keepalive_expiry=1.0)
     t0 = time.monotonic()
     async with httpx.AsyncClient(base_url=srv.url, timeout=600, limits=limits) as client, \
             httpx.AsyncClient(base_url=srv.api_url, timeout=60) as api:

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from proxima.compression.blocks import CompressedBlocks
+from proxima.compression.side_arena import SideArena
 from proxima.compression.spec import SlotSpec
-
-META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def stack_view(layers: list[torch.Tensor]) -> torch.Tensor | None:
@@ -113,6 +112,8 @@ class LayerStack:
         """[L, N, H, B, 2D] over every layer, or None (then `layers` one by one)."""
         self.pools: dict[object, SlotPool] = {}
         self._rows: dict[tuple[int, ...], torch.Tensor] = {}
+        self.arenas: dict[object, SideArena] = {}
+        """Stored format -> the side arena its tables live in (`reserve`, or its own)."""
         self.meta_bytes = 0
 
     def __len__(self) -> int:
@@ -141,6 +142,18 @@ class LayerStack:
 
     # --- compressed slots -----------------------------------------------------------------------
 
+    def reserve(self, specs: dict[object, SlotSpec]) -> None:
+        """Lay the side tables of these stored formats over one shared arena (`side_arena.py`: a
+        pool block holds one format's slots at a time), allocated now. Formats already given a
+        pool, and formats without metadata, keep what they have."""
+        todo = {k: s for k, s in specs.items() if k not in self.arenas and s.meta_fields()}
+        if not todo or not self.layers:
+            return
+        arena = SideArena.allocate(todo.values(), len(self), self.layers[0].shape[0], self.layers[0].device)
+        self.meta_bytes += arena.nbytes
+        for k in todo:
+            self.arenas[k] = arena
+
     def pool(self, key: object, spec: SlotSpec) -> SlotPool:
         """The pool of the stored format `key` (its `SlotSpec` is the same in every layer).
 
@@ -167,11 +180,12 @@ class LayerStack:
             raw = t.view(torch.uint8).view(n * r, 2, c, h, -1)
             p.k_layers.append(raw[:, 0])
             p.v_layers.append(raw[:, 1])
-        for f in spec.meta_fields():
-            # MetaField shapes exclude the slot and head axes; CompressedBlocks puts heads second.
-            shape = (len(self), n * r, f.shape[0], h, *f.shape[1:])
-            t = p.meta[f.name] = torch.empty(shape, dtype=META_DTYPES[f.dtype], device=first.device)
-            self.meta_bytes += t.numel() * t.element_size()
+        if spec.meta_fields():
+            arena = self.arenas.get(key)
+            if arena is None or spec not in arena.specs:  # not reserved, or reserved as another spec
+                arena = self.arenas[key] = SideArena.allocate((spec,), len(self), n, first.device)
+                self.meta_bytes += arena.nbytes
+            p.meta = arena.views(spec)
         self.pools[key] = p
         return p
 

@@ -1,12 +1,13 @@
 """How much GPU memory the side tables may take beyond vLLM's KV pool, said at start-up.
 
-The worker allocates each stored format's side table (scales, zero points, log-counts) for every
-slot of the pool (`compression/layer_stack.py`) when the format is first met (the attention
-backend's warm-up meets every format of the start-up policy), outside vLLM's KV tensor. The
-scheduler charges the *live* side tables to the pool (`scheduler/side_tables.py`), so admission
-is honest, but the physical tables are full-size: per pool block, in bytes of the pool, the
-shipped policies' tables reach 0.33x (conservative), 1.23x (balanced) and 2.47x (aggressive) at
-the 8B shape with block 32 (int4h-based ladders about half that). vLLM sizes its pool to
+The worker allocates the side tables (scales, zero points, log-counts) of every format the
+start-up policy can store at registration, as one arena over every pool block
+(`compression/side_arena.py`: a block holds one format's slots at a time, so its region is the
+largest format's), outside vLLM's KV tensor. The scheduler charges the *live* side tables to the
+pool (`scheduler/side_tables.py`), so admission is honest, but the physical arena is full-size:
+per pool block, in bytes of the pool, the shipped policies' arenas are 0.25x (conservative),
+0.50x (balanced) and 1.16x (aggressive) at the 8B shape with block 32 (one table per format, as
+before 2026-12-07: 0.33x, 1.23x, 2.47x). vLLM sizes its pool to
 `gpu_memory_utilization` and expects the rest of its budget for activations and CUDA graphs, so
 tables that outgrow the memory vLLM leaves outside its budget run the GPU out of memory under
 load (the 0.9 out-of-memory of issue 41). Until the tables live in the pool's own blocks (a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from proxima.compression.side_arena import block_bytes
 from proxima.compression.spec import SlotSpec
 from proxima.formats import HOT
 from proxima.policy.schema import Policy
@@ -30,13 +32,11 @@ GIB = float(1 << 30)
 
 def worst_case_bytes(policy: Policy, layers: int, num_blocks: int, heads: int, block_size: int,
                      head_dim: int) -> int:
-    """Bytes of every side table `policy`'s formats can allocate: each stored format's table
-    covers every slot of every pool block in every layer (`LayerStack.pool`)."""
-    return sum(
-        layers * num_blocks * f.pack_ratio * SlotSpec(f, block_size, head_dim, heads, policy.storage.group_for(f))
-        .meta_bytes_per_slot
-        for f in policy.stored_formats(layers) if f != HOT
-    )
+    """Bytes of the side tables `policy`'s formats allocate: one arena over every pool block in
+    every layer, each block's region the largest format's (`LayerStack.reserve`, `side_arena`)."""
+    specs = [SlotSpec(f, block_size, head_dim, heads, policy.storage.group_for(f))
+             for f in policy.stored_formats(layers) if f != HOT]
+    return layers * num_blocks * block_bytes(specs)
 
 
 @dataclass(frozen=True)

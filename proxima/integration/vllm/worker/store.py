@@ -189,6 +189,9 @@ class WorkerStore:
                     check_group_size(self.group_for(f), kv.shape[3] // 2, (f,), self.storage.field_for(f))
             self.formats = LayerFormats(policy)
             self.adopt(policy, self.policy_version)
+            # One side arena for the policy's formats, allocated now: a block's metadata costs the
+            # largest format's, not the sum (`compression/side_arena.py`).
+            self.stack.reserve({f: self.slot_spec(f) for f in sorted(stored, key=lambda f: f.name) if kv_caches})
         self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
         self.layout = None
         if kv_caches:
@@ -217,23 +220,20 @@ class WorkerStore:
         n, h, b, d2 = self.kv_caches[layer].shape
         return n, h, b, d2 // 2
 
-    @property
-    def meta_bytes(self) -> int:
-        """Bytes of the side tables allocated so far (every layer of every stored format used)."""
-        return self.stack.meta_bytes
-
     def slot_pool(self, fmt: Format) -> SlotPool:
-        """The slots of stored format `fmt` in every layer (`fmt` as a layer stores it: after
-        `layer_format`). Byte views; the element types (which may differ for keys and values) are
-        applied on read and write, from what `compress_blocks` produced."""
+        """The slots of stored format `fmt` (after `layer_format`) in every layer: byte views, typed on
+        read and write as `compress_blocks` produced them (keys and values may differ)."""
+        return self.stack.pool(fmt, self.slot_spec(fmt))
+
+    def slot_spec(self, fmt: Format) -> SlotSpec:
+        """How `fmt` is stored in this worker's caches (every layer has the same geometry)."""
         _n, h, b, d = self.geometry(self.stack.names[0])
-        return self.stack.pool(fmt, SlotSpec(fmt, b, d, h, self.group_for(fmt)))
+        return SlotSpec(fmt, b, d, h, self.group_for(fmt))
 
     def pool(self, layer: str, fmt: Format) -> LayerSlots:
         """Layer `layer`'s view of `fmt`'s slots (`fmt` as the layer stores it)."""
         key = (layer, fmt)
-        p = self.pools.get(key)
-        if p is None:
+        if (p := self.pools.get(key)) is None:
             p = self.pools[key] = self.slot_pool(fmt).at(self.stack.index[layer])
         return p
 

@@ -44,7 +44,7 @@ def test_each_slot_writes_only_its_own_bytes_of_its_own_block_and_layer(name: st
     for layer, block, j in ((0, 0, 0), (L - 1, N - 1, r - 1), (1, 2, r // 2)):
         arena.buffer.zero_()
         slot = block * r + j
-        for i, (fname, t) in enumerate(views.items()):
+        for i, t in enumerate(views.values()):
             assert t.shape[:2] == (L, N * r) and t.stride(1) * t.element_size() == m // r
             assert t.data_ptr() % ALIGN == 0
             t[layer, slot] = i + 1

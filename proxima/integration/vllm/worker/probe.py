@@ -6,12 +6,19 @@ reads): the block is compressed there, and the attention output of the request's
 queries over the compressed block is compared with their output over the block as it is now
 (`compression.attention_errors`: bf16 sources are still in the cache, they are freed only after the
 commit). A block whose error is over the policy's bound (`probes.compression.max_error`) is not
-compressed: `probes.choose_within_bound` tries the milder formats of the policy's ladders, and
-the report tells the scheduler the first one within the bound (it plans the block into that one
-at a later step, since a milder format needs another destination) or that the block stays hot.
+compressed: the report names the next milder format of the policy's ladders (the scheduler plans
+the block into it at a later step, since a milder format needs another destination, and it is
+measured then, as any block is) or, with none left, says the block stays hot.
 
-No value is read back in the step (issue 37): the errors of the chosen and the milder formats are
-measured in one pass and copied to pinned host memory behind a CUDA event (`ProbeBatch`); the
+Only the chosen format is measured (2026-12-07): measuring each milder candidate in the same pass
+(so that a refusal could name the first one within the bound at once) cost up to 3 more
+compressions and error passes per block for a block planned straight into a deep format
+(aggressive's hot -> cluster(8)+int4: 4 k-means per block in the observed layer), for refusals
+that are rare (0 of 593 blocks on the CPU capacity workload). A refused block now walks the ladder
+one rung per verdict; it ends where it did before, later.
+
+No value is read back in the step (issue 37): the chosen format's errors are measured in one
+pass and copied to pinned host memory behind a CUDA event (`ProbeBatch`); the
 blocks are written meanwhile, but installed in the block map, and reported, only when the
 verdict is read (`WorkerStore.settle_probes`: at the end of the step if the copy has arrived,
 else at the next). Until then attention reads the source, which the scheduler keeps until the
@@ -97,7 +104,7 @@ class ProbeOutcome:
 
     accepted: list[CompressAction] = field(default_factory=list)
     rejected: dict[ActionId, Format] = field(default_factory=dict)
-    """Refused actions -> the milder format within the bound (`HOT` = none: the block stays hot)."""
+    """Refused actions -> the next milder format (`HOT` = none left: the block stays hot)."""
     errors: list[tuple[Format, float]] = field(default_factory=list)
     """(format, relative attention error) of every measurement, the chosen formats' first."""
     measured: int = 0
@@ -110,19 +117,19 @@ class ProbeOutcome:
 class ProbeBatch:
     """One group's blocks measured on the device, their verdict not read yet.
 
-    The errors of every candidate format (the chosen one, then the milder ones a refusal may
-    name) of every measured block are measured in one pass and copied to pinned host memory behind
-    a CUDA event: nothing waits for them in the step. The blocks are written (their slots are
-    theirs until the report), but the block map points at them only once the verdict is read
+    The errors of every measured block in its chosen format are measured in one pass and copied
+    to pinned host memory behind a CUDA event: nothing waits for them in the step. The blocks are
+    written (their slots are theirs until the report), but the block map points at them only once the verdict is read
     (`outcome`, when `ready`): until then attention reads each block's source, which the two-phase
     commit keeps until the report."""
 
     fmt: Format
     from_fmt: Format
     acts: list[CompressAction]
-    candidates: list[Format]
+    milder: list[Format]
+    """The milder formats a refusal may name, mildest last: a refused block is named the first."""
     errors: torch.Tensor
-    """float32 [len(candidates), len(acts)], on the host (pinned on a GPU)."""
+    """float32 [len(acts)], on the host (pinned on a GPU)."""
     cfg: CompressionProbe
     event: torch.cuda.Event | None = None
     stored: Format | None = None
@@ -136,24 +143,18 @@ class ProbeBatch:
         return self.event is None or bool(self.event.query())
 
     def outcome(self) -> ProbeOutcome:
-        """The verdicts (`choose_within_bound` over the measured errors). Reads host memory only."""
-        table = self.errors.tolist()
+        """The verdicts (`choose_within_bound` over the chosen format's errors). Reads host memory only."""
+        errors = self.errors.tolist()
         out = ProbeOutcome()
-        for i, a in enumerate(self.acts):
+        for a, err in zip(self.acts, errors, strict=True):
             if a.req_id in self.gone:
                 continue
             out.measured += 1
-
-            def measure(f: Format, i: int = i) -> float:
-                err = float(table[self.candidates.index(f)][i])
-                out.errors.append((f, err))
-                return err
-
-            verdict = choose_within_bound(self.candidates, measure, self.cfg)
-            if verdict.chosen == self.fmt:
+            out.errors.append((self.fmt, float(err)))
+            if choose_within_bound([self.fmt], lambda _f, e=float(err): e, self.cfg).chosen == self.fmt:
                 out.accepted.append(a)
             else:
-                out.rejected[a.action_id] = verdict.chosen if verdict.chosen is not None else HOT
+                out.rejected[a.action_id] = self.milder[0] if self.milder else HOT
                 out.refused += 1
         return out
 
@@ -196,14 +197,10 @@ def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Seque
     milder = milder_formats(store.policy, fmt, from_fmt)
     if not from_fmt.is_hot:  # a recompression: only formats this block can still move into
         milder = [f for f in milder if recompressible(src_l, store.layer_format(layer, store.formats.current(f)))]
-    candidates = [fmt, *milder]
-    errs = []
-    for f in candidates:  # every block in every candidate: what a refusal needs is measured already
-        f_l = store.layer_format(layer, store.formats.current(f))
-        cb = store.compress_read(src_l, f_l, k, v, counts, measurable)  # what the executor writes
-        errs.append(attention_errors(q_obs, k, v, cb, q_valid=valid, sm_scale=queries.scale, ref_log_count=counts,
-                                     on_host=False, backend="auto" if k.is_cuda else store.cpu_kernels))
-    dev = torch.stack(errs).float()
+    f_l = store.layer_format(layer, store.formats.current(fmt))
+    cb = store.compress_read(src_l, f_l, k, v, counts, measurable)  # what the executor writes
+    dev = attention_errors(q_obs, k, v, cb, q_valid=valid, sm_scale=queries.scale, ref_log_count=counts,
+                           on_host=False, backend="auto" if k.is_cuda else store.cpu_kernels).float()
     event = None
     if dev.is_cuda:
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
@@ -212,7 +209,7 @@ def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Seque
         event.record()
         dev = host
     stored = store.formats.current(fmt)
-    return deferred, ProbeBatch(fmt, from_fmt, measurable, candidates, dev, cfg, event, stored=stored)
+    return deferred, ProbeBatch(fmt, from_fmt, measurable, milder, dev, cfg, event, stored=stored)
 
 
 def record(report: ProximaReport, fmt: Format, out: ProbeOutcome) -> None:

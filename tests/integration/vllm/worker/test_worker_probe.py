@@ -118,7 +118,8 @@ def test_probe_refuses_a_format_over_its_bound_and_names_the_milder_one() -> Non
     errs = {f.name: e for f, e in rep.probe_errors}
     bound = st.policy.probes.compression  # type: ignore[union-attr]
     assert errs["int2"] > bound.bound(INT2) and errs["int8"] < bound.bound(INT8)
-    assert [f.name for f, _ in rep.probe_errors] == ["int2", "int8", "int8"]  # r: int2 then int8; s: int8
+    # Only the chosen formats are measured (r: int2, s: int8): r's int8 is measured when it is planned.
+    assert [f.name for f, _ in rep.probe_errors] == ["int2", "int8"]
     # The number is the one implementation's: attention_error over the observed layer's block.
     assert st.layout is not None and st.observe_layer == "layer.1"
     k, v = st.layout.read_blocks(before["layer.1"], torch.tensor([1]))
@@ -129,10 +130,14 @@ def test_probe_refuses_a_format_over_its_bound_and_names_the_milder_one() -> Non
 def test_probe_can_leave_a_block_hot_and_reports_merge_across_ranks() -> None:
     st, _ = _store(_policy("probes: {compression: {max_error: {int8: 1.0e-6}, default_max_error: 1.0e-6}}\n"))
     _queries(st, "r")
-    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT2)]))
+    _queries(st, "s")
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT2),
+                                  CompressAction(1, "s", 0, src=2, dst=11, slot=0, fmt=INT8)]))
     rep = st.take_report()
-    assert rep is not None and rep.rejected == {0: HOT} and not rep.ok  # nothing within the bound: stays hot
-    assert rep.probe_refused == 1
+    # Both over the bound: int2 steps one rung down the ladder (int8, measured when planned), int8
+    # has no milder format left, so its block stays hot. One measurement each.
+    assert rep is not None and rep.rejected == {0: INT8, 1: HOT} and not rep.ok
+    assert rep.probe_refused == 2 and [f.name for f, _ in rep.probe_errors] == ["int2", "int8"]
     merged = ProximaReport(ok=[1, 2], rejected={0: HOT}).aggregate(ProximaReport(ok=[0, 1], rejected={2: INT8}))
     assert isinstance(merged, ProximaReport)
     assert merged.ok == [1] and merged.rejected == {0: HOT, 2: INT8}

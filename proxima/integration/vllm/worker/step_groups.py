@@ -3,15 +3,15 @@
 A group's blocks in every layer of the group are read where they live (KV pages or source
 slots) and written where they go (destination slots and side-table rows), addressed from the
 step table (`WorkerStore._step_tables`): a first compression is one launch, a recompression two
-(dequantize, quantize), a first merge three (dequantize, k-means, quantize) and a merge of
-centroids four (the same, and the counts' exp in torch: `_row_counts` takes it there, and the
-bits must match). No torch gather, cast or scatter runs around them.
+(dequantize, quantize), a first merge three (dequantize, k-means, quantize; from KV pages, the
+write-once path of a cold block: one gather of the pages instead of the dequantize) and a merge
+of centroids four (the same, and the counts' exp in torch: `_row_counts` takes it there, and the
+bits must match). No torch scatter runs around them.
 
 The batch path (`WorkerStore._read_rows` -> `compress_read` -> `LayerStack.write`) stays for
 what these kernels do not cover: the torch reference (CPU serving), caches that do not stack,
-the lean and bf16 formats, sparse reductions, a first compression straight into a merge, a
-merge that passes rows through, and value checks (`PROXIMA_CHECK_VALUES`). Both write the
-same bytes (tests/integration/vllm/worker/test_step_ops.py).
+the lean and bf16 formats, sparse reductions, a merge that passes rows through, and value checks
+(`PROXIMA_CHECK_VALUES`). Both write the same bytes (tests/integration/vllm/worker/test_step_ops.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def fused(store: StepStore, src: Format, dst: Format) -> bool:
     if not use_triton(backend, kv) or dst.quant not in STEP_QUANTS or dst.reduction not in (None, "cluster"):
         return False
     if src.is_hot:
-        return dst.reduction is None  # a first merge from pages takes the batch path
+        return True
     if src.quant not in STEP_QUANTS or src.reduction not in (None, "cluster"):
         return False
     if src.reduction == "cluster" and dst.reduction != "cluster":
@@ -91,15 +91,20 @@ def compress_group(store: StepStore, src: Format, dst: Format, rows: tuple[int, 
     k_dst, v_dst = pool.k_all.view(kdt), pool.v_all.view(vdt)
     idx = stack.rows(rows)
     group = store.group_for(dst)
-    if src.is_hot:
+    lc: torch.Tensor | None = None
+    if src.is_hot and dst.reduction is None:
         kpos, vpos = store.page_layout(stack.layers[0]).positions(kv.device)
         step.quantize_step(dst.quant, group, table, idx, len(rows), k_dst, v_dst, pool.meta, pages=(kv, kpos, vpos))
         return
-    sp = store.slot_pool(src)
-    assert sp.k_all is not None and sp.v_all is not None
-    skdt, svdt = store.dtypes[src]
-    k, v, lc = step.dequantize_step(src.quant, sp.spec.group_size, table, idx, len(rows), sp.k_all.view(skdt),
-                                    sp.v_all.view(svdt), sp.meta, spec.head_dim, kv.dtype)
+    if src.is_hot:  # a first merge from pages: the blocks' tokens as a dequantize would give them
+        k, v = store.page_layout(stack.layers[0]).split_pages(stack.pages(rows, table[:, 0]))
+        k, v = k.contiguous(), v.contiguous()  # [R * A, B, H, D]
+    else:
+        sp = store.slot_pool(src)
+        assert sp.k_all is not None and sp.v_all is not None
+        skdt, svdt = store.dtypes[src]
+        k, v, lc = step.dequantize_step(src.quant, sp.spec.group_size, table, idx, len(rows), sp.k_all.view(skdt),
+                                        sp.v_all.view(svdt), sp.meta, spec.head_dim, kv.dtype)
     if dst.reduction == "cluster":
         b = stack.layers[0].shape[2]  # block size (kv is [L, N, H, B, 2D])
         keep = dst.kept_count(b)

@@ -141,7 +141,8 @@ def test_the_step_kernels_write_the_batch_paths_bytes(policy: str, pins: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The step kernels (`step_groups`) and the batch path (gather, `compress_blocks` on the same
     Triton kernels, scatter) write identical codes and side-table rows for every group, first
-    compressions, recompressions and merges (with pinned rows too)."""
+    compressions, recompressions and merges (with pinned rows too), and a hot block straight into
+    every rung (the planner's write-once path: a first merge from pages)."""
     from proxima.integration.vllm.worker import step_groups
 
     pol = without_probe(load_policy(policy))
@@ -151,7 +152,7 @@ def test_the_step_kernels_write_the_batch_paths_bytes(policy: str, pins: int,
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(step_groups, "fused", lambda *_: False)
-        work = Workload(pol, Shape(layers=3, **SHAPE), "cpu", per_group=2, kernels="triton")
+        work = Workload(pol, Shape(layers=3, **SHAPE), "cpu", per_group=2, kernels="triton", direct=True)
         for g, plan in enumerate(work.plans):
             work.reset()
             work.store.apply(plan)

@@ -217,7 +217,7 @@ class ProximaConnector(KVConnectorBase_V1):
         readers = [impl for name in kv_caches
                    if isinstance(impl := getattr(layers.get(name), "impl", None), SlotReader)]
         store.readers = {type(impl).__name__ for impl in readers}
-        if readers and kv_caches:  # the kernel that reads the pages says how they are ordered
+        if readers and kv_caches and store.compressible:  # the reader's kernel says how pages are ordered
             store.use_layout(readers[0].page_layout(next(iter(kv_caches.values()))))
             readers[0].warm_up(store)
             from proxima.integration.vllm.worker.step_warm_up import warm_up_step_groups

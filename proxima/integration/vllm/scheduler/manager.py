@@ -33,7 +33,14 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
-from proxima.integration.vllm.plan import NO_BLOCK, NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.plan import (
+    DISABLING_ERRORS,
+    NO_BLOCK,
+    ActionId,
+    CompressAction,
+    ProximaPlan,
+    ProximaReport,
+)
 from proxima.integration.vllm.scheduler import admission, canary, drift, pool_usage, targets
 from proxima.integration.vllm.scheduler.ledger import CompressedSlot, RequestEntry, expected_remap
 from proxima.integration.vllm.scheduler.snapshot import build_snapshot, check_protected, finishing_requests
@@ -375,9 +382,9 @@ class ProximaKVCacheManager(KVCacheManager):
             px.packer.release(ca.req_id, ca.dst, SlotIndex(ca.slot), undo=True)
         px.stats.rejected += len(report.rejected)
         px.stats.failed += len(report.failed)
-        if NO_READER in report.errors and not px.disabled:
-            px.disabled = NO_READER
-            logger.error("proxima: %s", NO_READER)
+        if not px.disabled and (why := next((e for e in DISABLING_ERRORS if e in report.errors), None)):
+            px.disabled = why
+            logger.error("proxima: %s", why)
         if report.errors:
             px.stats.errors[:] = (px.stats.errors + report.errors)[-5:]  # bounded over any run
         if not px.in_flight:

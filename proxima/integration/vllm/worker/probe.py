@@ -144,14 +144,18 @@ class ProbeBatch:
 
     def outcome(self) -> ProbeOutcome:
         """The verdicts (`choose_within_bound` over the chosen format's errors). Reads host memory only."""
-        errors = self.errors.tolist()
+        errors: list[float] = [float(e) for e in self.errors.tolist()]
         out = ProbeOutcome()
-        for a, err in zip(self.acts, errors, strict=True):
+        for i, a in enumerate(self.acts):
             if a.req_id in self.gone:
                 continue
             out.measured += 1
-            out.errors.append((self.fmt, float(err)))
-            if choose_within_bound([self.fmt], lambda _f, e=float(err): e, self.cfg).chosen == self.fmt:
+            out.errors.append((self.fmt, errors[i]))
+
+            def measure(_f: Format, i: int = i) -> float:
+                return errors[i]
+
+            if choose_within_bound([self.fmt], measure, self.cfg).chosen == self.fmt:
                 out.accepted.append(a)
             else:
                 out.rejected[a.action_id] = self.milder[0] if self.milder else HOT

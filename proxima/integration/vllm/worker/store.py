@@ -26,8 +26,9 @@ from proxima.compression.layer_stack import LayerSlots, LayerStack, SlotPool
 from proxima.compression.layer_stack import upload as _upload
 from proxima.compression.spec import SlotSpec, check_group_size
 from proxima.formats import HOT, Format, recompressible
-from proxima.integration.vllm.plan import NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
+from proxima.integration.vllm.plan import CACHE_8BIT, NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
 from proxima.integration.vllm.worker import step_groups
+from proxima.integration.vllm.worker.cache_dtype import compressible
 from proxima.integration.vllm.worker.debug import SplitErrors, checks_values
 from proxima.integration.vllm.worker.faults import FaultInjector
 from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
@@ -52,8 +53,8 @@ def _startup_policy() -> Policy | None:
 
 
 def _page_layout(kv: torch.Tensor) -> PageLayout:
-    """The page order of a cache no `SlotReader` claimed (stores built by hand in tests): that of
-    the reader this device would have (vLLM's CPU kernel's, probed; on CUDA TRITON_ATTN's)."""
+    """The page order of a cache no `SlotReader` claimed (stores built by hand in tests): the
+    reader's of this device (vLLM's CPU kernel's, probed; on CUDA TRITON_ATTN's)."""
     _, _, b, d2 = kv.shape
     if kv.device.type == "cpu":
         return probe_layout(b, d2 // 2, kv.dtype)
@@ -144,6 +145,7 @@ class WorkerStore:
         read the freed sources."""
         self.require_reader = False
         """Set by the KV connector (a real vLLM worker): refuse to compress without a reader."""
+        self.compressible = True  # the KV cache is 16-bit (`cache_dtype`): else Proxima stands aside
         self.one_pass_lean = True
         """The one-pass decode kernel is compiled with its lean reader (the connector turns it off
         when the start-up policy stores no lean format; then `readable_quants` excludes them)."""
@@ -180,25 +182,24 @@ class WorkerStore:
         names = list(kv_caches)
         self.observe_layer = names[observed_layer(len(names))] if names else None
         policy = policy if policy is not None else _startup_policy()
+        self.compressible = compressible(kv_caches, policy)  # raises if `policy` cannot run on this cache
         if policy is not None:
             self.storage = policy.storage
-            stored = policy.stored_formats(len(kv_caches))
+            stored = sorted(policy.stored_formats(len(kv_caches)), key=lambda f: f.name)
             for kv in kv_caches.values():
                 # A group that cannot hold the ladder's formats fails here, once, with its field named.
-                for f in sorted(stored, key=lambda f: f.name):
+                for f in stored:
                     check_group_size(self.group_for(f), kv.shape[3] // 2, (f,), self.storage.field_for(f))
             self.formats = LayerFormats(policy)
             self.adopt(policy, self.policy_version)
-            # One side arena for the policy's formats, allocated now: a block's metadata costs the
-            # largest format's, not the sum (`compression/side_arena.py`).
-            self.stack.reserve({f: self.slot_spec(f) for f in sorted(stored, key=lambda f: f.name) if kv_caches})
+            # One side arena for the policy's formats (a block's region: the largest's, `side_arena.py`).
+            self.stack.reserve({f: self.slot_spec(f) for f in stored if kv_caches})
         self.layer_numbers = {name: layer_index(name, i) for i, name in enumerate(names)}
         self.layout = None
-        if kv_caches:
+        if kv_caches and self.compressible:
             self.use_layout(_page_layout(next(iter(kv_caches.values()))))
-        shapes = {tuple(t.shape) for t in kv_caches.values()}
-        logger.info("proxima worker: %d KV layers, shapes %s, importance observed in %s",
-                    len(kv_caches), shapes, self.observe_layer)
+        logger.info("proxima worker: %d KV layers, shapes %s, importance observed in %s", len(kv_caches),
+                    {tuple(t.shape) for t in kv_caches.values()}, self.observe_layer)
 
     def adopt(self, policy: Policy, version: int) -> None:
         """The scheduler's live policy (sent with the plan when it changed), before the step's work.
@@ -221,8 +222,7 @@ class WorkerStore:
         return n, h, b, d2 // 2
 
     def slot_pool(self, fmt: Format) -> SlotPool:
-        """The slots of stored format `fmt` (after `layer_format`) in every layer: byte views, typed on
-        read and write as `compress_blocks` produced them (keys and values may differ)."""
+        """Stored format `fmt`'s slots (after `layer_format`), every layer: byte views, typed on use."""
         return self.stack.pool(fmt, self.slot_spec(fmt))
 
     def slot_spec(self, fmt: Format) -> SlotSpec:
@@ -300,11 +300,11 @@ class WorkerStore:
             check_remap(self.remap, plan.check_remap, self.rank)
         self.key_blocks = dict(plan.key_blocks)
         self.faults.refresh()  # once per step: a benchmark switches faults on and off between steps
-        if plan.actions and self.require_reader and not self.readers:
+        if plan.actions and ((self.require_reader and not self.readers) or not self.compressible):
             # e.g. CUDA with vLLM's default backend: compressing would make attention read freed
             # blocks. Every action fails, so every block stays hot and every request stays exact.
             self.report.failed.extend(a.action_id for a in plan.actions)
-            self.report.errors.append(NO_READER)
+            self.report.errors.append(CACHE_8BIT if not self.compressible else NO_READER)
             return
         by_fmt: dict[tuple[Format, Format], list[CompressAction]] = {}
         for a in self._readable(plan.actions):

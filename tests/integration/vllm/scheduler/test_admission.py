@@ -17,7 +17,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 
 from proxima.formats import Format
-from proxima.integration.vllm.plan import NO_READER, ProximaReport
+from proxima.integration.vllm.plan import CACHE_8BIT, NO_READER, ProximaReport
 from proxima.integration.vllm.scheduler.ledger import CompressedSlot
 from proxima.integration.vllm.scheduler.manager import ProximaKVCacheManager, install
 from proxima.policy.loader import load_policy
@@ -69,12 +69,14 @@ def _pressured(policy: Policy, max_tokens: int = 8) -> tuple[ProximaKVCacheManag
     return m, req
 
 
-def test_a_worker_without_a_reader_turns_compression_off() -> None:
+@pytest.mark.parametrize("why", [NO_READER, CACHE_8BIT])
+def test_a_worker_without_a_reader_turns_compression_off(why: str) -> None:
+    """No Proxima backend reads the blocks, or vLLM's own 8-bit cache (`worker/cache_dtype.py`)."""
     m, _ = _pressured(load_policy(ROOT / "proxima" / "policies" / "balanced.yaml"))
     plan = m.build_plan(["a"])
     assert plan.actions  # under pressure: the engine compresses
-    m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions], errors=[NO_READER]))
-    assert m.px.disabled == NO_READER
+    m.apply_report(ProximaReport(failed=[a.action_id for a in plan.actions], errors=[why]))
+    assert m.px.disabled == why
     assert not m.build_plan(["a"]).actions and not m.px.in_flight  # never planned again
     # ... and admission is vLLM's own again (whole prompt uncompressed).
     assert m.allocate_slots(_request("long", 20 * B), 8 * B, full_sequence_must_fit=True) is None

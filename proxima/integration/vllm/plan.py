@@ -28,8 +28,8 @@ NO_READER = ("no Proxima attention backend runs in this worker, so compressed bl
 """The worker's error when no Proxima backend reads compressed blocks; the scheduler then stops
 planning (otherwise every emergency compression would fail and be planned again, forever)."""
 CACHE_8BIT = ("this engine's KV cache is vLLM's own 8-bit cache (kv_cache_dtype), which Proxima cannot "
-                   "compress: compression is off for this engine. Start vLLM without --kv-cache-dtype to let "
-                   "Proxima choose the formats.")
+              "compress: compression is off for this engine. Start vLLM without --kv-cache-dtype to let "
+              "Proxima choose the formats.")
 """The worker's error when a compressing policy was adopted over an 8-bit KV cache
 (`worker/cache_dtype.py`); the scheduler stops planning, as for `NO_READER`."""
 DISABLING_ERRORS = (NO_READER, CACHE_8BIT)

@@ -106,7 +106,7 @@ class ProbeOutcome:
     rejected: dict[ActionId, Format] = field(default_factory=dict)
     """Refused actions -> the next milder format (`HOT` = none left: the block stays hot)."""
     errors: list[tuple[Format, float]] = field(default_factory=list)
-    """(format, relative attention error) of every measurement, the chosen formats' first."""
+    """(format, relative attention error) of every measurement: each block in its chosen format."""
     measured: int = 0
     """Blocks measured in their chosen format."""
     refused: int = 0
@@ -119,9 +119,9 @@ class ProbeBatch:
 
     The errors of every measured block in its chosen format are measured in one pass and copied
     to pinned host memory behind a CUDA event: nothing waits for them in the step. The blocks are
-    written (their slots are theirs until the report), but the block map points at them only once the verdict is read
-    (`outcome`, when `ready`): until then attention reads each block's source, which the two-phase
-    commit keeps until the report."""
+    written (their slots are theirs until the report), but the block map points at them only once
+    the verdict is read (`outcome`, when `ready`): until then attention reads each block's source,
+    which the two-phase commit keeps until the report."""
 
     fmt: Format
     from_fmt: Format

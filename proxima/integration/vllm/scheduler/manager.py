@@ -33,6 +33,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
+from proxima.formats import Format
 from proxima.integration.vllm.plan import (
     DISABLING_ERRORS,
     NO_BLOCK,
@@ -95,9 +96,12 @@ class ProximaKVCacheManager(KVCacheManager):
                 # compresses finished chunks during prefill, the prompt never needs that: admit it
                 # if its *compressed* footprint fits (and let the first chunk's allocation decide).
                 # Prefix-cache hits hold shared blocks already (never compressed, no new block).
+                # The request's expected end state (prompt and output) must fit beside what the
+                # residents will still grow by (`admission.py`).
                 full_sequence_must_fit = False
                 hit = num_new_computed_tokens + request.num_computed_tokens
-                full = self.compressed_footprint(max(0, min(request.num_tokens, self.max_model_len) - hit))
+                end = admission.final_tokens(request, px.outputs, self.max_model_len)
+                full = self.compressed_footprint(max(0, end - hit)) + self.resident_growth()
                 full += getattr(self, "watermark_blocks", 0)  # vLLM's own headroom (0 by default)
                 if not self._admits(full):
                     return None
@@ -147,6 +151,7 @@ class ProximaKVCacheManager(KVCacheManager):
     def free(self, request: Request) -> None:
         if request.request_id in self.px.ledger and not request.is_finished():
             self.px.stats.preemptions += 1
+        self.px.outputs.observe(request)
         self._drop_target(request.request_id)
         self.px.release(request.request_id)
         super().free(request)
@@ -166,9 +171,19 @@ class ProximaKVCacheManager(KVCacheManager):
     # --- Proxima ------------------------------------------------------------------------------
 
     def compressed_footprint(self, tokens: int) -> int:
-        """Blocks a prompt of `tokens` tokens holds once compressed (`admission.compressed_footprint`)."""
+        """Blocks `tokens` tokens of a request hold once compressed (`admission.compressed_footprint`)."""
         px = self.px
-        return admission.compressed_footprint(tokens, self.block_size, px.policy, self.achieved_pack_ratio())
+        cost = admission.compressed_cost(px.ledger, px.policy, self._block_cost)
+        return admission.compressed_footprint(tokens, self.block_size, px.policy, cost)
+
+    def resident_growth(self) -> int:
+        """Blocks the resident requests will still take (`admission.resident_growth`)."""
+        px = self.px
+        return admission.resident_growth(px.ledger, self._stm.req_to_blocks, self.block_size, px.policy,
+                                         self._block_cost, px.outputs, self.max_model_len, px.probes.holdout)
+
+    def _block_cost(self, fmt: Format) -> float:
+        return self.px.meta.held_block_bytes(fmt) / self.px.meta.block_bytes
 
     def achieved_pack_ratio(self) -> float | None:
         return admission.achieved_pack_ratio(self.px.ledger)

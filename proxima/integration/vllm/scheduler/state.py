@@ -14,6 +14,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from proxima.formats import Format
+from proxima.integration.vllm.scheduler.admission import OutputLengths
 from proxima.integration.vllm.scheduler.block_source import VllmBlockSource
 from proxima.integration.vllm.scheduler.in_flight import InFlight
 from proxima.integration.vllm.scheduler.ledger import RequestLedger
@@ -67,6 +68,8 @@ class ProximaState:
     """Resident requests with a compression target still to plan (`targets.py`)."""
     disabled: str | None = None
     """Why compression stopped for good in this engine (the worker cannot read compressed blocks)."""
+    outputs: OutputLengths = field(default_factory=OutputLengths)
+    """How many tokens a request will output, learned from finished ones (admission)."""
 
     def __post_init__(self) -> None:
         self.in_flight = InFlight(self.ledger)

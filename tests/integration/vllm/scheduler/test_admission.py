@@ -7,6 +7,7 @@ with the prompt's compressed footprint; a policy that waits for the end of the p
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from proxima.formats import Format
 from proxima.integration.vllm.plan import CACHE_8BIT, NO_READER, ProximaReport
@@ -47,16 +48,60 @@ def test_a_long_prompt_is_admitted_on_its_compressed_footprint(prefilling: bool)
     m = _manager(policy, blocks=24)  # 23 usable blocks
     assert m.allocate_slots(_request("resident", 6 * B), 6 * B) is not None  # 6 blocks used, 17 free
     # 20 blocks of prompt: uncompressed it does not fit. Balanced keeps 1 sink + 2 recent + the
-    # tail hot and stores the rest in int4 (4 per block): 4 + ceil(16 / 4) = 8 blocks.
-    assert m.compressed_footprint(20 * B) == 8
+    # tail hot and stores the rest in int4: a quarter of a block each, plus its scales and zero
+    # points (the side tables are charged to the pool).
+    int4 = m._block_cost(Format.parse("int4"))
+    assert 0.25 < int4 < 0.4
+    assert m.compressed_footprint(20 * B) == 4 + math.ceil(16 * int4)
+    # Admission counts the request's end state: its 8 output tokens make a 21st block.
     got = m.allocate_slots(_request("long", 20 * B), 8 * B, full_sequence_must_fit=True)
     assert (got is not None) == (not prefilling)
     # A prompt whose compressed footprint does not fit either waits, and counts as pressure.
     m2 = _manager(policy, blocks=24)
     assert m2.allocate_slots(_request("resident", 6 * B), 6 * B) is not None
-    assert m2.compressed_footprint(64 * B) == 4 + 15
+    assert m2.resident_growth() == 0  # 6 blocks + 8 tokens: still 7 blocks, 5 once compressed
     assert m2.allocate_slots(_request("huge", 64 * B), 8 * B, full_sequence_must_fit=True) is None
-    assert m2.px.waiting_need == (19 + 2 if not prefilling else 8 + 1 + 2)  # footprint or chunk, + reserve
+    footprint = 4 + math.ceil(61 * int4)  # 64 blocks + 8 output tokens
+    assert m2.px.waiting_need == (footprint + 2 if not prefilling else 8 + 1 + 2)  # end state or chunk, + reserve
+
+
+def _finish(m: ProximaKVCacheManager, req: Request, outputs: int) -> None:
+    for _ in range(outputs):
+        req.append_output_token_ids(7)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    m.free(req)
+
+
+def test_admission_reserves_what_the_residents_will_still_grow_by() -> None:
+    """The residents' remaining output counts against a new request (else vLLM preempts the newest,
+    usually mid-prefill); how much they will output is learned from requests that finished."""
+    policy = load_policy(ROOT / "proxima" / "policies" / "balanced.yaml")
+    cost = _manager(policy, blocks=8)._block_cost(Format.parse("int4"))
+    # A resident of 4 prompt blocks (all hot: 1 sink, 2 recent, the tail) that may write 24 more:
+    # before any request finished, a request is expected to output as many tokens as its prompt
+    # holds, so it ends at 8 blocks, 4 hot and 4 in int4.
+    growth = 4 + math.ceil(4 * cost) - 4
+    # A new request of 20 prompt and 8 output blocks, in a pool where its end state fits (with
+    # the 2 blocks of reserve) but not beside the resident's growth.
+    need = 4 + math.ceil(24 * cost)
+    m = _manager(policy, blocks=1 + 4 + need + 2 + growth - 1)
+    a = _request("a", 4 * B, max_tokens=24 * B)
+    assert m.allocate_slots(a, 4 * B) is not None
+    assert growth > 0 and m.resident_growth() == growth
+    b = _request("b", 20 * B, max_tokens=8 * B)
+    assert m.compressed_footprint(28 * B) == need
+    assert m.allocate_slots(b, 8 * B, full_sequence_must_fit=True) is None
+    # Requests that finished after 2 tokens teach that outputs are short: now it fits.
+    for i in range(8):
+        done = _request(f"done{i}", B, max_tokens=64)
+        assert m.allocate_slots(done, B) is not None
+        _finish(m, done, outputs=2)
+    assert m.px.outputs.expected(a) == 2 and m.resident_growth() == 1  # 130 tokens: 4 hot blocks + 1 in int4
+    assert m.allocate_slots(b, 8 * B, full_sequence_must_fit=True) is not None
+    # A preempted or aborted request teaches nothing.
+    mean = m.px.outputs.mean
+    m.px.outputs.observe(_request("aborted", B))  # (status WAITING, as a preempted one)
+    assert m.px.outputs.mean == mean
 
 
 def _pressured(policy: Policy, max_tokens: int = 8) -> tuple[ProximaKVCacheManager, Request]:
@@ -130,32 +175,35 @@ def test_pool_usage_accounts_for_every_block() -> None:
     assert m.summary()["pool_at_peak"]["resident"] == 1
 
 
-def test_admission_estimate_follows_the_achieved_pack_ratio() -> None:
+def test_admission_estimate_follows_the_achieved_mix() -> None:
     """Before any compression the estimate assumes the top band's first format; afterwards, the
-    ratio the resident requests' committed blocks actually reached, capped by the live policy."""
+    cost the resident requests' committed blocks actually reached, floored by the live policy."""
     policy = load_policy(ROOT / "proxima" / "policies" / "aggressive.yaml")
     m, _ = _pressured(policy)
     assert m.achieved_pack_ratio() is None
     hot = -(-policy.protect.sink_tokens // B) + -(-policy.protect.recent_tokens // B) + 1  # + the tail
-    first = policy.bands[-1].ladder[0].pack_ratio  # int4: 4
-    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // first)
+    first = m._block_cost(policy.bands[-1].ladder[0])  # int4
+    assert m.compressed_footprint(20 * B) == hot + math.ceil((20 - hot) * first)
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
     st = m.px.ledger["a"]
     assert len(st.compressed) >= 4
     # Pretend the engine reached one 16x block for every 8x one (about 10.7x).
+    c2, c4 = Format.parse("cluster(2)+int4"), Format.parse("cluster(4)+int4")
     for i, (idx, (_, dst, slot)) in enumerate(sorted(st.compressed.items())):
-        st.compressed[idx] = CompressedSlot(Format.parse("cluster(4)+int4" if i % 2 else "cluster(2)+int4"), dst, slot)
+        st.compressed[idx] = CompressedSlot(c4 if i % 2 else c2, dst, slot)
     n = len(st.compressed)
     ratio = m.achieved_pack_ratio()
     assert ratio == pytest.approx(n / (-(-n // 2) / 8 + (n // 2) / 16)) and ratio > 8
-    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // ratio) < hot + -(-(20 - hot) // first)
-    # A policy switched live to int8 only cannot reach that ratio: the estimate follows the policy.
+    mix = (-(-n // 2) * m._block_cost(c2) + (n // 2) * m._block_cost(c4)) / n
+    mixed = hot + math.ceil((20 - hot) * mix - 1e-9)
+    assert m.compressed_footprint(20 * B) == mixed < hot + math.ceil((20 - hot) * first)
+    # A policy switched live to int8 only cannot reach that mix: the estimate follows the policy.
     m.set_policy(load_policy(ROOT / "proxima" / "policies" / "conservative.yaml").model_copy(update={"bands": [
         b.model_copy(update={"ladder": [Format.parse("int8")]}) for b in policy.bands]}))
     prot = m.px.policy.protect
     hot = -(-prot.sink_tokens // B) + -(-prot.recent_tokens // B) + 1
-    assert m.compressed_footprint(20 * B) == hot + -(-(20 - hot) // 2)
+    assert m.compressed_footprint(20 * B) == hot + math.ceil((20 - hot) * m._block_cost(Format.parse("int8")) - 1e-9)
 
 
 def test_a_request_sampling_its_last_token_is_not_compressed() -> None:

@@ -10,6 +10,7 @@ stats and pool usage can read it without the manager.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -37,7 +38,10 @@ class CompressedSlot(NamedTuple):
 class RequestEntry:
     request: Request
     compressed: dict[int, CompressedSlot] = field(default_factory=dict)
-    """Logical block index -> its committed compressed slot."""
+    """Logical block index -> its committed compressed slot (written through `commit`)."""
+    formats: Counter[Format] = field(default_factory=Counter)
+    """`compressed`'s formats counted (kept by `commit`): admission and the side-table charge
+    read them at every scheduling step, in time that does not grow with the blocks."""
     in_flight: dict[int, CompressAction] = field(default_factory=dict)
     """Logical block index -> the compression planned for it, not yet reported (written only by
     `in_flight.InFlight`, which keeps it equal to its pending actions)."""
@@ -55,6 +59,16 @@ class RequestEntry:
     """Steps the target was tried in (`targets.MAX_TRIES`)."""
     target_blocks: int = 0
     """The prompt's logical blocks when the target was first planned (what its ratio is over)."""
+
+    def commit(self, index: int, slot: CompressedSlot) -> None:
+        """Logical block `index` now lives in `slot` (a recompression replaces its old slot)."""
+        old = self.compressed.get(index)
+        if old is not None:
+            self.formats[old.fmt] -= 1
+            if not self.formats[old.fmt]:
+                del self.formats[old.fmt]
+        self.compressed[index] = slot
+        self.formats[slot.fmt] += 1
 
     def live_slots(self) -> Iterator[tuple[BlockId, SlotIndex]]:
         """Slots this request holds in its destinations: committed, and reserved by in-flight actions."""
@@ -83,6 +97,13 @@ class RequestLedger(dict[str, RequestEntry]):
     def compressed_slots(self) -> Iterator[CompressedSlot]:
         for entry in self.values():
             yield from entry.compressed.values()
+
+    def formats(self) -> Counter[Format]:
+        """Committed compressed blocks per format, over every resident request."""
+        out: Counter[Format] = Counter()
+        for entry in self.values():
+            out.update(entry.formats)
+        return out
 
     def live_slots(self) -> dict[str, list[tuple[BlockId, SlotIndex]]]:
         return {rid: list(e.live_slots()) for rid, e in self.items()}

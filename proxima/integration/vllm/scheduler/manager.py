@@ -183,7 +183,7 @@ class ProximaKVCacheManager(KVCacheManager):
                                          self._block_cost, px.outputs, self.max_model_len, px.probes.holdout)
 
     def _block_cost(self, fmt: Format) -> float:
-        return self.px.meta.held_block_bytes(fmt) / self.px.meta.block_bytes
+        return self.px.meta.block_cost(fmt)
 
     def achieved_pack_ratio(self) -> float | None:
         return admission.achieved_pack_ratio(self.px.ledger)
@@ -418,7 +418,7 @@ class ProximaKVCacheManager(KVCacheManager):
         if done is None:
             return None  # its request was freed meanwhile; its blocks went with it
         ca = done.action
-        px.ledger[ca.req_id].compressed[ca.index] = CompressedSlot(ca.fmt, ca.dst, ca.slot)
+        px.ledger[ca.req_id].commit(ca.index, CompressedSlot(ca.fmt, ca.dst, ca.slot))
         px.stats.record_commit(ca.fmt, in_prefill=done.in_prefill, first=ca.from_fmt.is_hot)
         if not ca.from_fmt.is_hot:  # recompression: release the old slot
             px.packer.release(ca.req_id, ca.from_dst, ca.from_slot)

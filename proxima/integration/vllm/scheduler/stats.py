@@ -115,12 +115,10 @@ class MetaSizes:
         self.spec = group.kv_cache_spec
         self.layers = len(group.layer_names)
         self.ranks = ranks
-        self._cache: dict[Format, int] = {}
-
-    @property
-    def block_bytes(self) -> int:
+        self.block_bytes = int(self.spec.page_size_bytes) * self.layers * self.ranks
         """Bytes of one physical block, all layers, all ranks."""
-        return int(self.spec.page_size_bytes) * self.layers * self.ranks
+        self._cache: dict[Format, int] = {}
+        self._costs: dict[Format, float] = {}
 
     def per_slot(self, fmt: Format) -> int:
         cached = self._cache.get(fmt)
@@ -136,9 +134,16 @@ class MetaSizes:
         physical block over the pack ratio) plus its side-table metadata; a hot block: a block."""
         return self.block_bytes if fmt.is_hot else self.block_bytes / fmt.pack_ratio + self.per_slot(fmt)
 
+    def block_cost(self, fmt: Format) -> float:
+        """`held_block_bytes` in physical blocks (admission's unit)."""
+        c = self._costs.get(fmt)
+        if c is None:
+            c = self._costs[fmt] = self.held_block_bytes(fmt) / self.block_bytes
+        return c
+
     def side_table_bytes(self, ledger: RequestLedger) -> int:
         """Metadata bytes of the live compressed slots."""
-        return sum(self.per_slot(c.fmt) for c in ledger.compressed_slots())
+        return sum(n * self.per_slot(f) for f, n in ledger.formats().items())
 
 
 def summary(stats: ProximaStats, ledger: RequestLedger, packer: SlotPacker, pool: BlockPool, meta: MetaSizes,

@@ -6,8 +6,9 @@ instead: the new request's compressed footprint at the end of its life, plus wha
 requests will still grow by (`resident_growth`), must fit the free blocks. Counting only the new
 prompt (as before) over-admitted: the residents' decode and remaining prompt chunks then ran the
 pool dry and vLLM preempted the newest request, usually mid-prefill, to recompute it later
-(CPU capacity workload, conservative: 6 preemptions in 16 requests with the pool full of int4;
-every resident's projected end state summed to 73 blocks of a 72-block pool).
+(CPU capacity workload, conservative: 6 preemptions in 16 requests with the pool full of int4:
+five residents' end states need about 73 blocks of the 72, each 5 hot blocks and 31 in int4 at
+0.31 of a block with metadata).
 
 Costs are physical blocks including the side tables' metadata (`MetaSizes.held_block_bytes`):
 the scheduler holds pool blocks back for those bytes (`side_tables.py`), so they fill the pool
@@ -34,23 +35,12 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def achieved_pack_ratio(ledger: RequestLedger) -> float | None:
-    """Compressed blocks per physical block their slots take (metadata not counted), over the
-    resident requests' committed blocks (None before any): the engine's mix under this workload."""
-    count, space = 0, 0.0
-    for c in ledger.compressed_slots():
-        count += 1
-        space += 1.0 / c.fmt.pack_ratio
-    return count / space if count else None
-
-
 def compressed_cost(ledger: RequestLedger, policy: Policy, cost: BlockCost) -> float:
     """Physical blocks one compressed logical block will cost: the mean over the resident
     requests' committed blocks (the engine's actual mix), never below the cheapest format of
     the live policy (a policy changed live to milder formats cannot reach the old mix); before
     any compression, the cheapest format of the highest band's ladder (where the engine takes
-    blocks when memory is tightest, and where an emergency compression can take them: the first
-    rung instead kept `aggressive`'s first wave at a third of its requests)."""
+    blocks when memory is tightest, and where an emergency compression can take them)."""
     formats = [f for band in policy.bands for f in band.ladder]
     if not formats:
         return 1.0
@@ -116,7 +106,8 @@ def resident_growth(ledger: RequestLedger, blocks_of: Mapping[str, Sequence[KVCa
     each committed compressed block at its format's cost). A request already past its estimate
     adds nothing (it gives nothing back either: the estimate is not a bound). Runs at every
     scheduling step that admits: its time grows with the residents and formats, not the blocks
-    (on the H100 a per-block sum here cost about 10 ms a step, `RequestEntry.formats`)."""
+    (`RequestEntry.formats`; a per-block sum here made H100 engine steps about 10 ms longer,
+    bench/results/experiments/admission-growth/)."""
     mix = compressed_cost(ledger, policy, cost)
     total = 0.0
     for rid, entry in ledger.items():

@@ -185,9 +185,6 @@ class ProximaKVCacheManager(KVCacheManager):
     def _block_cost(self, fmt: Format) -> float:
         return self.px.meta.block_cost(fmt)
 
-    def achieved_pack_ratio(self) -> float | None:
-        return admission.achieved_pack_ratio(self.px.ledger)
-
     @property
     def block_size(self) -> int:
         return self._stm.block_size

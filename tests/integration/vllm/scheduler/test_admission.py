@@ -187,7 +187,7 @@ def test_admission_estimate_follows_the_achieved_mix() -> None:
     the cost the resident requests' committed blocks actually reached, floored by the live policy."""
     policy = load_policy(ROOT / "proxima" / "policies" / "aggressive.yaml")
     m, _ = _pressured(policy)
-    assert m.achieved_pack_ratio() is None
+    assert not m.px.ledger.formats()
     hot = -(-policy.protect.sink_tokens // B) + -(-policy.protect.recent_tokens // B) + 1  # + the tail
     cheapest = m._block_cost(Format.parse("cluster(8)+int4"))
     assert cheapest == min(m._block_cost(f) for f in policy.bands[-1].ladder)
@@ -201,8 +201,7 @@ def test_admission_estimate_follows_the_achieved_mix() -> None:
     for i, (idx, (_, dst, slot)) in enumerate(sorted(st.compressed.items())):
         st.commit(idx, CompressedSlot(c4 if i % 2 else c2, dst, slot))
     n = len(st.compressed)
-    ratio = m.achieved_pack_ratio()
-    assert ratio == pytest.approx(n / (-(-n // 2) / 8 + (n // 2) / 16)) and ratio > 8
+    assert m.px.ledger.formats() == {c2: -(-n // 2), c4: n // 2}
     mix = (-(-n // 2) * m._block_cost(c2) + (n // 2) * m._block_cost(c4)) / n
     mixed = hot + math.ceil((20 - hot) * mix - 1e-9)
     assert m.compressed_footprint(20 * B) == mixed > hot + math.ceil((20 - hot) * cheapest - 1e-9)

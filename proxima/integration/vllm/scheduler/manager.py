@@ -463,6 +463,8 @@ class ProximaKVCacheManager(KVCacheManager):
         px = self.px
         out = summary(px.stats, px.ledger, px.packer, self.block_pool, px.meta, px.disabled, px.charge)
         out["backoff"] = px.backoff.summary(px.stats.steps)
+        # What admission expects a request to output (None: no request finished yet).
+        out["expected_output_tokens"] = None if px.outputs.mean is None else round(px.outputs.mean, 1)
         return out
 
 

@@ -96,13 +96,14 @@ def test_admission_reserves_what_the_residents_will_still_grow_by() -> None:
     assert m.allocate_slots(a, 4 * B) is not None
     assert growth > 0 and m.resident_growth() == growth
     b = _request("b", 20 * B, max_tokens=8 * B)
-    assert m.compressed_footprint(28 * B) == need
+    assert m.compressed_footprint(28 * B) == need and m.summary()["expected_output_tokens"] is None
     assert m.allocate_slots(b, 8 * B, full_sequence_must_fit=True) is None
     # Requests that finished after 2 tokens teach that outputs are short: now it fits.
     for i in range(8):
         done = _request(f"done{i}", B, max_tokens=64)
         assert m.allocate_slots(done, B) is not None
         _finish(m, done, outputs=2)
+    assert m.summary()["expected_output_tokens"] == 2.0  # (the stats file shows it)
     assert m.px.outputs.expected(a) == 2 and m.resident_growth() == 1  # 130 tokens: 4 hot blocks + 1 compressed
     assert m.allocate_slots(b, 8 * B, full_sequence_must_fit=True) is not None
     # A preempted or aborted request teaches nothing.

@@ -57,12 +57,17 @@ def hot_blocks(tokens: int, block_size: int, policy: Policy) -> int:
     return min(blocks_for(tokens, b), blocks_for(prot.sink_tokens, b) + blocks_for(prot.recent_tokens, b) + 1)
 
 
-def compressed_footprint(tokens: int, block_size: int, policy: Policy, cost: float) -> int:
-    """Blocks a request of `tokens` tokens holds once the policy compressed it under pressure:
-    its protected blocks stay hot, the others cost `cost` each (`compressed_cost`)."""
+def compressed_blocks(tokens: int, block_size: int, policy: Policy, cost: float) -> float:
+    """Blocks (fractional) a request of `tokens` tokens holds once the policy compressed it under
+    pressure: its protected blocks stay hot, the others cost `cost` each (`compressed_cost`)."""
     n = blocks_for(tokens, block_size)
     hot = hot_blocks(tokens, block_size, policy)
-    return hot + math.ceil((n - hot) * cost - 1e-9)
+    return hot + (n - hot) * cost
+
+
+def compressed_footprint(tokens: int, block_size: int, policy: Policy, cost: float) -> int:
+    """`compressed_blocks` in whole blocks."""
+    return math.ceil(compressed_blocks(tokens, block_size, policy, cost) - 1e-9)
 
 
 class OutputLengths:
@@ -101,10 +106,12 @@ def resident_growth(ledger: RequestLedger, blocks_of: Mapping[str, Sequence[KVCa
                     policy: Policy, cost: BlockCost, outputs: OutputLengths, max_model_len: int,
                     uncompressed: set[str]) -> int:
     """Blocks the resident requests will still take before they finish: for each, its expected
-    end state (`compressed_footprint` at the mix's cost; uncompressed for the requests in
+    end state (`compressed_blocks` at the mix's cost; uncompressed for the requests in
     `uncompressed`, e.g. the drift probe's holdout) less what it holds now (its hot blocks, and
     each committed compressed block at its format's cost). A request already past its estimate
-    adds nothing (it gives nothing back either: the estimate is not a bound). Runs at every
+    adds nothing (it gives nothing back either: the estimate is not a bound). Both sides are
+    fractional and only the sum is rounded: a whole block per resident (rounding its end state
+    up, its holdings not) kept `aggressive` at 14 residents where 16 fit. Runs at every
     scheduling step that admits: its time grows with the residents and formats, not the blocks
     (`RequestEntry.formats`; a per-block sum here made H100 engine steps about 10 ms longer,
     bench/results/experiments/admission-growth/)."""
@@ -113,7 +120,7 @@ def resident_growth(ledger: RequestLedger, blocks_of: Mapping[str, Sequence[KVCa
     for rid, entry in ledger.items():
         tokens = final_tokens(entry.request, outputs, max_model_len)
         end = blocks_for(tokens, block_size) if rid in uncompressed else \
-            compressed_footprint(tokens, block_size, policy, mix)
+            compressed_blocks(tokens, block_size, policy, mix)
         held = len(blocks_of.get(rid, ())) - len(entry.compressed)  # committed blocks are vLLM's null block
         held_f = held + sum(n * cost(f) for f, n in entry.formats.items())
         total += max(0.0, end - held_f)

@@ -33,7 +33,6 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
-from proxima.formats import Format
 from proxima.integration.vllm.plan import (
     DISABLING_ERRORS,
     NO_BLOCK,
@@ -173,17 +172,14 @@ class ProximaKVCacheManager(KVCacheManager):
     def compressed_footprint(self, tokens: int) -> int:
         """Blocks `tokens` tokens of a request hold once compressed (`admission.compressed_footprint`)."""
         px = self.px
-        cost = admission.compressed_cost(px.ledger, px.policy, self._block_cost)
+        cost = admission.compressed_cost(px.ledger, px.policy, px.meta.block_cost)
         return admission.compressed_footprint(tokens, self.block_size, px.policy, cost)
 
     def resident_growth(self) -> int:
         """Blocks the resident requests will still take (`admission.resident_growth`)."""
         px = self.px
         return admission.resident_growth(px.ledger, self._stm.req_to_blocks, self.block_size, px.policy,
-                                         self._block_cost, px.outputs, self.max_model_len, px.probes.holdout)
-
-    def _block_cost(self, fmt: Format) -> float:
-        return self.px.meta.block_cost(fmt)
+                                         px.meta.block_cost, px.outputs, self.max_model_len, px.probes.holdout)
 
     @property
     def block_size(self) -> int:

@@ -40,7 +40,7 @@ def _manager(policy: Policy, blocks: int) -> ProximaKVCacheManager:
 
 def _cheapest(m: ProximaKVCacheManager) -> float:
     """Blocks one block costs in the cheapest format of the policy's highest band, metadata included."""
-    return min(m._block_cost(f) for f in m.px.policy.bands[-1].ladder)
+    return min(m.px.meta.block_cost(f) for f in m.px.policy.bands[-1].ladder)
 
 
 def _request(rid: str, tokens: int, max_tokens: int = 8) -> Request:
@@ -190,8 +190,8 @@ def test_admission_estimate_follows_the_achieved_mix() -> None:
     m, _ = _pressured(policy)
     assert not m.px.ledger.formats()
     hot = -(-policy.protect.sink_tokens // B) + -(-policy.protect.recent_tokens // B) + 1  # + the tail
-    cheapest = m._block_cost(Format.parse("cluster(8)+int4"))
-    assert cheapest == min(m._block_cost(f) for f in policy.bands[-1].ladder)
+    cheapest = m.px.meta.block_cost(Format.parse("cluster(8)+int4"))
+    assert cheapest == min(m.px.meta.block_cost(f) for f in policy.bands[-1].ladder)
     assert m.compressed_footprint(20 * B) == hot + math.ceil((20 - hot) * cheapest - 1e-9)
     plan = m.build_plan(["a"])
     m.apply_report(ProximaReport(ok=[a.action_id for a in plan.actions]))
@@ -203,7 +203,7 @@ def test_admission_estimate_follows_the_achieved_mix() -> None:
         st.commit(idx, CompressedSlot(c4 if i % 2 else c2, dst, slot))
     n = len(st.compressed)
     assert m.px.ledger.formats() == {c2: -(-n // 2), c4: n // 2}
-    mix = (-(-n // 2) * m._block_cost(c2) + (n // 2) * m._block_cost(c4)) / n
+    mix = (-(-n // 2) * m.px.meta.block_cost(c2) + (n // 2) * m.px.meta.block_cost(c4)) / n
     mixed = hot + math.ceil((20 - hot) * mix - 1e-9)
     assert m.compressed_footprint(20 * B) == mixed > hot + math.ceil((20 - hot) * cheapest - 1e-9)
     # A policy switched live to int8 only cannot reach that mix: the estimate follows the policy.
@@ -211,7 +211,8 @@ def test_admission_estimate_follows_the_achieved_mix() -> None:
         b.model_copy(update={"ladder": [Format.parse("int8")]}) for b in policy.bands]}))
     prot = m.px.policy.protect
     hot = -(-prot.sink_tokens // B) + -(-prot.recent_tokens // B) + 1
-    assert m.compressed_footprint(20 * B) == hot + math.ceil((20 - hot) * m._block_cost(Format.parse("int8")) - 1e-9)
+    int8 = m.px.meta.block_cost(Format.parse("int8"))
+    assert m.compressed_footprint(20 * B) == hot + math.ceil((20 - hot) * int8 - 1e-9)
 
 
 def test_a_request_sampling_its_last_token_is_not_compressed() -> None:

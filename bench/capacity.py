@@ -67,11 +67,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
 # The repository root, so `bench.capacity_rows` imports when this runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.capacity_rows import PROFILE_ENV
 from proxima.integration.vllm.serve.demo_workload import Workload, compare, table_markdown
 
 CONFIGS = ("vanilla", "vanilla_fp8", "conservative", "balanced", "aggressive", "vanilla_unlimited")
@@ -170,7 +173,14 @@ def equal_bytes_main() -> None:
     ap.add_argument("--logs", type=Path, default=None, help="keep every run's engine log here")
     ap.add_argument("--out", type=Path, default=None, help="a new runs file (or, with --merge, the table)")
     ap.add_argument("--resume", type=Path, default=None, help="the runs file to continue (created if missing)")
+    ap.add_argument("--profile", default=None, metavar="SKIP:STEPS",
+                    help="run vLLM's torch profiler over STEPS engine steps after SKIP of the measured part; "
+                         "traces go to --profile-dir, `bench/step_profile.py` reads them (the runs are marked "
+                         "profiled and stay out of the table)")
+    ap.add_argument("--profile-dir", type=Path, default=None, help="with --profile: where the traces go")
     args = ap.parse_args()
+    if args.profile:
+        os.environ[PROFILE_ENV] = json.dumps(profile_spec(args.profile, args.profile_dir, ap.error))
     if args.merge:
         if not args.out:
             ap.error("--merge needs --out")
@@ -179,6 +189,18 @@ def equal_bytes_main() -> None:
     if bool(args.out) == bool(args.resume):
         ap.error("name the runs file: --out FILE (a new one) or --resume FILE (continue it)")
     run_equal_bytes(args)
+
+
+def profile_spec(value: str, trace_dir: Path | None, error: Callable[[str], NoReturn]) -> dict[str, Any]:
+    """`--profile SKIP:STEPS` and `--profile-dir` as the child reads them (`capacity_rows.PROFILE_ENV`)."""
+    skip, sep, steps = value.partition(":")
+    if not (sep and skip.isdigit() and steps.isdigit() and int(steps) > 0):
+        error(f"--profile {value}: expected SKIP:STEPS, two whole numbers, STEPS > 0 (e.g. 300:20)")
+    if trace_dir is None:
+        error("--profile needs --profile-dir (where vLLM writes the traces)")
+    assert trace_dir is not None
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    return {"dir": str(trace_dir.resolve()), "skip": int(skip), "steps": int(steps)}
 
 
 def workload_spec(args: argparse.Namespace) -> dict:

@@ -45,6 +45,15 @@ from proxima.policies import policy_path
 ROWS = ("vanilla", "vllm_fp8", "vllm_int8_pth", "vllm_int4_pth", "off", "conservative", "balanced", "aggressive")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 _STEP_LOGS: list[Any] = []
+PROFILE_ENV = "PROXIMA_BENCH_PROFILE"
+"""JSON {"dir", "skip", "steps"}: the child runs vLLM's torch profiler over `steps` engine steps of the
+measured part, after `skip` (`bench/capacity.py --profile`). A profiled run is slower: not a table's."""
+
+
+def profile_prefix(row: str) -> str:
+    """The row as a trace file's prefix (vLLM allows letters, digits, '.', '_', '-'): a policy file's stem."""
+    name = Path(row).stem if row.endswith((".yaml", ".yml")) else row
+    return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "-" for c in name).lstrip("._-") or "row"
 
 
 def kv_shape(model: str, block_size: int) -> KVShape:
@@ -203,6 +212,10 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, eager: bool) -> dict:
         extra["gpu_memory_utilization"] = wl.gpu_memory_utilization
     if eager:
         extra["enforce_eager"] = True
+    profile = json.loads(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None
+    if profile:  # vLLM's own torch profiler (`bench/step_profile.py` reads what it writes)
+        extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile["dir"],
+                                    "torch_profiler_with_stack": False}
     # Nothing else is forced: vLLM's default compilation (CUDA graphs) and async scheduling stay
     # whatever vLLM picks for this platform, for every row alike.
     args = engine_args(
@@ -235,6 +248,9 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, eager: bool) -> dict:
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
+    if profile:  # the worker records `steps` engine steps after skipping `skip`, then writes its trace
+        engine.start_profile(profile_prefix=profile_prefix(row), delay_iterations=profile["skip"],
+                             max_iterations=profile["steps"])
     truncated = False
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -253,6 +269,8 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, eager: bool) -> dict:
             truncated = True
             break
     wall = time.perf_counter() - t0
+    if profile:
+        engine.stop_profile()  # a run shorter than skip + steps writes what it recorded
     engine.engine_core.shutdown()
     # TTFT from the moment every request was added (queueing for KV space included: what a
     # client of a full pool sees); TPOT between a request's first and last token (truncated
@@ -272,7 +290,7 @@ def child(wl: Workload, row: str, num_gpu_blocks: int, eager: bool) -> dict:
             "device": str(cfg.device_config.device_type),
             "ttft_s": ttft, "tpot_s": tpot, "proxima": stats_delta(stats_before, _read_stats()),
             "prompt_nll": [s[0] for s in scored], "prompt_top1": [s[1] for s in scored],
-            "scored_prompts": len(scored)}
+            "scored_prompts": len(scored), **({"profiled": profile} if profile else {})}
 
 
 # --- parent ----------------------------------------------------------------------------------
@@ -369,6 +387,7 @@ def summarize(row: str, r: dict, pool: Pool) -> dict:
         "prompt_nll": _mean(r.get("prompt_nll")),
         "prompt_top1": _mean(r.get("prompt_top1")),
         "scored_prompts": r.get("scored_prompts", 0),
+        **({"profiled": r["profiled"]} if r.get("profiled") else {}),
     }
     if px:
         out |= {

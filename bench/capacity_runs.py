@@ -128,7 +128,8 @@ def aggregate(runs: Iterable[dict[str, Any]], rows: list[str]) -> dict[str, dict
     each run in run order (`tokens_per_s_runs`) and their spread; errors are kept per run, and a
     row with no successful run shows its last error."""
     by_row: dict[str, list[dict[str, Any]]] = {}
-    for run in sorted(runs, key=lambda r: (r["rep"], r["position"])):
+    # a profiled run (`bench/capacity.py --profile`) ran slower under the profiler: not the table's
+    for run in sorted((r for r in runs if not r["result"].get("profiled")), key=lambda r: (r["rep"], r["position"])):
         by_row.setdefault(run["row"], []).append(run)
     table: dict[str, dict[str, Any]] = {}
     for row in [r for r in rows if r in by_row] + [r for r in by_row if r not in rows]:

@@ -170,6 +170,9 @@ def equal_bytes_main() -> None:
     ap.add_argument("--timeout-s", type=float, default=None, help="per run: kill its engine after this")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="this call: start no row that would not end within it (a device call is <= 10 min)")
+    ap.add_argument("--run-s", type=float, default=None,
+                    help="a run's expected duration for the budget check (default: the longest of the file's last "
+                         "4 runs, which holds a lease's first build with its kernel compiles; or 120 s + the deadline)")
     ap.add_argument("--logs", type=Path, default=None, help="keep every run's engine log here")
     ap.add_argument("--out", type=Path, default=None, help="a new runs file (or, with --merge, the table)")
     ap.add_argument("--resume", type=Path, default=None, help="the runs file to continue (created if missing)")
@@ -276,7 +279,7 @@ def run_equal_bytes(args: argparse.Namespace) -> None:
     # a row may be a policy file's path: its log is named by the file's stem
     for k, (rep, pos, row) in enumerate(todo):
         elapsed = time.perf_counter() - t_call
-        need = expected_run_s(doc, wl.deadline_s)
+        need = args.run_s or expected_run_s(doc, wl.deadline_s)
         if elapsed + need > args.budget_s:
             log(f"stopping: {elapsed:.0f} s used, a run takes ~{need:.0f} s, budget {args.budget_s:.0f} s; "
                 f"{len(todo) - k} runs left: run the same command again")

@@ -7,7 +7,8 @@ traces that `bench/capacity.py --profile SKIP:STEPS --profile-dir DIR` makes vLL
 (its own torch profiler, `ProfilerConfig`; kernels inside CUDA graphs are traced one by one) and
 reports per row:
 
-- device ms per step: every kernel, memcpy and memset of the window, summed, over the steps;
+- device ms per step: every kernel, memcpy and memset of the window, summed, over the steps (the
+  steps are counted in the trace: vLLM's `execute_context_...` annotation of each worker step);
 - span ms per step: first device event's start to the last one's end, over the steps, and the
   busy share (device time / span): below 1, the GPU waited for the host;
 - the same time by category: Proxima's compression kernels (`proxima/compression/kernels/`),
@@ -20,7 +21,7 @@ kernel after its function), so a new kernel is counted in its category without a
 
     python bench/capacity.py --mode equal-bytes --workload throughput --reps 1 --rows aggressive,vllm_int4_pth \\
         --profile 300:20 --profile-dir /tmp/prof --out /tmp/prof/runs.json --logs /tmp/prof/logs
-    python bench/step_profile.py /tmp/prof --steps 20 --out $OUT/step-profile-h100
+    python bench/step_profile.py /tmp/prof --out $OUT/step-profile-h100
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ VLLM_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 """Categories of the kernels that are not Proxima's, first match wins (names as CUDA reports them)."""
 
+STEP_ANNOTATION = "execute_context"
+"""vLLM's annotation of one worker step (`execute_context_<n>(<tokens>)_generation_<n>(<tokens>)`)."""
 COPY = "memcpy / memset"
 OTHER = "other"
 RANK_SUFFIX = re.compile(r"(.+?)_(?:(?:dp|pp|tp|dcp|ep)\d+_)*rank\d+\.")
@@ -91,10 +94,18 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
     return [e for e in events if isinstance(e, dict)]
 
 
-def summarize(events: Iterable[dict[str, Any]], steps: int, proxima: dict[str, str], top: int = 15) -> dict[str, Any]:
-    """One trace's device work per step (see the module docstring)."""
-    if steps <= 0:
-        raise ValueError(f"steps must be positive, got {steps}")
+def summarize(events: Iterable[dict[str, Any]], steps: int | None, proxima: dict[str, str],
+              top: int = 15) -> dict[str, Any]:
+    """One trace's device work per step (see the module docstring). The steps are counted in the
+    trace (vLLM's worker annotates each `execute_model` as `execute_context_...` when the profiler
+    records CPU activity); `steps` is used only when it holds none."""
+    events = list(events)
+    counted = sum(1 for e in events if e.get("cat") == "user_annotation"
+                  and str(e.get("name", "")).startswith(STEP_ANNOTATION))
+    if counted:
+        steps = counted
+    elif steps is None or steps <= 0:
+        raise ValueError(f"no `{STEP_ANNOTATION}` annotations in the trace: give the profiled steps (got {steps})")
     by_cat: dict[str, float] = defaultdict(float)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     name_cat: dict[str, str] = {}
@@ -117,14 +128,15 @@ def summarize(events: Iterable[dict[str, Any]], steps: int, proxima: dict[str, s
         total += dur
         count += 1
     if not count:
-        return {"steps": steps, "device_events": 0, "note": "no device events in the trace (a CPU run, or the "
-                "window fell after the run's end)"}
+        return {"steps": steps, "steps_counted": bool(counted), "device_events": 0,
+                "note": "no device events in the trace (a CPU run, or the window fell after the run's end)"}
     span = end - start
     launches = sum(n for k, n in runtime.items() if k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                           "cudaLaunchKernelExC"))
     ms = 1000.0 * steps  # microseconds over the window -> milliseconds per step
     return {
         "steps": steps,
+        "steps_counted": bool(counted),
         "device_events": count,
         "device_ms_per_step": round(total / ms, 3),
         "span_ms_per_step": round(span / ms, 3),
@@ -182,7 +194,9 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace_dir", type=Path, help="--profile-dir of bench/capacity.py")
-    ap.add_argument("--steps", type=int, required=True, help="the STEPS of --profile SKIP:STEPS")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="the STEPS of --profile SKIP:STEPS, for a trace without vLLM's step annotations "
+                         "(CPU activity off); otherwise the steps are counted in the trace")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per row")
     args = ap.parse_args(argv)

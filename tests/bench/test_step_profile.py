@@ -75,8 +75,17 @@ def test_a_trace_is_summed_per_step_by_category_and_kernel() -> None:
 def test_a_trace_without_device_work_says_so() -> None:
     s = summarize_trace([e for e in TRACE if e["cat"] == "cpu_op"], 2, {})
     assert s["device_events"] == 0 and "no device events" in s["note"]
-    with pytest.raises(ValueError, match="steps must be positive"):
-        summarize_trace(TRACE, 0, {})
+    with pytest.raises(ValueError, match="give the profiled steps"):
+        summarize_trace(TRACE, None, {})
+
+
+def test_the_steps_are_counted_in_the_trace_when_vllm_annotated_them() -> None:
+    # vLLM's worker annotates each step it runs while the profiler records CPU activity
+    steps = [{"ph": "X", "cat": "user_annotation", "name": f"execute_context_1({n})_generation_15(15)", "ts": t,
+              "dur": 9000} for n, t in ((512, 0), (16, 10000))]
+    s = summarize_trace(TRACE + steps, 20, proxima_kernels())  # (the --steps given is not used)
+    assert s["steps"] == 2 and s["steps_counted"] and s["device_ms_per_step"] == pytest.approx(5.25)
+    assert not summarize_trace(TRACE, 2, {})["steps_counted"]
 
 
 def test_traces_are_found_by_row_and_summarized_into_files(tmp_path: Path) -> None:

@@ -15,9 +15,10 @@ if [ "${DIRECT:-1}" = 1 ]; then
 fi
 SKIP=${SKIP:-400}; STEPS=${STEPS:-20}
 rm -rf /tmp/pxp; mkdir -p /tmp/pxp
-timeout ${CT:-420} python3 bench/capacity.py --mode equal-bytes --workload throughput --reps 1 \
+# (a lease's first run also compiles, ~220 s; the others take ~100 s: RUN_S keeps the estimate there)
+timeout ${CT:-440} python3 bench/capacity.py --mode equal-bytes --workload throughput --reps 1 \
   --rows ${ROWS:-aggressive,vllm_int4_pth,balanced} --profile $SKIP:$STEPS --profile-dir /tmp/pxp/traces \
-  --budget-s ${BUDGET:-410} --out /tmp/pxp/runs.json --logs /tmp/pxp/logs > /tmp/pxp/cap.log 2>&1
+  --budget-s ${BUDGET:-430} --run-s ${RUN_S:-100} --out /tmp/pxp/runs.json --logs /tmp/pxp/logs > /tmp/pxp/cap.log 2>&1
 echo "cap rc $?"; grep "^\[" /tmp/pxp/cap.log | tail -8 | cut -c1-300
 ls -la /tmp/pxp/traces | tail -5
 python3 bench/step_profile.py /tmp/pxp/traces --steps $STEPS --out $OUT/step-profile-$NAME 2>&1 | cut -c1-400

@@ -68,7 +68,12 @@ def test_triton_merge_with_pins_matches_reference(fmt, p, by, device):
     a = compress_blocks(fmt, k, v, token_importance=imp, backend="torch", pinned_tokens=p, pin_by=by)
     b = compress_blocks(fmt, k, v, token_importance=imp, backend="triton", pinned_tokens=p, pin_by=by)
     assert a.log_count is not None and b.log_count is not None
-    assert torch.equal(a.log_count, b.log_count)
+    # The same counts; their logs may differ by one float32 ulp: torch's log and the kernel's (numpy's
+    # under the interpreter, libdevice on a GPU) are not all correctly rounded, and which one is
+    # depends on the machine's vector units (a 2026-12-07 CI VM: torch log(7) = 1.94591010, the
+    # interpreter 1.94591022, one ulp apart; earlier machines agreed bit for bit).
+    assert torch.equal(a.log_count.exp().round(), b.log_count.exp().round())
+    torch.testing.assert_close(a.log_count, b.log_count, rtol=0.0, atol=2.5e-7)
     ka, va, _ = decompress_blocks(a, backend="torch")
     kb, vb, _ = decompress_blocks(b, backend="torch")
     assert torch.equal(ka[:, :p], kb[:, :p]) and torch.equal(va[:, :p], vb[:, :p])  # the pins: copies

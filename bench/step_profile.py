@@ -4,8 +4,9 @@ The equal-bytes benchmark says how long a step takes (`bench/results/step-*.md`:
 Proxima's compression and attention by CUDA events); it cannot say what the rest of the model step
 is, nor whether the GPU idles between steps (host-bound) or is busy all the time. This reads the
 traces that `bench/capacity.py --profile SKIP:STEPS --profile-dir DIR` makes vLLM's worker write
-(its own torch profiler, `ProfilerConfig`; kernels inside CUDA graphs are traced one by one) and
-reports per row:
+(its own torch profiler, `ProfilerConfig`; CUPTI should trace the kernels of a CUDA-graph replay
+one by one: not yet seen on a GPU, so read `device_events_per_step` against `graph_launches_per_step`)
+and reports per row:
 
 - device ms per step: every kernel, memcpy and memset of the window, summed, over the steps (the
   steps are counted in the trace: vLLM's `execute_context_...` annotation of each worker step);
@@ -166,8 +167,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# {doc['name']}", "", f"`{doc['command']}`", "",
              f"Machine: {m.get('gpu') or m.get('cpu')}; commit {m.get('git_commit')}; {m.get('date')}; "
              f"vllm {m.get('vllm')}, torch {m.get('torch')}", "",
-             "Device time per engine step over the profiled window (vLLM's torch profiler; kernels inside CUDA "
-             "graphs counted one by one). Busy = device time / the window's span: below 1 the GPU waited.", ""]
+             "Device time per engine step over the profiled window (vLLM's torch profiler). Busy = device time / "
+             "the window's span: below 1 the GPU waited.", ""]
     cats = sorted({c for r in doc["rows"].values() for c in r.get("by_category_ms", {})})
     head = ["row", "steps", "device ms/step", "span ms/step", "busy", "device events/step", "graph launches/step",
             *cats]

@@ -52,6 +52,8 @@ VLLM_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
 
 STEP_ANNOTATION = "execute_context"
 """vLLM's annotation of one worker step (`execute_context_<n>(<tokens>)_generation_<n>(<tokens>)`)."""
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+"""Runtime and driver calls that launch one kernel outside a graph."""
 COPY = "memcpy / memset"
 OTHER = "other"
 RANK_SUFFIX = re.compile(r"(.+?)_(?:(?:dp|pp|tp|dcp|ep)\d+_)*rank\d+\.")
@@ -114,7 +116,7 @@ def summarize(events: Iterable[dict[str, Any]], steps: int | None, proxima: dict
     runtime: dict[str, int] = defaultdict(int)
     for e in events:
         cat = e.get("cat")
-        if cat == "cuda_runtime" or cat == "cuda_driver":
+        if cat in ("cuda_runtime", "cuda_driver"):
             runtime[str(e.get("name"))] += 1
         if cat not in DEVICE_CATS or e.get("ph") != "X":
             continue
@@ -132,8 +134,7 @@ def summarize(events: Iterable[dict[str, Any]], steps: int | None, proxima: dict
         return {"steps": steps, "steps_counted": bool(counted), "device_events": 0,
                 "note": "no device events in the trace (a CPU run, or the window fell after the run's end)"}
     span = end - start
-    launches = sum(n for k, n in runtime.items() if k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                                          "cudaLaunchKernelExC"))
+    launches = sum(runtime.get(k, 0) for k in LAUNCH_CALLS)
     ms = 1000.0 * steps  # microseconds over the window -> milliseconds per step
     return {
         "steps": steps,

@@ -31,9 +31,14 @@ bit-identical to vanilla vLLM in the same batch: a sub-batch would change the pa
 choice (2D or 3D split by batch size) and so its summation order. When no row is compressed,
 `build` returns the parent's metadata object and `forward` is the parent's.
 
-Limits: no full CUDA graphs (the row split is host work per step: `_cudagraph_support = NEVER`,
-vLLM falls back to piecewise graphs, where attention runs eagerly); compressed rows support
-neither ALiBi, sliding windows, soft-capping, sinks nor an fp8 KV cache (they raise).
+Uniform single-token decode batches take another path on CUDA (`PROXIMA_ONE_PASS_DECODE`, on by
+default there): one `mixed_decode` launch per layer serves every row from the device block table,
+nothing is planned on the host, and the builder declares graph support for those batches
+(`get_cudagraph_support`), so decode steps replay from vLLM's full CUDA graphs. Mixed and prefill
+batches keep the split path above, eager (vLLM's piecewise graphs).
+
+Limits: compressed rows support neither ALiBi, sliding windows, soft-capping, sinks nor an fp8 KV
+cache (they raise).
 """
 
 from __future__ import annotations

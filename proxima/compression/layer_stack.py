@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proxima.compression.blocks import CompressedBlocks
-from proxima.compression.side_arena import SideArena
+from proxima.compression.side_arena import SideArena, field_views
 from proxima.compression.spec import SlotSpec
 
 
@@ -62,6 +62,11 @@ class SlotPool:
     v_all: torch.Tensor | None = None
     k_layers: list[torch.Tensor] = field(default_factory=list)
     v_layers: list[torch.Tensor] = field(default_factory=list)
+    slots_all: torch.Tensor | None = None
+    """[L, n * r, 2 * C * H * P] uint8: each slot's keys then values, one row per slot (a view,
+    with `k_all`): a gather of slots reads both in one op."""
+    arena: SideArena | None = None
+    """The side arena `meta` lives in (a gather of slots reads every field in one op)."""
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of stack row i: [n * r, C, H, P] uint8 each."""
@@ -176,6 +181,7 @@ class LayerStack:
         if self.kv is not None:
             raw_all = self.kv.view(torch.uint8).view(len(self), n * r, 2, c, h, -1)
             p.k_all, p.v_all = raw_all[:, :, 0], raw_all[:, :, 1]
+            p.slots_all = raw_all.flatten(2)
         for t in self.layers if self.kv is None else ():
             raw = t.view(torch.uint8).view(n * r, 2, c, h, -1)
             p.k_layers.append(raw[:, 0])
@@ -185,7 +191,7 @@ class LayerStack:
             if arena is None or spec not in arena.specs:  # not reserved, or reserved as another spec
                 arena = self.arenas[key] = SideArena.allocate((spec,), len(self), n, first.device)
                 self.meta_bytes += arena.nbytes
-            p.meta = arena.views(spec)
+            p.meta, p.arena = arena.views(spec), arena
         self.pools[key] = p
         return p
 
@@ -199,9 +205,11 @@ class LayerStack:
             sel = t.index_select(1, idx) if rows is None else t[rows.view(-1, 1), idx.view(1, -1)]
             return sel.flatten(0, 1)
 
-        meta = {name: take(t) for name, t in p.meta.items()}
-        if p.k_all is not None and p.v_all is not None:
-            return take(p.k_all), take(p.v_all), meta
+        # Every field at once: the slots' side-table regions in one gather, then views.
+        meta = field_views(take(p.arena.regions(p.spec)), p.spec) if p.arena is not None else {}
+        if p.slots_all is not None and p.k_all is not None:
+            kv = take(p.slots_all).view(-1, 2, *p.k_all.shape[2:])  # keys and values in one gather
+            return kv[:, 0], kv[:, 1], meta
         k = torch.cat([p.k_layers[i].index_select(0, idx) for i in layers])
         v = torch.cat([p.v_layers[i].index_select(0, idx) for i in layers])
         return k, v, meta

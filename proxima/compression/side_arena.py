@@ -87,23 +87,41 @@ class SideArena:
 
     def views(self, spec: SlotSpec) -> dict[str, torch.Tensor]:
         """`spec`'s side tables as views of the buffer: name -> [L, N * r, C_f, H, ...]."""
+        layers, n, _m = self.buffer.shape
+        r = spec.fmt.pack_ratio
+        return {name: t.unflatten(0, (layers, n * r)) for name, t in
+                field_views(self.regions(spec).flatten(0, 1), spec).items()}
+
+    def regions(self, spec: SlotSpec) -> torch.Tensor:
+        """`spec`'s slot regions: uint8 [L, N * r, M / r] (a view). Gathering slots' rows of it
+        is one op for every field of those slots (`field_views` then reads the fields)."""
         if spec not in self.specs:
             raise KeyError(f"{spec.fmt} is not laid out in this side arena")
         layers, n, m = self.buffer.shape
-        r, h = spec.fmt.pack_ratio, spec.num_kv_heads
-        offsets, _size = field_offsets(spec)
-        out: dict[str, torch.Tensor] = {}
-        for f in spec.meta_fields():
-            dtype = META_DTYPES[f.dtype]
-            e = f.itemsize
-            shape = (f.shape[0], h, *f.shape[1:])  # CompressedBlocks puts heads second
-            inner = [1] * len(shape)
-            for i in range(len(shape) - 2, -1, -1):
-                inner[i] = inner[i + 1] * shape[i + 1]
-            typed = self.buffer.view(dtype)  # [L, N, M / e]: M is a multiple of ALIGN
-            out[f.name] = typed.as_strided(
-                (layers, n * r, *shape), (n * m // e, m // r // e, *inner), offsets[f.name] // e)
-        return out
+        r = spec.fmt.pack_ratio
+        return self.buffer.view(layers, n * r, m // r)
 
 
-__all__ = ["ALIGN", "META_DTYPES", "SideArena", "block_bytes", "field_offsets"]
+def field_views(regions: torch.Tensor, spec: SlotSpec) -> dict[str, torch.Tensor]:
+    """The fields of slot regions uint8 [S, R] (rows of `SideArena.regions`, or a gather of them,
+    whose rows are contiguous): name -> [S, C_f, H, ...] views with slot stride R."""
+    s = regions.shape[0]
+    h = spec.num_kv_heads
+    offsets, _size = field_offsets(spec)
+    out: dict[str, torch.Tensor] = {}
+    for f in spec.meta_fields():
+        dtype = META_DTYPES[f.dtype]
+        e = f.itemsize
+        shape = (f.shape[0], h, *f.shape[1:])  # CompressedBlocks puts heads second
+        inner = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * shape[i + 1]
+        if regions.stride(1) != 1 or regions.stride(0) % e or regions.storage_offset() % e:
+            raise ValueError(f"slot regions must have contiguous rows aligned to {e} bytes")
+        typed = regions.view(dtype)  # [S, R / e]: R is a multiple of ALIGN
+        out[f.name] = typed.as_strided((s, *shape), (regions.stride(0) // e, *inner),
+                                       typed.storage_offset() + offsets[f.name] // e)
+    return out
+
+
+__all__ = ["ALIGN", "META_DTYPES", "SideArena", "block_bytes", "field_offsets", "field_views"]

@@ -1,14 +1,14 @@
 """The compression-time probe, in the worker: measure a block's attention error before it commits.
 
-Before a batch of compressions is written, each block's chosen format is tried in the observed
-layer (`WorkerStore.observe_layer`, the one whose queries the importance observation already
-reads): the block is compressed there, and the attention output of the request's most recent
-queries over the compressed block is compared with their output over the block as it is now
-(`compression.attention_errors`: bf16 sources are still in the cache, they are freed only after the
-commit). A block whose error is over the policy's bound (`probes.compression.max_error`) is not
-compressed: the report names the next milder format of the policy's ladders (the scheduler plans
-the block into it at a later step, since a milder format needs another destination, and it is
-measured then, as any block is) or, with none left, says the block stays hot.
+When a batch of compressions has been written, each block is measured in the observed layer
+(`WorkerStore.observe_layer`, the one whose queries the importance observation already reads):
+the attention output of the request's most recent queries over the block as written (its
+destination slot, read back as stored) is compared with their output over the block as it is
+until the commit (`compression.attention_errors`: sources are freed only after the commit). A
+block whose error is over the policy's bound (`probes.compression.max_error`) is not installed:
+the report names the next milder format of the policy's ladders (the scheduler plans the block
+into it at a later step, since a milder format needs another destination, and it is measured
+then, as any block is) or, with none left, says the block stays hot.
 
 Only the chosen format is measured (2026-12-07): measuring each milder candidate in the same pass
 (so that a refusal could name the first one within the bound at once) cost up to 3 more
@@ -24,8 +24,8 @@ verdict is read (`WorkerStore.settle_probes`: at the end of the step if the copy
 else at the next). Until then attention reads the source, which the scheduler keeps until the
 report, so a refused block simply stays where it was.
 
-One layer of L is measured (about 1/L of the compression's own cost, plus a softmax over W
-queries by one block). Blocks of a request with no recent query (not observed yet) are not
+One layer of L is measured (a gather of the sources and of the written slots, and a softmax over
+W queries by one block). Blocks of a request with no recent query (not observed yet) are not
 written this step: they are reported refused in their own format (the scheduler plans them again,
 by when their request's queries have been seen), so no block is written unmeasured.
 """
@@ -67,8 +67,7 @@ class ProbedStore(Protocol):
 
     def layer_format(self, layer: str, fmt: Format) -> Format: ...
 
-    def compress_read(self, src_l: Format, dst_l: Format, k: torch.Tensor, v: torch.Tensor,
-                      counts: torch.Tensor | None, acts: list[CompressAction]) -> CompressedBlocks: ...
+    def written(self, layer: str, fmt_l: Format, slot_rows: torch.Tensor) -> CompressedBlocks: ...
 
 
 class RecentQueries:
@@ -163,29 +162,41 @@ class ProbeBatch:
         return out
 
 
-def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequence[CompressAction],
-                  cfg: CompressionProbe, table: torch.Tensor | None = None
-                  ) -> tuple[ProbeOutcome, ProbeBatch | None]:
-    """Measure the batch's blocks in the observed layer, without reading anything back.
+def split_measurable(store: ProbedStore, fmt: Format, acts: Sequence[CompressAction], cfg: CompressionProbe
+                     ) -> tuple[list[CompressAction], ProbeOutcome | None]:
+    """Before a group is written: the actions to write now, and the verdicts known already (None:
+    the probe is off or has no observed layer, so every written block is accepted at once).
+    Blocks of a request with no recent query are not measurable yet: they are reported refused in
+    their own format (planned again at a later step), so no block is written unmeasured."""
+    if not cfg.enabled or store.observe_layer is None:
+        return list(acts), None
+    queries = store.recent_queries
+    if queries.scale is None:
+        return [], ProbeOutcome(rejected={a.action_id: fmt for a in acts})
+    write = [a for a in acts if queries.get(a.req_id) is not None]
+    return write, ProbeOutcome(rejected={a.action_id: fmt for a in acts if queries.get(a.req_id) is None})
 
-    Returns the verdicts known now (blocks not measurable yet: deferred; or every block accepted
-    when there is nothing to measure with) and the measured blocks' `ProbeBatch`, or None.
-    `table`: the actions' rows of the step's action table (`WorkerStore._step_tables`), read
-    instead of building indices again when every block is measurable."""
+
+def measure_written(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Sequence[CompressAction],
+                    cfg: CompressionProbe, table: torch.Tensor) -> ProbeBatch:
+    """After a group is written: each block's attention error in the observed layer, the block
+    as the step wrote it (its destination slot, read back as stored) against the block as it is
+    until the commit (its source, which the scheduler keeps until the report), without reading
+    anything back to the host. `acts`: the written actions, every one measurable
+    (`split_measurable`); `table`: their rows of the step's action table (`WorkerStore._step_tables`).
+
+    Measuring the written slot, not a second compression of the observed layer (until
+    2026-12-08): the probe checks what attention will read, whichever kernel wrote it (the step
+    kernels, the fused write-once path, the batch path), and skips the second compression's
+    kernels and its importance upload."""
     layer = store.observe_layer
     queries = store.recent_queries
-    measurable = [a for a in acts if queries.get(a.req_id) is not None]
-    unmeasured = [a for a in acts if queries.get(a.req_id) is None]
-    if not cfg.enabled or layer is None:
-        return ProbeOutcome(accepted=list(acts)), None
-    # Not measurable yet: "refused in its own format", i.e. planned again at a later step.
-    deferred = ProbeOutcome(rejected={a.action_id: fmt for a in unmeasured})
-    if not measurable or queries.scale is None:
-        return ProbeOutcome(rejected={a.action_id: fmt for a in acts}), None
+    assert layer is not None and queries.scale is not None, "split_measurable lets no block through then"
     kv = store.kv_caches[layer]
-    rows = table if table is not None and len(measurable) == len(acts) else None
-    k, v, counts = store.read_current(layer, from_fmt, measurable, rows)  # [N, T, H, D], log-counts or None
-    qs = [q for a in measurable if (q := queries.get(a.req_id)) is not None]
+    k, v, counts = store.read_current(layer, from_fmt, list(acts), table)  # [N, T, H, D], log-counts or None
+    qs = [q for a in acts if (q := queries.get(a.req_id)) is not None]
+    if len(qs) != len(acts):
+        raise RuntimeError(f"proxima: {len(acts) - len(qs)} written blocks have no recent queries to measure with")
     w = max(len(q) for q in qs)
     valid: torch.Tensor | None = None
     if all(len(q) == w for q in qs) and all(q.device == kv.device for q in qs):
@@ -201,8 +212,8 @@ def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Seque
     milder = milder_formats(store.policy, fmt, from_fmt)
     if not from_fmt.is_hot:  # a recompression: only formats this block can still move into
         milder = [f for f in milder if recompressible(src_l, store.layer_format(layer, store.formats.current(f)))]
-    f_l = store.layer_format(layer, store.formats.current(fmt))
-    cb = store.compress_read(src_l, f_l, k, v, counts, measurable)  # what the executor writes
+    stored = store.formats.current(fmt)
+    cb = store.written(layer, store.layer_format(layer, stored), table[:, 2])
     dev = attention_errors(q_obs, k, v, cb, q_valid=valid, sm_scale=queries.scale, ref_log_count=counts,
                            on_host=False, backend="auto" if k.is_cuda else store.cpu_kernels).float()
     event = None
@@ -212,8 +223,7 @@ def measure_batch(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Seque
         event = torch.cuda.Event()
         event.record()
         dev = host
-    stored = store.formats.current(fmt)
-    return deferred, ProbeBatch(fmt, from_fmt, measurable, milder, dev, cfg, event, stored=stored)
+    return ProbeBatch(fmt, from_fmt, list(acts), milder, dev, cfg, event, stored=stored)
 
 
 def record(report: ProximaReport, fmt: Format, out: ProbeOutcome) -> None:
@@ -233,4 +243,5 @@ def record(report: ProximaReport, fmt: Format, out: ProbeOutcome) -> None:
     report.probe_refused_ids.extend(refused)
 
 
-__all__ = ["ProbeBatch", "ProbeOutcome", "RecentQueries", "measure_batch", "milder_formats", "record"]
+__all__ = ["ProbeBatch", "ProbeOutcome", "RecentQueries", "measure_written", "milder_formats", "record",
+           "split_measurable"]

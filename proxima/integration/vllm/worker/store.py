@@ -33,13 +33,13 @@ from proxima.integration.vllm.worker.debug import SplitErrors, checks_values
 from proxima.integration.vllm.worker.faults import FaultInjector
 from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
 from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout, token_interleaved_layout
-from proxima.integration.vllm.worker.probe import ProbeBatch, RecentQueries, measure_batch, record
+from proxima.integration.vllm.worker.probe import ProbeBatch, RecentQueries, measure_written, record, split_measurable
 from proxima.integration.vllm.worker.ranks import check_remap
 from proxima.integration.vllm.worker.step_counter import StepCounter
 from proxima.integration.vllm.worker.timing import StepTimes
 from proxima.integration.vllm.worker.token_importance import block_mass, fold_observation
 from proxima.observation import observed_layer
-from proxima.policy.schema import Policy, Storage
+from proxima.policy.schema import CompressionProbe, Policy, Storage
 
 logger = logging.getLogger("proxima.vllm")
 
@@ -315,16 +315,20 @@ class WorkerStore:
             pending: ProbeBatch | None = None
             try:
                 planned = acts
-                acts, pending = self._probe(fmt, from_fmt, acts, tables.get((fmt, from_fmt)))
-                t1 = time.perf_counter()
-                self.report.probe_seconds += t1 - t0
-                t0 = t1
+                acts, probing = self._probe_split(fmt, acts)
                 if acts:
                     table = tables[(fmt, from_fmt)]
                     if len(acts) != len(planned):  # some not measurable yet: their rows leave the table
                         kept = {a.action_id for a in acts}
                         table = table[_upload([i for i, a in enumerate(planned) if a.action_id in kept], table.device)]
                     self._compress(fmt, from_fmt, acts, table)
+                    if probing:  # measured as written (`probe.measure_written`), installed with the verdict
+                        t1 = time.perf_counter()
+                        self.report.kernel_seconds += t1 - t0
+                        t0 = t1
+                        pending = measure_written(self, fmt, from_fmt, acts, self._probe_cfg(), table)
+                        self.report.probe_seconds += time.perf_counter() - t0
+                        t0 = time.perf_counter()
             except Exception as e:  # a failure must never fail a request: keep the blocks hot
                 self.report.kernel_seconds += time.perf_counter() - t0
                 self.report.failed.extend(a.action_id for a in acts)
@@ -427,16 +431,21 @@ class WorkerStore:
         hit = self.remap.get(a.req_id, {}).get(a.index)
         return hit[0] if hit is not None else a.from_fmt
 
-    def _probe(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], table: torch.Tensor | None = None
-               ) -> tuple[list[CompressAction], ProbeBatch | None]:
-        """The compression-time probe (`worker/probe.py`): the actions to write now, and their
-        measurement when the probe runs (their verdict is read later, `settle_probes`); blocks
-        not measurable yet go into the report now."""
+    def _probe_cfg(self) -> CompressionProbe:
+        assert self.policy is not None
+        return self.policy.probes.compression
+
+    def _probe_split(self, fmt: Format, acts: list[CompressAction]) -> tuple[list[CompressAction], bool]:
+        """The compression-time probe's first half (`worker/probe.py`): the actions to write now,
+        and whether they are measured once written (else installed at once); blocks not
+        measurable yet go into the report now."""
         if self.policy is None or not self.policy.probes.compression.enabled:
-            return acts, None
-        now, batch = measure_batch(self, fmt, from_fmt, acts, self.policy.probes.compression, table)
+            return acts, False
+        write, now = split_measurable(self, fmt, acts, self._probe_cfg())
+        if now is None:
+            return write, False
         record(self.report, fmt, now)
-        return (batch.acts if batch is not None else now.accepted), batch
+        return write, True
 
     def _step_tables(self, groups: dict[tuple[Format, Format], list[CompressAction]]
                      ) -> dict[tuple[Format, Format], torch.Tensor]:
@@ -482,14 +491,24 @@ class WorkerStore:
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decompress slot rows `idx` (long [A], device) of stored format `fmt` in stack rows
         `rows`, layer-major: k_hat, v_hat [R * A, C, H, D] in the cache dtype and log-counts."""
+        cb = self._gather_slots(rows, fmt, idx)
+        return decompress_blocks(cb, backend=_kernels(cb.k_data, self.cpu_kernels))
+
+    def _gather_slots(self, rows: tuple[int, ...], fmt: Format, idx: torch.Tensor) -> CompressedBlocks:
+        """Slot rows `idx` of stored format `fmt` in stack rows `rows` as stored (codes and side
+        tables), layer-major."""
         sp = self.slot_pool(fmt)
         spec = sp.spec
         kdt, vdt = self.dtypes[fmt]
         k8, v8, meta = self.stack.gather(sp, rows, idx)
-        cb = CompressedBlocks(fmt, k8.view(kdt), v8.view(vdt), head_dim=spec.head_dim,
-                              dtype=self.stack.layers[0].dtype, group_size=spec.group_size,
-                              source_tokens=spec.block_size, **meta)
-        return decompress_blocks(cb, backend=_kernels(k8, self.cpu_kernels))
+        return CompressedBlocks(fmt, k8.view(kdt), v8.view(vdt), head_dim=spec.head_dim,
+                                dtype=self.stack.layers[0].dtype, group_size=spec.group_size,
+                                source_tokens=spec.block_size, **meta)
+
+    def written(self, layer: str, fmt_l: Format, slot_rows: torch.Tensor) -> CompressedBlocks:
+        """Slot rows `slot_rows` (long [N], device: `dst * r + slot`) of stored format `fmt_l` in
+        `layer`, as written (what the compression-time probe measures)."""
+        return self._gather_slots((self.stack.index[layer],), fmt_l, slot_rows)
 
     def compress_read(self, src_l: Format, dst_l: Format, k: torch.Tensor, v: torch.Tensor,
                       counts: torch.Tensor | None, acts: list[CompressAction]) -> CompressedBlocks:

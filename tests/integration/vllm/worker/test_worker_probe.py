@@ -143,6 +143,33 @@ def test_probe_can_leave_a_block_hot_and_reports_merge_across_ranks() -> None:
     assert merged.ok == [1] and merged.rejected == {0: HOT, 2: INT8}
 
 
+def test_the_probe_measures_the_slots_as_written(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The probe reads the observed layer's destination slots back as the step wrote them: a
+    writer that stores wrong codes there is refused, though a fresh compression of the same
+    block would pass (the probe compressed a second time until 2026-12-08, so it checked its own
+    compression, not what attention reads)."""
+    st, _ = _store(_policy())
+    _queries(st, "r")
+    assert st.observe_layer is not None
+    row = st.stack.index[st.observe_layer]
+    compress = WorkerStore._compress
+
+    def scribbling(self, fmt, from_fmt, acts, table):  # type: ignore[no-untyped-def]
+        compress(self, fmt, from_fmt, acts, table)
+        k8, _ = self.slot_pool(self.layer_format(self.observe_layer, fmt)).layer(row)
+        for a in acts:  # the written slot's key codes in the observed layer (the others' stay right)
+            k8[a.dst * fmt.pack_ratio + a.slot].copy_(torch.randint_like(k8[0], 0, 255))
+
+    monkeypatch.setattr(WorkerStore, "_compress", scribbling)
+    st.apply(ProximaPlan(actions=[CompressAction(0, "r", 0, src=1, dst=10, slot=0, fmt=INT8)]))
+    rep = st.take_report()
+    assert rep is not None and rep.rejected == {0: HOT} and rep.ok == [] and "r" not in st.remap
+    monkeypatch.undo()
+    st.apply(ProximaPlan(actions=[CompressAction(1, "r", 0, src=1, dst=11, slot=0, fmt=INT8)]))
+    rep = st.take_report()
+    assert rep is not None and rep.ok == [1] and not rep.rejected  # the same block, written right
+
+
 def test_recent_queries_keep_the_newest_window() -> None:
     st, _ = _store(_policy("importance: {observation_window: 4}\n"))
     a = torch.arange(3 * HQ * D, dtype=torch.float32).view(3, HQ, D)

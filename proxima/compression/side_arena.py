@@ -108,6 +108,9 @@ def field_views(regions: torch.Tensor, spec: SlotSpec) -> dict[str, torch.Tensor
     s = regions.shape[0]
     h = spec.num_kv_heads
     offsets, _size = field_offsets(spec)
+    if regions.stride(1) != 1 or regions.stride(0) % ALIGN or regions.storage_offset() % ALIGN:
+        raise ValueError(f"slot regions must have contiguous rows aligned to {ALIGN} bytes")
+    typed: dict[torch.dtype, torch.Tensor] = {}  # one reinterpretation per element type (host ops count)
     out: dict[str, torch.Tensor] = {}
     for f in spec.meta_fields():
         dtype = META_DTYPES[f.dtype]
@@ -116,11 +119,11 @@ def field_views(regions: torch.Tensor, spec: SlotSpec) -> dict[str, torch.Tensor
         inner = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             inner[i] = inner[i + 1] * shape[i + 1]
-        if regions.stride(1) != 1 or regions.stride(0) % e or regions.storage_offset() % e:
-            raise ValueError(f"slot regions must have contiguous rows aligned to {e} bytes")
-        typed = regions.view(dtype)  # [S, R / e]: R is a multiple of ALIGN
-        out[f.name] = typed.as_strided((s, *shape), (regions.stride(0) // e, *inner),
-                                       typed.storage_offset() + offsets[f.name] // e)
+        t = typed.get(dtype)
+        if t is None:
+            t = typed[dtype] = regions.view(dtype)  # [S, R / e]: R is a multiple of ALIGN
+        out[f.name] = t.as_strided((s, *shape), (regions.stride(0) // e, *inner),
+                                   t.storage_offset() + offsets[f.name] // e)
     return out
 
 

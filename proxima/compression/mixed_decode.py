@@ -318,9 +318,13 @@ COMP_TILE_TOKENS = 128
 """Rows of one compressed tile (`mixed_slots._slot_tile`), in tokens of vLLM's blocks."""
 NUM_WARPS = 4
 """Warps of one program (`num_warps=` overrides, for the benchmark's sweep)."""
-COMPRESSED_READER = "tiles"
+READER_ENV = "PROXIMA_COMPRESSED_READER"
+COMPRESSED_READER = os.environ.get(READER_ENV, "").strip() or "tiles"
 """Who reads fp8 / int8 / int4 / int2 blocks: "tiles" (`mixed_slots._slot_tile`, inside the main
-kernel) or "kernel" (`mixed_comp.py`, a kernel of their own; `compressed_reader=` overrides)."""
+kernel) or "kernel" (`mixed_comp.py`, a kernel of their own; `compressed_reader=` overrides).
+`PROXIMA_COMPRESSED_READER` sets it for a process (the benchmark's engines: the kernel reader is
+not yet timed on a GPU, so "tiles" stays the default); another value fails the first decode
+with the choices named."""
 COMP_WARPS = 4
 """Warps of one program of the compressed kernel (`comp_warps=` overrides)."""
 COMP_STAGES = 3
@@ -409,7 +413,7 @@ def mixed_decode(
     state this kernel starts from: one more launch where the descriptors name any pool."""
     reader = COMPRESSED_READER if compressed_reader is None else compressed_reader
     if reader not in ("tiles", "kernel"):
-        raise ValueError(f"mixed_decode's compressed_reader is 'tiles' or 'kernel', got {reader!r}")
+        raise ValueError(f"mixed_decode's compressed_reader ({READER_ENV}) is 'tiles' or 'kernel', got {reader!r}")
     s, hq, d = q.shape
     _n, h, bs, d2 = kv_cache.shape
     if d2 != 2 * d or hq % h or out.shape != q.shape:

@@ -15,12 +15,15 @@ timeout ${KT:-150} python3 bench/one_pass_decode.py --batch 16 --context 3072 --
   > $OUT/k2.log 2>&1; echo "k2 rc $?"; grep "^| one_pass\b\|^| one_pass |\|^| vllm" $OUT/k2.log | cut -c1-160
 cp bench/results/one-pass-decode-*_readers_* $OUT/ 2>/dev/null
 [ "${ENGINE:-1}" = 1 ] || exit 0
-for reader in tiles kernel; do
+# (the first engine of a lease compiles, about 220 s before its window: CT1; the second CT2)
+ct=${CT1:-270}
+for reader in kernel tiles; do
   rm -rf /tmp/pxr-$reader; mkdir -p /tmp/pxr-$reader
-  PROXIMA_COMPRESSED_READER=$reader timeout ${CT:-190} python3 bench/capacity.py --mode equal-bytes --workload throughput \
-    --reps 1 --rows ${ROWS:-balanced} --budget-s $(( ${CT:-190} - 10 )) --run-s ${RUN_S:-90} \
+  PROXIMA_COMPRESSED_READER=$reader timeout $ct python3 bench/capacity.py --mode equal-bytes --workload throughput \
+    --reps 1 --rows ${ROWS:-balanced} --budget-s $(( ct - 10 )) --run-s ${RUN_S:-90} \
     --out /tmp/pxr-$reader/runs.json --logs /tmp/pxr-$reader/logs > /tmp/pxr-$reader/cap.log 2>&1
   echo "$reader cap rc $?"; grep "^|" /tmp/pxr-$reader/cap.log | tail -2 | cut -c1-400
   cp /tmp/pxr-$reader/runs.json $OUT/runs-$reader.json 2>/dev/null
+  ct=${CT2:-170}
 done
 tar czf $OUT/reader-logs.tgz -C /tmp pxr-tiles pxr-kernel 2>/dev/null

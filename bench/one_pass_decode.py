@@ -113,7 +113,10 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/one_pass_decode.py needs a CUDA GPU")
-    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    try:
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    except ImportError:  # a GPU machine without vLLM: the one-pass rows alone (no `vllm`, no split row)
+        unified_attention = None
 
     from proxima.compression.blocks import CompressedBlocks, compress_blocks
     from proxima.compression.layer_stack import LayerStack
@@ -175,7 +178,7 @@ def main() -> None:
     variants = [("one_pass", None, None, None), ("one_pass, unsplit", 1, None, None)]
     variants += [(f"one_pass, splits={sp or 'auto'} tile_blocks={tb} warps={nw}", sp or None, tb, nw)
                  for sp in a.splits for tb in a.tiles for nw in a.warps]
-    rows = [timed("vllm", "nothing compressed", vllm)]
+    rows = [timed("vllm", "nothing compressed", vllm)] if unified_attention is not None else []
     rows += [timed(name, "nothing compressed", lambda sp=sp, tb=tb, nw=nw: one_pass(empty_desc, sp, tb, nw))
              for name, sp, tb, nw in variants]
     no_lean = "one_pass, without the lean reader"
@@ -245,16 +248,23 @@ def main() -> None:
                     vllm()
                     paged_attention(q, plan, hot, {fmt: pool}, sm_scale=scale)
 
-                rows += [timed(f"one_pass, observed layer [{a.readers[-1]}]", case, observed),
-                         timed("split (eager)", case, split, graph=False)]
+                rows.append(timed(f"one_pass, observed layer [{a.readers[-1]}]", case, observed))
+                if unified_attention is not None:
+                    rows.append(timed("split (eager)", case, split, graph=False))
             table.update([(f"r{r}", j, None) for r in range(bsz) for j in range(info["ncomp"])], [], key_blocks)
     gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     import triton
-    import vllm as _vllm
+
+    try:
+        import vllm as _vllm
+
+        vllm_version = _vllm.__version__
+    except ImportError:
+        vllm_version = None
 
     meta = {"command": " ".join(sys.argv), "commit": commit.strip(), "machine": f"{gpu} {platform.node()}",
-            "versions": {"torch": torch.__version__, "triton": triton.__version__, "vllm": _vllm.__version__},
+            "versions": {"torch": torch.__version__, "triton": triton.__version__, "vllm": vllm_version},
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "shape": {"batch": bsz, "context": ctx, "heads": hq, "kv_heads": h, "head_dim": d, "block": bs},
             "auto_splits": auto_splits(bsz, h, tables.shape[1], dev)}

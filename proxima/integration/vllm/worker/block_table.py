@@ -39,12 +39,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from proxima.compression.mixed_decode_pools import MAX_CODES
 from proxima.formats import Format
-from proxima.integration.vllm.plan import CompressAction
+
+if TYPE_CHECKING:  # (an annotation only: the table imports without vLLM, e.g. bench/one_pass_decode.py)
+    from proxima.integration.vllm.plan import CompressAction
 
 ONE_PASS_ENV = "PROXIMA_ONE_PASS_DECODE"
 """On (the default on CUDA, or `1`): uniform single-token decode batches run `mixed_decode` (one

@@ -212,6 +212,30 @@ def attention_errors(
     then both attentions and the norms in two launches, `kernels/probe_error.py`, instead of
     about 45 torch ops per call; the tests hold the two equal).
     """
+    if cb.num_slots != k.shape[0]:
+        raise ValueError(f"cb holds {cb.num_slots} blocks, k holds {k.shape[0]}")
+    kh, vh, lc = decompress_blocks(cb, backend=backend)  # [N, C, H, D], [N, C, H]
+    return attention_errors_dense(q_obs, k, v, kh, vh, lc, q_valid=q_valid, sm_scale=sm_scale,
+                                  ref_log_count=ref_log_count, on_host=on_host, backend=backend)
+
+
+def attention_errors_dense(
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    log_count: torch.Tensor,
+    *,
+    q_valid: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    ref_log_count: torch.Tensor | None = None,
+    on_host: bool = True,
+    backend: Backend = "torch",
+) -> torch.Tensor:
+    """`attention_errors` with the compressed blocks already decompressed: kh, vh [N, C, H, D]
+    and their log-counts [N, C, H] (0 for a token, -inf for an empty centroid), e.g. read from
+    their slots by the step kernels (the vLLM worker's probe)."""
     if k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"need k, v [N, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     n, _, h, d = k.shape
@@ -219,14 +243,15 @@ def attention_errors(
         q_obs = q_obs.unsqueeze(0).expand(n, *q_obs.shape)
     if q_obs.dim() != 4 or q_obs.shape[0] != n or q_obs.shape[-1] != d:
         raise ValueError(f"need q_obs [W, Hq, D] or [N={n}, W, Hq, D={d}], got {tuple(q_obs.shape)}")
-    if cb.num_slots != n:
-        raise ValueError(f"cb holds {cb.num_slots} blocks, k holds {n}")
+    if kh.dim() != 4 or vh.shape != kh.shape or kh.shape[0] != n or log_count.shape != kh.shape[:3]:
+        raise ValueError(f"need kh, vh [N={n}, C, H, D] and log-counts [N, C, H], got {tuple(kh.shape)}, "
+                         f"{tuple(vh.shape)}, {tuple(log_count.shape)}")
     hq = q_obs.shape[2]
     if hq % h:
         raise ValueError(f"Hq={hq} must be a multiple of H={h}")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     g = hq // h
-    kh, vh, lc = decompress_blocks(cb, backend=backend)  # [N, C, H, D], [N, C, H]
+    lc = log_count
     if use_triton(backend, k):  # the same numbers in two launches (`kernels/probe_error.py`)
         from proxima.compression.kernels.probe_error import probe_errors
 

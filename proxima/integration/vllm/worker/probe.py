@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from proxima.compression.attention import attention_errors
-from proxima.compression.blocks import CompressedBlocks
+from proxima.compression.attention import attention_errors_dense
 from proxima.formats import HOT, Format, recompressible
 from proxima.integration.vllm.plan import ActionId, CompressAction, ProximaReport
 from proxima.policy.probes import choose_within_bound
@@ -67,7 +66,8 @@ class ProbedStore(Protocol):
 
     def layer_format(self, layer: str, fmt: Format) -> Format: ...
 
-    def written(self, layer: str, fmt_l: Format, slot_rows: torch.Tensor) -> CompressedBlocks: ...
+    def written(self, layer: str, fmt_l: Format, table: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class RecentQueries:
@@ -213,9 +213,10 @@ def measure_written(store: ProbedStore, fmt: Format, from_fmt: Format, acts: Seq
     if not from_fmt.is_hot:  # a recompression: only formats this block can still move into
         milder = [f for f in milder if recompressible(src_l, store.layer_format(layer, store.formats.current(f)))]
     stored = store.formats.current(fmt)
-    cb = store.written(layer, store.layer_format(layer, stored), table[:, 2])
-    dev = attention_errors(q_obs, k, v, cb, q_valid=valid, sm_scale=queries.scale, ref_log_count=counts,
-                           on_host=False, backend="auto" if k.is_cuda else store.cpu_kernels).float()
+    kh, vh, lc = store.written(layer, store.layer_format(layer, stored), table)
+    dev = attention_errors_dense(q_obs, k, v, kh, vh, lc, q_valid=valid, sm_scale=queries.scale,
+                                 ref_log_count=counts, on_host=False,
+                                 backend="auto" if k.is_cuda else store.cpu_kernels).float()
     event = None
     if dev.is_cuda:
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)

@@ -71,6 +71,37 @@ def fused(store: StepStore, src: Format, dst: Format) -> bool:
     return dst.reduction is None or not (dst.kept_count(b) == t and t < b)
 
 
+def reads_slots(store: StepStore, fmt: Format) -> bool:
+    """Whether slots of stored format `fmt` are read by the step kernels' dequantize
+    (`dequantize_slots`): the formats, caches and kernels `fused` runs as a group's source."""
+    stack = store.stack
+    if stack.kv is None or not stack.layers or checks_values() or fmt not in store.dtypes:
+        return False
+    kv = stack.layers[0]
+    backend = "auto" if kv.is_cuda else store.cpu_kernels
+    return use_triton(backend, kv) and fmt.quant in STEP_QUANTS and fmt.reduction in (None, "cluster")
+
+
+def dequantize_slots(store: StepStore, fmt: Format, rows: tuple[int, ...], table: torch.Tensor, col: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots named by column `col` (1: the sources, 2: the destinations) of the step table,
+    in stack rows `rows`, read where they live (`reads_slots` said yes), layer-major: k, v
+    [R * A, C, H, D] in the cache dtype and log-counts [R * A, C, H] (0 without counts). One
+    launch, no gather (the compression-time probe reads the written slots and the sources so)."""
+    from proxima.compression.kernels import step
+
+    kv = store.stack.kv
+    assert kv is not None
+    sp = store.slot_pool(fmt)
+    assert sp.k_all is not None and sp.v_all is not None
+    kdt, vdt = store.dtypes[fmt]
+    # The kernel reads column 1 of rows of 3: a view starting at column col - 1 reads column col.
+    k, v, lc = step.dequantize_step(fmt.quant, sp.spec.group_size, table[:, col - 1:], store.stack.rows(rows),
+                                    len(rows), sp.k_all.view(kdt), sp.v_all.view(vdt), sp.meta, sp.spec.head_dim,
+                                    kv.dtype)
+    return k, v, (lc if lc is not None else torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device))
+
+
 def compress_group(store: StepStore, src: Format, dst: Format, rows: tuple[int, ...], acts: list[CompressAction],
                    table: torch.Tensor, upload: Callable[[torch.Tensor, torch.device], torch.Tensor]) -> None:
     """Compress the actions' blocks in stack rows `rows` from stored format `src` into `dst` and

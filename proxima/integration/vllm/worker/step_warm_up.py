@@ -8,12 +8,13 @@ then compiled inside the serving window, and the CUDA-event time of the step's c
 (634 ms a step under aggressive, 19.8 ms under balanced) held the host's compile time, the GPU
 idle meanwhile.
 
-This runs the executor itself (`WorkerStore._compress`, fused or batch path alike) on one dummy
-action per group, (hot -> every stored format), then (every format -> every format it can be
-recompressed into), in that order so that a recompression's source dtypes are known. The dummy
-reads and writes only block 0, vLLM's null block, which vLLM never hands out (so it is never a
-source, a destination, nor a side-table row of a real slot) and which attention reads only
-under a mask. Nothing enters the block map or the report.
+This runs the executor itself (`WorkerStore._compress`, fused or batch path alike, and with the
+probe on its reads of the observed layer: `read_current`, `written`) on one dummy action per
+group, (hot -> every stored format), then (every format -> every format it can be recompressed
+into), in that order so that a recompression's source dtypes are known. The dummy reads and
+writes only block 0, vLLM's null block, which vLLM never hands out (so it is never a source, a
+destination, nor a side-table row of a real slot) and which attention reads only under a mask.
+Nothing enters the block map or the report.
 
 The kernels' variants do not depend on how many actions a step has (`A` is not specialized on,
 nor the step table's alignment: see `kernels/step.py`), so one action compiles what any step
@@ -72,6 +73,11 @@ def warm_up_step_groups(store: WorkerStore) -> list[tuple[Format, Format]]:
                              from_fmt=from_fmt, from_dst=NULL_BLOCK, from_slot=SlotIndex(0))
         try:
             store._compress(fmt, from_fmt, [act], table)
+            if store.probes_compressions and store.observe_layer is not None:
+                # the probe's reads of the observed layer (one layer: other kernel variants)
+                layer = store.observe_layer
+                store.read_current(layer, from_fmt, [act], table)
+                store.written(layer, store.layer_format(layer, store.formats.current(fmt)), table)
         except Exception as e:  # never stop the engine from starting over a warm-up
             logger.warning("proxima: warm-up of %s -> %s failed: %s: %s", from_fmt, fmt, type(e).__name__, e)
             continue

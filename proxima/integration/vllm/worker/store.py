@@ -476,15 +476,20 @@ class WorkerStore:
             out.setdefault(key, []).append(self.stack.index[name])
         return {k: tuple(v) for k, v in out.items()}
 
-    def _read_rows(self, rows: tuple[int, ...], src_l: Format, table: torch.Tensor
+    def _read_rows(self, rows: tuple[int, ...], src_l: Format, table: torch.Tensor, in_place: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The table's blocks in stack rows `rows` as they are now, layer-major: k, v [R * A, T, H, D]
-        and, when the source slots hold reduced tokens, their log-counts [R * A, T, H]; else None."""
+        and, when the source slots hold reduced tokens, their log-counts [R * A, T, H]; else None.
+        `in_place`: source slots read by the step kernels' dequantize where it covers them
+        (`step_groups.dequantize_slots`, the probe's reads; the batch path keeps its gather)."""
         if src_l.is_hot:
             kv = self.stack.layers[rows[0]]
             k, v = self.page_layout(kv).split_pages(self.stack.pages(rows, table[:, 0]))
             return k.contiguous(), v.contiguous(), None
-        k, v, counts = self._decompress_rows(rows, src_l, table[:, 1])
+        if in_place and step_groups.reads_slots(self, src_l):
+            k, v, counts = step_groups.dequantize_slots(self, src_l, rows, table, 1)
+        else:
+            k, v, counts = self._decompress_rows(rows, src_l, table[:, 1])
         return k, v, (counts if src_l.reduction is not None else None)
 
     def _decompress_rows(self, rows: tuple[int, ...], fmt: Format, idx: torch.Tensor
@@ -505,10 +510,16 @@ class WorkerStore:
                                 dtype=self.stack.layers[0].dtype, group_size=spec.group_size,
                                 source_tokens=spec.block_size, **meta)
 
-    def written(self, layer: str, fmt_l: Format, slot_rows: torch.Tensor) -> CompressedBlocks:
-        """Slot rows `slot_rows` (long [N], device: `dst * r + slot`) of stored format `fmt_l` in
-        `layer`, as written (what the compression-time probe measures)."""
-        return self._gather_slots((self.stack.index[layer],), fmt_l, slot_rows)
+    def written(self, layer: str, fmt_l: Format, table: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The destination slots of the step table's rows `table` (column 2, `dst * r + slot`) of
+        stored format `fmt_l` in `layer`, as written and read back: k, v [N, C, H, D] and
+        log-counts [N, C, H] (what the compression-time probe measures). Read in place by the
+        step kernels where they cover the format, else gathered and decompressed."""
+        rows = (self.stack.index[layer],)
+        if step_groups.reads_slots(self, fmt_l):
+            return step_groups.dequantize_slots(self, fmt_l, rows, table, 2)
+        return self._decompress_rows(rows, fmt_l, table[:, 2])
 
     def compress_read(self, src_l: Format, dst_l: Format, k: torch.Tensor, v: torch.Tensor,
                       counts: torch.Tensor | None, acts: list[CompressAction]) -> CompressedBlocks:
@@ -543,7 +554,7 @@ class WorkerStore:
             r_from = from_fmt.pack_ratio
             rows = [[a.src, a.from_dst * r_from + a.from_slot, -1] for a in acts]
             table = _upload(rows, self.kv_caches[layer].device)
-        return self._read_rows((self.stack.index[layer],), self.layer_format(layer, from_fmt), table)
+        return self._read_rows((self.stack.index[layer],), self.layer_format(layer, from_fmt), table, in_place=True)
 
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], table: torch.Tensor) -> None:
         """Compress the actions' blocks in every layer, per (source, target) stored-format group of

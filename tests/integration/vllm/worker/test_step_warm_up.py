@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from bench.step_ops import Shape, stacked_caches, without_probe
+from bench.step_ops import Shape, accepting_probe, stacked_caches, without_probe
 from proxima.formats import HOT, Format
 from proxima.integration.vllm.worker.step_warm_up import NULL_BLOCK, step_groups_of, warm_up_step_groups
 from proxima.integration.vllm.worker.store import WorkerStore
@@ -18,10 +18,10 @@ from proxima.policy.loader import load_policy
 SHAPE = Shape(layers=3, heads=1, block_size=16, head_dim=32, blocks=8)
 
 
-def _store(policy: str, kernels: str) -> WorkerStore:
+def _store(policy: str, kernels: str, probe: bool = False) -> WorkerStore:
     store = WorkerStore()
     store.cpu_kernels = kernels  # type: ignore[assignment]
-    p = without_probe(load_policy(policy))
+    p = accepting_probe(load_policy(policy)) if probe else without_probe(load_policy(policy))
     store.register(stacked_caches(SHAPE, "cpu"), p)
     store.adopt(p, 1)
     for stored in store.stored_formats():  # as the backend's warm-up does: every pool allocated
@@ -72,6 +72,27 @@ def test_the_warm_up_writes_only_the_null_block_and_reports_nothing(kernels: str
     assert changed  # the groups did write (into the null block's slots)
     assert store.remap == {} and store.take_report() is None
     assert {f for f in store.dtypes} >= {d for _s, d in done if _s == HOT}
+
+
+def test_with_the_probe_on_the_warm_up_runs_its_reads_of_the_observed_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The probe reads one layer (the observed one) of the sources and of the written slots: other
+    kernel variants than a group's, compiled before serving too; still only the null block."""
+    store = _store("aggressive", "triton", probe=True)
+    assert store.probes_compressions and store.observe_layer is not None
+    kv_before = {n: t.clone() for n, t in store.kv_caches.items()}
+    seen: list[Format] = []
+    written = WorkerStore.written
+
+    def counting(self, layer, fmt_l, table):  # type: ignore[no-untyped-def]
+        seen.append(fmt_l)
+        return written(self, layer, fmt_l, table)
+
+    monkeypatch.setattr(WorkerStore, "written", counting)
+    done = warm_up_step_groups(store)
+    assert len(done) == 10 and len(seen) == 10
+    for name, kv in store.kv_caches.items():
+        assert _same(kv[NULL_BLOCK + 1:], kv_before[name][NULL_BLOCK + 1:]), name
+    assert store.remap == {} and store.take_report() is None
 
 
 def test_a_step_kernel_compiles_once_for_any_action_count() -> None:

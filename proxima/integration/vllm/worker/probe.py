@@ -4,7 +4,7 @@ When a batch of compressions has been written, each block is measured in the obs
 (`WorkerStore.observe_layer`, the one whose queries the importance observation already reads):
 the attention output of the request's most recent queries over the block as written (its
 destination slot, read back as stored) is compared with their output over the block as it is
-until the commit (`compression.attention_errors`: sources are freed only after the commit). A
+until the commit (`compression.attention_errors_dense`: sources are freed only after the commit). A
 block whose error is over the policy's bound (`probes.compression.max_error`) is not installed:
 the report names the next milder format of the policy's ladders (the scheduler plans the block
 into it at a later step, since a milder format needs another destination, and it is measured
@@ -24,10 +24,11 @@ verdict is read (`WorkerStore.settle_probes`: at the end of the step if the copy
 else at the next). Until then attention reads the source, which the scheduler keeps until the
 report, so a refused block simply stays where it was.
 
-One layer of L is measured (a gather of the sources and of the written slots, and a softmax over
-W queries by one block). Blocks of a request with no recent query (not observed yet) are not
-written this step: they are reported refused in their own format (the scheduler plans them again,
-by when their request's queries have been seen), so no block is written unmeasured.
+One layer of L is measured (its sources and written slots, read in place by the step kernels'
+dequantize where they cover the format, and a softmax over W queries by one block). Blocks of a
+request with no recent query (not observed yet) are not written this step: they are reported
+refused in their own format (the scheduler plans them again, by when their request's queries
+have been seen), so no block is written unmeasured.
 """
 
 from __future__ import annotations

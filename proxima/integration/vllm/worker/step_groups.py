@@ -8,7 +8,7 @@ write-once path of a cold block: one gather of the pages instead of the dequanti
 of centroids four (the same, and the counts' exp in torch: `_row_counts` takes it there, and the
 bits must match). No torch scatter runs around them.
 
-The batch path (`WorkerStore._read_rows` -> `compress_read` -> `LayerStack.write`) stays for
+The batch path (`slot_reads.read_rows` -> `compress_read` -> `LayerStack.write`) stays for
 what these kernels do not cover: the torch reference (CPU serving), caches that do not stack,
 the lean and bf16 formats, sparse reductions, a merge that passes rows through, and value checks
 (`PROXIMA_CHECK_VALUES`). Both write the same bytes (tests/integration/vllm/worker/test_step_ops.py).

@@ -21,13 +21,13 @@ from typing import Literal
 
 import torch
 
-from proxima.compression.blocks import CompressedBlocks, compress_blocks, decompress_blocks
+from proxima.compression.blocks import CompressedBlocks, compress_blocks
 from proxima.compression.layer_stack import LayerSlots, LayerStack, SlotPool
 from proxima.compression.layer_stack import upload as _upload
 from proxima.compression.spec import SlotSpec, check_group_size
 from proxima.formats import HOT, Format, recompressible
 from proxima.integration.vllm.plan import CACHE_8BIT, NO_READER, ActionId, CompressAction, ProximaPlan, ProximaReport
-from proxima.integration.vllm.worker import step_groups
+from proxima.integration.vllm.worker import slot_reads, step_groups
 from proxima.integration.vllm.worker.cache_dtype import compressible
 from proxima.integration.vllm.worker.debug import SplitErrors, checks_values
 from proxima.integration.vllm.worker.faults import FaultInjector
@@ -35,6 +35,7 @@ from proxima.integration.vllm.worker.layer_formats import LayerFormats, plain
 from proxima.integration.vllm.worker.page_layout import PageLayout, probe_layout, token_interleaved_layout
 from proxima.integration.vllm.worker.probe import ProbeBatch, RecentQueries, measure_written, record, split_measurable
 from proxima.integration.vllm.worker.ranks import check_remap
+from proxima.integration.vllm.worker.slot_reads import kernels_for
 from proxima.integration.vllm.worker.step_counter import StepCounter
 from proxima.integration.vllm.worker.timing import StepTimes
 from proxima.integration.vllm.worker.token_importance import block_mass, fold_observation
@@ -65,12 +66,6 @@ def layer_index(name: str, position: int) -> int:
     """vLLM names attention layers like `model.layers.12.self_attn.attn`; else the dict order."""
     m = re.search(r"\.(\d+)\.", name)
     return int(m[1]) if m else position
-
-
-def _kernels(t: torch.Tensor, cpu: Literal["torch", "triton"] = "torch") -> Literal["torch", "triton", "auto"]:
-    """Proxima's Triton kernels on a GPU; on CPU the torch reference (Triton there is the
-    interpreter), unless `cpu` asks for the Triton kernels (`WorkerStore.cpu_kernels`)."""
-    return "auto" if t.is_cuda else cpu
 
 
 class SlotReader:
@@ -476,54 +471,15 @@ class WorkerStore:
             out.setdefault(key, []).append(self.stack.index[name])
         return {k: tuple(v) for k, v in out.items()}
 
-    def _read_rows(self, rows: tuple[int, ...], src_l: Format, table: torch.Tensor, in_place: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The table's blocks in stack rows `rows` as they are now, layer-major: k, v [R * A, T, H, D]
-        and, when the source slots hold reduced tokens, their log-counts [R * A, T, H]; else None.
-        `in_place`: source slots read by the step kernels' dequantize where it covers them
-        (`step_groups.dequantize_slots`, the probe's reads; the batch path keeps its gather)."""
-        if src_l.is_hot:
-            kv = self.stack.layers[rows[0]]
-            k, v = self.page_layout(kv).split_pages(self.stack.pages(rows, table[:, 0]))
-            return k.contiguous(), v.contiguous(), None
-        if in_place and step_groups.reads_slots(self, src_l):
-            k, v, counts = step_groups.dequantize_slots(self, src_l, rows, table, 1)
-        else:
-            k, v, counts = self._decompress_rows(rows, src_l, table[:, 1])
-        return k, v, (counts if src_l.reduction is not None else None)
-
-    def _decompress_rows(self, rows: tuple[int, ...], fmt: Format, idx: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decompress slot rows `idx` (long [A], device) of stored format `fmt` in stack rows
-        `rows`, layer-major: k_hat, v_hat [R * A, C, H, D] in the cache dtype and log-counts."""
-        cb = self._gather_slots(rows, fmt, idx)
-        return decompress_blocks(cb, backend=_kernels(cb.k_data, self.cpu_kernels))
-
-    def _gather_slots(self, rows: tuple[int, ...], fmt: Format, idx: torch.Tensor) -> CompressedBlocks:
-        """Slot rows `idx` of stored format `fmt` in stack rows `rows` as stored (codes and side
-        tables), layer-major."""
-        sp = self.slot_pool(fmt)
-        spec = sp.spec
-        kdt, vdt = self.dtypes[fmt]
-        k8, v8, meta = self.stack.gather(sp, rows, idx)
-        return CompressedBlocks(fmt, k8.view(kdt), v8.view(vdt), head_dim=spec.head_dim,
-                                dtype=self.stack.layers[0].dtype, group_size=spec.group_size,
-                                source_tokens=spec.block_size, **meta)
-
     def written(self, layer: str, fmt_l: Format, table: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The destination slots of the step table's rows `table` (column 2, `dst * r + slot`) of
-        stored format `fmt_l` in `layer`, as written and read back: k, v [N, C, H, D] and
-        log-counts [N, C, H] (what the compression-time probe measures). Read in place by the
-        step kernels where they cover the format, else gathered and decompressed."""
-        rows = (self.stack.index[layer],)
-        if step_groups.reads_slots(self, fmt_l):
-            return step_groups.dequantize_slots(self, fmt_l, rows, table, 2)
-        return self._decompress_rows(rows, fmt_l, table[:, 2])
+        """The slots the step table's rows wrote in `layer` (stored format `fmt_l`), read back:
+        what the compression-time probe measures (`slot_reads.written`)."""
+        return slot_reads.written(self, self.stack.index[layer], fmt_l, table)
 
     def compress_read(self, src_l: Format, dst_l: Format, k: torch.Tensor, v: torch.Tensor,
                       counts: torch.Tensor | None, acts: list[CompressAction]) -> CompressedBlocks:
-        """Compress blocks as `_read_rows` / `read_current` returned them (the actions' blocks in
+        """Compress blocks as `slot_reads.read_rows` / `read_current` returned them (the actions' blocks in
         one or more layers, layer-major) from stored format `src_l` into `dst_l`: the one compress
         call of the executor and the probe."""
         b = self.stack.layers[0].shape[2]
@@ -538,7 +494,7 @@ class WorkerStore:
         merged = src_l.reduction == "cluster"
         prot = self.policy.protect if self.policy is not None else None
         return compress_blocks(dst_l, k, v, token_importance=imp, group_size=self.group_for(dst_l),
-                               backend=_kernels(k, self.cpu_kernels), log_count=counts if merged else None,
+                               backend=kernels_for(k, self.cpu_kernels), log_count=counts if merged else None,
                                source_tokens=b,
                                check_values=checks_values(), rows_merged=merged if counts is not None else None,
                                pinned_tokens=prot.merged_tokens if prot is not None else 0,
@@ -554,7 +510,8 @@ class WorkerStore:
             r_from = from_fmt.pack_ratio
             rows = [[a.src, a.from_dst * r_from + a.from_slot, -1] for a in acts]
             table = _upload(rows, self.kv_caches[layer].device)
-        return self._read_rows((self.stack.index[layer],), self.layer_format(layer, from_fmt), table, in_place=True)
+        return slot_reads.read_rows(self, (self.stack.index[layer],), self.layer_format(layer, from_fmt), table,
+                                    in_place=True)
 
     def _compress(self, fmt: Format, from_fmt: Format, acts: list[CompressAction], table: torch.Tensor) -> None:
         """Compress the actions' blocks in every layer, per (source, target) stored-format group of
@@ -570,7 +527,7 @@ class WorkerStore:
             if step_groups.fused(self, src_l, dst_l):
                 step_groups.compress_group(self, src_l, dst_l, rows, acts, table, _upload)
                 continue
-            k, v, counts = self._read_rows(rows, src_l, table)  # [R * A, T, H, D]
+            k, v, counts = slot_reads.read_rows(self, rows, src_l, table)  # [R * A, T, H, D]
             staged.append((rows, self.slot_pool(dst_l), self.compress_read(src_l, dst_l, k, v, counts, acts)))
         # Batch writes after every group compressed (step kernels write slots no block points at yet).
         idx = table[:, 2]
@@ -627,4 +584,4 @@ class WorkerStore:
         `fmt` is the format the scheduler chose; this layer's substitute (if any) is read."""
         fmt = self.layer_format(layer, fmt)
         idx = (dst * fmt.pack_ratio + slot).to(self.kv_caches[layer].device)
-        return self._decompress_rows((self.stack.index[layer],), fmt, idx)
+        return slot_reads.decompress_rows(self, (self.stack.index[layer],), fmt, idx)

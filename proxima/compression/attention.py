@@ -251,11 +251,11 @@ def attention_errors_dense(
         raise ValueError(f"Hq={hq} must be a multiple of H={h}")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     g = hq // h
-    lc = log_count
     if use_triton(backend, k):  # the same numbers in two launches (`kernels/probe_error.py`)
         from proxima.compression.kernels.probe_error import probe_errors
 
-        out = probe_errors(q_obs, k, v, kh, vh, lc, scale=scale, q_valid=q_valid, ref_log_count=ref_log_count)
+        out = probe_errors(q_obs, k, v, kh, vh, log_count, scale=scale, q_valid=q_valid,
+                           ref_log_count=ref_log_count)
         return out.cpu() if on_host else out
     qf = q_obs.float()
 
@@ -268,7 +268,7 @@ def attention_errors_dense(
         return torch.einsum("nwht,nthd->nwhd", torch.softmax(logits, -1), vq)
 
     o = attend(k, v, ref_log_count)
-    o_hat = attend(kh, vh, lc)
+    o_hat = attend(kh, vh, log_count)
     diff = o_hat - o
     if q_valid is not None:
         keep = q_valid.to(o.device).view(n, -1, 1, 1).float()

@@ -33,9 +33,7 @@ def read_rows(store: StepStore, rows: tuple[int, ...], src_l: Format, table: tor
     [R * A, T, H]; else None. `in_place`: source slots read by the step kernels' dequantize where
     it covers them (the probe's reads; the batch path keeps its gather)."""
     if src_l.is_hot:
-        kv = store.stack.layers[rows[0]]
-        k, v = store.page_layout(kv).split_pages(store.stack.pages(rows, table[:, 0]))
-        return k.contiguous(), v.contiguous(), None
+        return *step_groups.hot_pages(store, rows, table), None
     if in_place and step_groups.reads_slots(store, src_l):
         k, v, counts = step_groups.dequantize_slots(store, src_l, rows, table, 1)
     else:
@@ -61,9 +59,10 @@ def written(store: StepStore, row: int, fmt_l: Format, table: torch.Tensor
     """The destination slots of the step table's rows `table` (column 2, `dst * r + slot`) of
     stored format `fmt_l` in stack row `row`, as written: k, v [N, C, H, D] and log-counts
     [N, C, H] (what the compression-time probe measures)."""
-    if step_groups.reads_slots(store, fmt_l):
-        return step_groups.dequantize_slots(store, fmt_l, (row,), table, 2)
-    return decompress_rows(store, (row,), fmt_l, table[:, 2])
+    if not step_groups.reads_slots(store, fmt_l):
+        return decompress_rows(store, (row,), fmt_l, table[:, 2])
+    k, v, lc = step_groups.dequantize_slots(store, fmt_l, (row,), table, 2)
+    return k, v, (lc if lc is not None else torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device))
 
 
 __all__ = ["decompress_rows", "kernels_for", "read_rows", "written"]

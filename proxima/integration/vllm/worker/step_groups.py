@@ -50,22 +50,30 @@ STEP_QUANTS = ("fp8", "int8", "int4", "int2")
 """As `compression.kernels.step.STEP_QUANTS` (not imported here: that imports triton)."""
 
 
-def fused(store: StepStore, src: Format, dst: Format) -> bool:
-    """Whether the step kernels run this group (stored formats, after `layer_overrides`)."""
+def _step_kernels_run(store: StepStore) -> bool:
+    """Whether the step kernels run at all here: a stacked cache, Triton (compiled on a GPU, or
+    the interpreter asked for on CPU), and no value checks (`PROXIMA_CHECK_VALUES`)."""
     stack = store.stack
     if stack.kv is None or not stack.layers or checks_values():
         return False
     kv = stack.layers[0]
-    backend = "auto" if kv.is_cuda else store.cpu_kernels
-    if not use_triton(backend, kv) or dst.quant not in STEP_QUANTS or dst.reduction not in (None, "cluster"):
+    return use_triton("auto" if kv.is_cuda else store.cpu_kernels, kv)
+
+
+def _step_format(fmt: Format) -> bool:
+    """Whether the step kernels read and write this stored format's slots."""
+    return fmt.quant in STEP_QUANTS and fmt.reduction in (None, "cluster")
+
+
+def fused(store: StepStore, src: Format, dst: Format) -> bool:
+    """Whether the step kernels run this group (stored formats, after `layer_overrides`)."""
+    if not _step_kernels_run(store) or not _step_format(dst):
         return False
     if src.is_hot:
         return True
-    if src.quant not in STEP_QUANTS or src.reduction not in (None, "cluster"):
+    if not _step_format(src) or (src.reduction == "cluster" and dst.reduction != "cluster"):
         return False
-    if src.reduction == "cluster" and dst.reduction != "cluster":
-        return False
-    b = kv.shape[2]
+    b = store.stack.layers[0].shape[2]
     t = src.kept_tokens(b)
     # A merge that keeps every row of a reduced source passes them through (`compress_blocks`).
     return dst.reduction is None or not (dst.kept_count(b) == t and t < b)
@@ -74,20 +82,23 @@ def fused(store: StepStore, src: Format, dst: Format) -> bool:
 def reads_slots(store: StepStore, fmt: Format) -> bool:
     """Whether slots of stored format `fmt` are read by the step kernels' dequantize
     (`dequantize_slots`): the formats, caches and kernels `fused` runs as a group's source."""
+    return fmt in store.dtypes and _step_format(fmt) and _step_kernels_run(store)
+
+
+def hot_pages(store: StepStore, rows: tuple[int, ...], table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step table's source pages (column 0) in stack rows `rows`, layer-major: k, v
+    [R * A, B, H, D], contiguous."""
     stack = store.stack
-    if stack.kv is None or not stack.layers or checks_values() or fmt not in store.dtypes:
-        return False
-    kv = stack.layers[0]
-    backend = "auto" if kv.is_cuda else store.cpu_kernels
-    return use_triton(backend, kv) and fmt.quant in STEP_QUANTS and fmt.reduction in (None, "cluster")
+    k, v = store.page_layout(stack.layers[rows[0]]).split_pages(stack.pages(rows, table[:, 0]))
+    return k.contiguous(), v.contiguous()
 
 
 def dequantize_slots(store: StepStore, fmt: Format, rows: tuple[int, ...], table: torch.Tensor, col: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The slots named by column `col` (1: the sources, 2: the destinations) of the step table,
     in stack rows `rows`, read where they live (`reads_slots` said yes), layer-major: k, v
-    [R * A, C, H, D] in the cache dtype and log-counts [R * A, C, H] (0 without counts). One
-    launch, no gather (the compression-time probe reads the written slots and the sources so)."""
+    [R * A, C, H, D] in the cache dtype and, for slots with counts, their log-counts
+    [R * A, C, H] (else None). One launch, no gather."""
     from proxima.compression.kernels import step
 
     kv = store.stack.kv
@@ -96,10 +107,9 @@ def dequantize_slots(store: StepStore, fmt: Format, rows: tuple[int, ...], table
     assert sp.k_all is not None and sp.v_all is not None
     kdt, vdt = store.dtypes[fmt]
     # The kernel reads column 1 of rows of 3: a view starting at column col - 1 reads column col.
-    k, v, lc = step.dequantize_step(fmt.quant, sp.spec.group_size, table[:, col - 1:], store.stack.rows(rows),
-                                    len(rows), sp.k_all.view(kdt), sp.v_all.view(vdt), sp.meta, sp.spec.head_dim,
-                                    kv.dtype)
-    return k, v, (lc if lc is not None else torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device))
+    cols = table if col == 1 else table[:, col - 1:]
+    return step.dequantize_step(fmt.quant, sp.spec.group_size, cols, store.stack.rows(rows), len(rows),
+                                sp.k_all.view(kdt), sp.v_all.view(vdt), sp.meta, sp.spec.head_dim, kv.dtype)
 
 
 def compress_group(store: StepStore, src: Format, dst: Format, rows: tuple[int, ...], acts: list[CompressAction],
@@ -128,14 +138,9 @@ def compress_group(store: StepStore, src: Format, dst: Format, rows: tuple[int, 
         step.quantize_step(dst.quant, group, table, idx, len(rows), k_dst, v_dst, pool.meta, pages=(kv, kpos, vpos))
         return
     if src.is_hot:  # a first merge from pages: the blocks' tokens as a dequantize would give them
-        k, v = store.page_layout(stack.layers[0]).split_pages(stack.pages(rows, table[:, 0]))
-        k, v = k.contiguous(), v.contiguous()  # [R * A, B, H, D]
+        k, v = hot_pages(store, rows, table)  # [R * A, B, H, D]
     else:
-        sp = store.slot_pool(src)
-        assert sp.k_all is not None and sp.v_all is not None
-        skdt, svdt = store.dtypes[src]
-        k, v, lc = step.dequantize_step(src.quant, sp.spec.group_size, table, idx, len(rows), sp.k_all.view(skdt),
-                                        sp.v_all.view(svdt), sp.meta, spec.head_dim, kv.dtype)
+        k, v, lc = dequantize_slots(store, src, rows, table, 1)
     if dst.reduction == "cluster":
         b = stack.layers[0].shape[2]  # block size (kv is [L, N, H, B, 2D])
         keep = dst.kept_count(b)
